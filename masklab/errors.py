@@ -1,0 +1,15 @@
+"""User-input errors raised by masklab. Every message names the offending row, column, field or value."""
+
+from __future__ import annotations
+
+
+class MaskError(ValueError):
+    """A mask (matrix, schedule, names, sizes) violates a rule of DESIGN.md §2."""
+
+
+class MaskFileError(MaskError):
+    """A mask file cannot be read: missing, truncated, of another format or an unknown version."""
+
+
+class DesignError(ValueError):
+    """The parameters of a requested design are inconsistent (e.g. coverage larger than K)."""

@@ -1,0 +1,58 @@
+"""The ``sdp`` command line: one parser, subcommands contributed by each package.
+
+Each subcommand lives beside the code it drives (``masklab/cli.py`` for ``design``/``inspect``, ...)
+and exposes ``register(subparsers)``, which adds its parser and sets ``func`` to a callable
+``func(args) -> int``. This module only dispatches and turns user-input errors into one clear line
+on stderr and a non-zero exit; it deliberately holds no command logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+# Order is the order shown in --help. Set SDP_DEBUG=1 to see the traceback of a user error.
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "masklab.cli",
+)
+
+EXIT_USAGE = 2
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors that mean "the input is wrong": reported as one line, never as a traceback."""
+    return (ValueError, TypeError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sdp",
+        description="Subnetwork Data Parallelism: design masks, verify them, train with them.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except _user_error_types() as exc:
+        if os.environ.get("SDP_DEBUG"):
+            raise
+        print(f"sdp {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"sdp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
