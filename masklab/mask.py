@@ -266,10 +266,10 @@ def _validated_matrix(matrix: Any) -> np.ndarray:
         if bad.size:
             k, j = (int(x) for x in bad[0])
             raise MaskError(
-                f"mask entry at row {k} (worker {k}), column {j} is {a[k, j]!r}; entries must be 0 or 1"
+                f"mask entry at row {k} (worker {k}), column {j} is {a[k, j].item()!r}; entries must be 0 or 1"
                 + (f" ({len(bad)} such entries)" if len(bad) > 1 else "")
             )
-    return np.ascontiguousarray(a, dtype=np.uint8)
+    return np.array(a, dtype=np.uint8, order="C", copy=True)  # never alias the caller's array
 
 
 def _validated_names(names: Sequence[str] | None, blocks: int) -> tuple[str, ...]:
