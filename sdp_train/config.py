@@ -1,0 +1,133 @@
+"""The training configuration: one keyword-only dataclass, checked on construction.
+
+`TrainConfig` is what ``sdp train`` runs and what every checkpoint and ``summary.json`` records.
+A config file is JSON with the same keys (unknown keys are refused); command-line flags override
+it. Validation happens here, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from sdp_train.errors import ConfigError
+
+MODES = ("ddp", "bsdp", "nsdp", "bbsdp")
+LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron"}
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run."""
+
+    model: str = "llama-debug"
+    """Named model (see ``sdp_train.models``)."""
+    mode: str = "bsdp"
+    """``ddp`` (torch DDP baseline), ``bsdp`` (block, forward masking), ``nsdp`` (neurons,
+    forward masking) or ``bbsdp`` (blocks, backward masking)."""
+    active: float | None = 0.5
+    """Active fraction C for a designed mask; ignored when `mask` is given or mode is ddp."""
+    mask: str | None = None
+    """Path of a mask JSON file (``sdp design --out``); overrides `active`."""
+    construction: str = "auto"
+    """Construction passed to ``masklab.design`` when the mask is designed from `active`."""
+    workers: int = 2
+    """Number of ranks (K). Under torchrun it must equal WORLD_SIZE."""
+    steps: int = 50
+    """Optimizer steps."""
+    batch_size: int = 8
+    """Sequences (or images) per worker per step."""
+    seq_len: int = 64
+    """Tokens per sequence for language models."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` at the end of the cosine decay."""
+    warmup_steps: int = 5
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the norm of the whole averaged gradient (each block counted once); 0 disables."""
+    seed: int = 0
+    """Seed of the model initialization, the data order and the mask design."""
+    data: str = "auto"
+    """``auto`` (stdlib bytes for LMs, digits for images), ``stdlib``, ``digits``,
+    ``bin:DIR`` (uint16 token shards) or ``cifar:DIR`` (CIFAR python batches)."""
+    heterogeneous: bool = False
+    """Give each worker a different part of the data (by file / by class)."""
+    max_data_bytes: int = 2_000_000
+    """Cap on stdlib source bytes read (keeps start-up fast)."""
+    eval_batches: int = 4
+    """Validation batches per rank for the final (and periodic) validation loss."""
+    eval_every: int = 0
+    """Validate every N steps (0: only at the end)."""
+    out: str = "runs/latest"
+    """Output directory (metrics.jsonl, summary.json)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
+        _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches")
+        _non_negative_int(self, "warmup_steps", "eval_every", "seed")
+        if self.active is not None and not (isinstance(self.active, (int, float)) and 0.0 < self.active <= 1.0):
+            raise ConfigError(f"active={self.active!r} must be in (0, 1]")
+        for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a finite number >= 0")
+        if self.lr == 0:
+            raise ConfigError("lr=0 would not train; give a positive learning rate")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be <= 1")
+        if self.mode != "ddp" and self.mask is None and self.active is None:
+            raise ConfigError(f"mode {self.mode!r} needs --active C or --mask FILE")
+        if self.max_data_bytes < 10_000:
+            raise ConfigError(f"max_data_bytes={self.max_data_bytes} must be >= 10000")
+
+    @property
+    def level(self) -> str | None:
+        """Mask level of the mode (``block``/``neuron``), None for DDP."""
+        return LEVEL_OF_MODE.get(self.mode)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON config file into a dict of TrainConfig fields (validated when merged)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist or is not a file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _positive_int(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+
+def _non_negative_int(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name}={value!r} must be an integer >= 0")

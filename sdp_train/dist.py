@@ -1,0 +1,94 @@
+"""Distributed plumbing: the same code runs as one process or under torchrun.
+
+Tiny helpers in the style of nanochat's ``common.py``: `get_dist_info` reads torchrun's
+environment, `init_distributed` creates the default process group (gloo on CPU, nccl on GPU),
+`print0` prints on rank 0, `launch_local` starts N local ranks through torch's elastic launcher
+(`torch.distributed.run`) when ``sdp train --workers N`` is run outside torchrun. This module
+does not decide anything about SDP itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) has set the rendezvous environment."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def get_dist_info() -> DistInfo:
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    if under_torchrun():
+        return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return DistInfo(0, 1, 0)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_dist_info().local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """Create the default process group if launched by torchrun (gloo on CPU, nccl on CUDA)."""
+    if not under_torchrun() or dist.is_initialized():
+        return get_dist_info()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, **kwargs)
+    return get_dist_info()
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs) -> None:
+    if get_dist_info().is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 0) -> int:
+    """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks via torch's elastic launcher."""
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--module",
+            "sdp_train.cli",
+            *module_argv,
+        ]
+    )
+    try:
+        run(args)
+    except Exception as exc:  # ChildFailedError: the rank's own error is already on stderr
+        print(f"sdp: a worker failed: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,188 @@
+"""Maskable blocks of a model: which full-model tensors (or rows/columns of them) each block owns.
+
+A *block* (DESIGN.md §2) is the unit a mask column switches on or off. At block level (B-SDP) it
+is a whole transformer block or identity-shortcut BasicBlock and owns whole tensors; at neuron
+level (N-SDP) it is a group of MLP hidden neurons / inner conv channels and owns index sets along
+one dimension of a few tensors. Everything no block owns is *shared*. The same `SliceSpec` also
+says, for a worker's (sliced) model, where each of its tensors lives inside the full model.
+
+This module only describes structure and deterministic initialisation; building worker models
+from a mask row is `sdp_train.subnet`, moving gradients is the sync engine's job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from sdp_train.errors import ConfigError
+
+LEVELS: tuple[str, ...] = ("block", "neuron")
+
+
+def check_level(level: str) -> None:
+    """Raise `ConfigError` unless ``level`` is ``"block"`` (B-SDP) or ``"neuron"`` (N-SDP)."""
+    if level not in LEVELS:
+        raise ConfigError(f"level must be one of {LEVELS}, got {level!r}")
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """The part of one full-model tensor that a block owns or a worker's tensor holds.
+
+    ``dim is None`` means the whole tensor. Otherwise the part is ``full.index_select(dim, index)``:
+    local position ``i`` along ``dim`` is full position ``index[i]``.
+    """
+
+    dim: int | None = None
+    """Dimension along which the tensor is sliced; None for the whole tensor."""
+    index: tuple[int, ...] = ()
+    """Full-model positions along ``dim``, in local order (strictly increasing)."""
+    full_size: int = 0
+    """Length of the full tensor along ``dim`` (0 for the whole tensor)."""
+
+    def __post_init__(self) -> None:
+        if self.dim is None:
+            if self.index or self.full_size:
+                raise ConfigError(f"a whole-tensor SliceSpec takes no index/full_size, got {self}")
+            return
+        if self.dim < 0:
+            raise ConfigError(f"SliceSpec.dim must be >= 0, got {self.dim}")
+        if any(b <= a for a, b in zip(self.index, self.index[1:])):
+            raise ConfigError(f"SliceSpec.index must be strictly increasing, got {self.index}")
+        if self.index and not (0 <= self.index[0] and self.index[-1] < self.full_size):
+            raise ConfigError(
+                f"SliceSpec.index must lie in [0, {self.full_size}), got {self.index[0]}..{self.index[-1]}"
+            )
+
+    @property
+    def is_whole(self) -> bool:
+        """True when the spec covers the whole tensor."""
+        return self.dim is None
+
+    def full_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the full tensor, given the shape of the local (sliced) one."""
+        shape = list(local_shape)
+        if self.dim is not None:
+            shape[self.dim] = self.full_size
+        return tuple(shape)
+
+    def index_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """``index`` as an int64 tensor (for ``index_select`` / ``index_copy_`` / kernels)."""
+        return torch.tensor(self.index, dtype=torch.int64, device=device)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The local part of ``full`` (a copy when sliced, ``full`` itself when whole)."""
+        if self.dim is None:
+            return full
+        return full.index_select(self.dim, self.index_tensor(full.device))
+
+    def put(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        """Write ``local`` into its place in ``full``, in place."""
+        with torch.no_grad():
+            if self.dim is None:
+                full.copy_(local)
+            else:
+                full.index_copy_(self.dim, self.index_tensor(full.device), local.to(full.device, full.dtype))
+
+
+WHOLE = SliceSpec()
+
+
+@dataclass(frozen=True)
+class Block:
+    """One maskable block: its name (e.g. ``"layers.3"``, ``"layers.3.mlp.g1"``) and owned parts."""
+
+    name: str
+    """Dotted name of the block, a prefix of (or group inside) the module it removes."""
+    tensors: tuple[tuple[str, SliceSpec], ...]
+    """(full-model state-dict name, part owned) pairs."""
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMap:
+    """The maskable blocks of one model at both levels, and the full model's tensor shapes.
+
+    Mask column ``j`` at a level is ``blocks[level][j]``. Tensors include persistent buffers (BN
+    statistics); ``parameter_names`` says which ones are trainable parameters.
+    """
+
+    model: str
+    """Name of the model config the map describes (for error messages)."""
+    shapes: Mapping[str, tuple[int, ...]]
+    """Shape of every full-model state-dict tensor, in state-dict order."""
+    parameter_names: frozenset[str]
+    """The subset of ``shapes`` that are ``nn.Parameter``s."""
+    blocks: Mapping[str, tuple[Block, ...]]
+    """Level (``"block"`` / ``"neuron"``) -> blocks in mask-column order."""
+
+    def num_blocks(self, level: str) -> int:
+        """Number of mask columns B at ``level``."""
+        check_level(level)
+        return len(self.blocks[level])
+
+    def block_names(self, level: str) -> tuple[str, ...]:
+        """Names of the blocks at ``level``, in mask-column order."""
+        check_level(level)
+        return tuple(block.name for block in self.blocks[level])
+
+    def owned(self, level: str, j: int) -> tuple[tuple[str, SliceSpec], ...]:
+        """The (tensor name, part) pairs owned by block ``j`` at ``level``."""
+        check_level(level)
+        blocks = self.blocks[level]
+        if not 0 <= j < len(blocks):
+            raise ConfigError(f"{self.model} has {len(blocks)} blocks at level {level!r}, got index {j}")
+        return blocks[j].tensors
+
+    def shared(self, level: str) -> tuple[str, ...]:
+        """Names of the tensors no block at ``level`` owns any part of (held by every worker)."""
+        check_level(level)
+        owned = {name for block in self.blocks[level] for name, _ in block.tensors}
+        return tuple(name for name in self.shapes if name not in owned)
+
+
+class SubnetModule(Protocol):
+    """A model that knows where its tensors sit in the full model (full models and worker models)."""
+
+    def full_index(self) -> dict[str, SliceSpec]:
+        """State-dict name -> part of the full-model tensor of the same name that it holds."""
+        ...
+
+
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from (seed, tensor name), stable across processes and Python runs.
+
+    Initialising every full-model tensor from its own generator lets a worker initialise only the
+    tensors it holds and still match the full model built from the same seed.
+    """
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+InitTensor = Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor]
+
+
+def init_from_seed(module: nn.Module, seed: int, init_tensor: InitTensor) -> None:
+    """Fill every state-dict tensor of ``module`` with its part of the seeded full-model tensor.
+
+    ``module`` must provide ``full_index()`` (see `SubnetModule`); ``init_tensor(name, full_shape,
+    generator)`` returns the full tensor on CPU. Works on modules created on the meta device and
+    moved with ``to_empty``.
+    """
+    index = module.full_index()  # type: ignore[operator]
+    with torch.no_grad():
+        for name, local in module.state_dict(keep_vars=True).items():
+            spec = index[name]
+            full = init_tensor(name, spec.full_shape(local.shape), tensor_generator(seed, name))
+            local.copy_(spec.take(full))
+
+
+def state_shapes(module: nn.Module) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """(state-dict name -> shape, parameter names) of ``module`` (typically built on meta)."""
+    shapes = {name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items()}
+    return shapes, frozenset(name for name, _ in module.named_parameters())
