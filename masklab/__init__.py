@@ -9,6 +9,7 @@ variance inflation, spectral gap against the trace bound, co-training gap); `des
 best mask for (K, B, C); `save_mask`/`load_mask` read and write versioned JSON.
 """
 
+from masklab.design import design
 from masklab.errors import DesignError, MaskError, MaskFileError
 from masklab.io import load_mask, save_mask
 from masklab.mask import Mask, Schedule
@@ -22,6 +23,7 @@ __all__ = [
     "MaskReport",
     "Schedule",
     "analyze",
+    "design",
     "load_mask",
     "save_mask",
 ]

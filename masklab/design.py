@@ -1,0 +1,228 @@
+"""Pick a mask for (K, B, coverage): an exact 2-design where the library has one, else search.
+
+`design` is the entry point users call. With ``construction="auto"`` it returns an exact balanced
+incomplete block design (projective plane, affine plane or cyclic difference set, or the complement
+of one, in the orientation whose worker pairs are balanced) when one has exactly the requested
+(K, B, c); its spectral gap equals the trace bound, so nothing balanced can beat it. Otherwise it
+runs `masklab.search.search` from the best of the cyclic mask and 20 random balanced masks, and never
+returns anything worse than that start. The constructions themselves live in
+`masklab.constructions`; this module only matches parameters to them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from masklab.analysis import optimality_ratio
+from masklab.constructions import (
+    SeedLike,
+    _check_balanced,
+    _check_sizes,
+    affine_plane,
+    complete,
+    cyclic,
+    difference_set_design,
+    difference_sets,
+    projective_plane,
+    random_balanced,
+)
+from masklab.errors import DesignError
+from masklab.fields import is_prime_power
+from masklab.mask import Mask
+from masklab.search import OPTIMAL_TOLERANCE, search
+
+CONSTRUCTIONS = (
+    "auto",
+    "complete",
+    "cyclic",
+    "random",
+    "projective-plane",
+    "affine-plane",
+    "difference-set",
+    "search",
+)
+EXACT_FAMILIES = ("projective-plane", "affine-plane", "difference-set")  # tried in this order
+
+_REQUIREMENTS = {
+    "projective-plane": "PG(2, q) needs K = B = q^2 + q + 1 for a prime power q, with coverage q + 1 "
+    "(or q^2 for its complement)",
+    "affine-plane": "AG(2, q) needs K = q^2 workers and B = q^2 + q blocks for a prime power q, with "
+    "coverage q (or q^2 - q for its complement); workers = lines is not pair-balanced",
+    "difference-set": "a cyclic difference set needs K = B = v with coverage k (or v - k) for one of "
+    "the library's (v, k, lam) sets (see masklab.constructions.difference_sets)",
+}
+
+
+def list_constructions() -> tuple[str, ...]:
+    """The names `design` accepts for `construction`.
+
+    >>> list_constructions()[:3]
+    ('auto', 'complete', 'cyclic')
+    """
+    return CONSTRUCTIONS
+
+
+def coverage_from_active(K: int, active: float) -> int:
+    """The coverage c for active fraction C: round(C K) (halves round up), clipped to [1, K].
+
+    >>> coverage_from_active(8, 0.5), coverage_from_active(8, 0.01), coverage_from_active(5, 0.5)
+    (4, 1, 3)
+    """
+    _check_sizes(K, 1)
+    if isinstance(active, bool) or not isinstance(active, (int, float, np.integer, np.floating)):
+        raise DesignError(f"active={active!r} must be a number in (0, 1]")
+    if not 0 < active <= 1:
+        raise DesignError(f"active={active} must lie in (0, 1]")
+    return int(min(K, max(1, math.floor(active * K + 0.5))))
+
+
+def design(
+    K: int,
+    B: int,
+    *,
+    active: float | None = None,
+    coverage: int | None = None,
+    construction: str = "auto",
+    seed: SeedLike = None,
+) -> Mask:
+    """A balanced K x B mask with coverage c and, for ``"auto"``, the largest spectral gap found.
+
+    Parameters
+    ----------
+    K, B : int
+        Workers and blocks, both >= 1.
+    active, coverage : float or int
+        Exactly one: the active fraction C in (0, 1], turned into c by `coverage_from_active`, or
+        the number of holders per block c in [1, K]. B * c >= K is required so no worker is empty.
+    construction : str
+        ``"auto"``: an exact 2-design whose (K, B, c) matches (tried in the order of
+        `EXACT_FAMILIES`, complements and either orientation included, accepted only when its
+        optimality ratio is 1 within 1e-9), the complete mask when c = K, else `search` seeded from
+        the cyclic mask and 20 random balanced masks. Any other name of `list_constructions` forces
+        that construction and raises when it does not fit.
+    seed : int, numpy.random.Generator or None
+        Turned once into a generator by ``numpy.random.default_rng`` and handed on.
+
+    Returns
+    -------
+    Mask
+        With ``construction`` set to the name used (``"<family>-complement"`` for a complement).
+
+    Raises
+    ------
+    DesignError
+        On invalid parameters or a forced construction that does not fit them.
+
+    Examples
+    --------
+    >>> design(7, 7, coverage=3).construction
+    'projective-plane'
+    >>> design(9, 12, active=1 / 3).construction
+    'affine-plane'
+    >>> m = design(10, 10, coverage=4, seed=0)
+    >>> m.construction, m.coverage.tolist() == [4] * 10
+    ('search', True)
+    """
+    if construction not in CONSTRUCTIONS:
+        raise DesignError(f"construction={construction!r} is not one of {CONSTRUCTIONS}")
+    _check_sizes(K, B)
+    if (active is None) == (coverage is None):
+        raise DesignError(
+            f"give exactly one of active (C in (0, 1]) and coverage (c in [1, K]); "
+            f"got active={active!r}, coverage={coverage!r}"
+        )
+    c = _check_balanced(K, B, coverage_from_active(K, active) if coverage is None else coverage)
+    rng = np.random.default_rng(seed)
+    if construction == "auto":
+        for family in EXACT_FAMILIES:
+            mask = _exact_design(family, K, B, c)
+            if mask is not None:
+                return mask
+        if c == K:
+            return complete(K, B)
+        return search(K, B, coverage=c, seed=rng)
+    if construction in EXACT_FAMILIES:
+        mask = _exact_design(construction, K, B, c)
+        if mask is None:
+            raise DesignError(f"no {construction} design has K={K}, B={B}, coverage={c}: {_REQUIREMENTS[construction]}")
+        return mask
+    if construction == "complete":
+        if c != K:
+            raise DesignError(f"construction 'complete' gives every block all K={K} workers; got coverage={c}")
+        return complete(K, B)
+    if construction == "cyclic":
+        return cyclic(K, B, coverage=c)
+    if construction == "random":
+        return random_balanced(K, B, coverage=c, seed=rng)
+    return search(K, B, coverage=c, seed=rng)
+
+
+def exact_designs(K_max: int) -> list[tuple[int, int, int, str]]:
+    """Every (K, B, c, construction) with K <= K_max for which `design` returns an exact 2-design.
+
+    One entry per (K, B, c), sorted; the name is the one ``design(K, B, coverage=c)`` reports.
+
+    >>> exact_designs(9)
+    [(4, 6, 2, 'affine-plane'), (7, 7, 3, 'projective-plane'), (7, 7, 4, 'projective-plane-complement'), (9, 12, 3, 'affine-plane'), (9, 12, 6, 'affine-plane-complement')]
+    """
+    _check_sizes(K_max, 1)
+    found: dict[tuple[int, int, int], str] = {}
+
+    def add(k: int, b: int, c: int, name: str) -> None:
+        found.setdefault((k, b, c), name)
+
+    for q in range(2, math.isqrt(K_max) + 1):
+        if is_prime_power(q) and q * q + q + 1 <= K_max:
+            v = q * q + q + 1
+            add(v, v, q + 1, "projective-plane")
+            add(v, v, q * q, "projective-plane-complement")
+    for q in range(2, math.isqrt(K_max) + 1):
+        if is_prime_power(q):
+            add(q * q, q * q + q, q, "affine-plane")
+            add(q * q, q * q + q, q * q - q, "affine-plane-complement")
+    for d in difference_sets(K_max):
+        add(d.v, d.v, d.k, "difference-set")
+        add(d.v, d.v, d.v - d.k, "difference-set-complement")
+    return [(*key, found[key]) for key in sorted(found)]
+
+
+# -- internals ---------------------------------------------------------------------------------
+def _exact_design(family: str, K: int, B: int, c: int) -> Mask | None:
+    """The first mask of `family` (any orientation, or complement) with shape (K, B), coverage c
+    and optimality ratio 1, or None."""
+    for base in _family_bases(family, K, B):
+        for name, matrix in _variants(family, base.matrix):
+            if matrix.shape != (K, B) or np.any(matrix.sum(axis=0) != c) or not matrix.sum(axis=1).all():
+                continue
+            mask = Mask(matrix, construction=name)
+            if optimality_ratio(mask) >= 1 - OPTIMAL_TOLERANCE:
+                return mask
+    return None
+
+
+def _family_bases(family: str, K: int, B: int) -> Iterator[Mask]:
+    """The family's masks with shape (K, B) or (B, K), built only when the sizes fit."""
+    builders: list[Callable[[], Mask]] = []
+    small, large = min(K, B), max(K, B)
+    if family == "projective-plane" and K == B:
+        q = (math.isqrt(4 * K - 3) - 1) // 2
+        if q >= 2 and q * q + q + 1 == K and is_prime_power(q):
+            builders.append(lambda: projective_plane(q))
+    elif family == "affine-plane":
+        q = math.isqrt(small)
+        if q >= 2 and q * q == small and large == q * q + q and is_prime_power(q):
+            builders.append(lambda: affine_plane(q))
+    elif family == "difference-set" and K == B:
+        for d in difference_sets(K, v_min=K):
+            builders.append(lambda d=d: difference_set_design(d.elements, d.v))
+    return (build() for build in builders)
+
+
+def _variants(family: str, matrix: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    complement = (1 - matrix).astype(np.uint8)
+    for name, m in ((family, matrix), (f"{family}-complement", complement)):
+        yield name, m
+        yield name, np.ascontiguousarray(m.T)

@@ -1,0 +1,98 @@
+"""`sdp design` / `sdp inspect`: the JSON output contract, files written, and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from masklab.io import load_mask
+from sdp_train.cli import main
+
+REPORT_KEYS = {
+    "workers", "blocks", "active_fraction", "coverage_min", "coverage_max", "masking_error",
+    "variance_inflation", "spectral_gap", "spectral_gap_bound", "optimality_ratio",
+    "cotraining_gap", "connected", "construction",
+}
+
+
+def _run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_design_json_report_has_the_contract_keys_and_an_exact_plane(capsys):
+    report = _run_json(capsys, ["design", "--workers", "7", "--blocks", "7", "--coverage", "3", "--json"])
+    assert REPORT_KEYS <= set(report)
+    assert report["construction"] == "projective-plane"
+    assert report["optimality_ratio"] == pytest.approx(1.0, abs=1e-9)
+    assert report["coverage_min"] == report["coverage_max"] == 3
+
+
+def test_design_out_then_inspect_gives_the_same_certificate(tmp_path, capsys):
+    out = tmp_path / "mask.json"
+    designed = _run_json(capsys, ["design", "-K", "8", "-B", "16", "--active", "0.5", "--seed", "3",
+                                  "--schedule", "cyclic", "--every", "4", "--out", str(out), "--json"])
+    inspected = _run_json(capsys, ["inspect", str(out), "--json"])
+    assert designed == inspected
+    assert inspected["masking_error"] == 0.0  # cyclic schedule: unbiased on average
+    assert load_mask(out).schedule.every == 4
+
+
+def test_design_plot_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "mask.png"
+    assert main(["design", "-K", "6", "-B", "9", "--coverage", "2", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "spectral gap (gamma)" in text and "optimality ratio" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["design", "-K", "4", "-B", "4", "--active", "0"], "--active 0.0 must be in (0, 1]"),
+        (["design", "-K", "4", "-B", "4", "--active", "1.5"], "--active 1.5 must be in (0, 1]"),
+        (["design", "-K", "0", "-B", "4", "--active", "0.5"], "0"),
+        (["design", "-K", "4", "-B", "4", "--coverage", "5"], "5"),
+        (["design", "-K", "4", "-B", "4", "--coverage", "2", "--construction", "magic"], "magic"),
+        (["design", "-K", "4", "-B", "4", "--coverage", "2", "--every", "0"], "every=0"),
+        (["design", "-K", "4", "-B", "4", "--coverage", "2", "--plot", "x.jpg"], ".png"),
+        (["inspect", "/nonexistent/mask.json"], "no such mask file"),
+    ],
+)
+def test_bad_arguments_exit_non_zero_with_one_clear_line(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"sdp {argv[0]}: error:")
+    assert message in err[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written by a failing run
+
+
+def test_failing_design_does_not_touch_an_existing_out_file(tmp_path, capsys):
+    out = tmp_path / "mask.json"
+    out.write_text("precious")
+    assert main(["design", "-K", "4", "-B", "4", "--coverage", "9", "--out", str(out)]) == 2
+    assert out.read_text() == "precious"
+
+
+def test_argparse_errors_exit_non_zero(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["design", "-K", "four", "-B", "4", "--active", "0.5"])
+    assert exc.value.code != 0
+
+
+def test_console_script_runs_as_a_real_process(tmp_path):
+    out = tmp_path / "m.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdp_train.cli", "design", "-K", "9", "-B", "12", "--coverage", "3",
+         "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["construction"] == "affine-plane"
+    bad = subprocess.run([sys.executable, "-m", "sdp_train.cli", "inspect", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is a directory" in bad.stderr
