@@ -1,0 +1,62 @@
+"""Backend choice: the fused Triton kernels where they can run, the PyTorch reference elsewhere.
+
+``backend="auto"`` picks Triton for CUDA tensors, Triton for CPU tensors when the kernels were
+built under TRITON_INTERPRET=1 (so CPU-only CI exercises the Triton code itself), and the
+reference otherwise (CPU without the interpreter, other devices, no triton installed).
+``"triton"`` and ``"reference"`` force one, and "triton" fails loudly where it cannot run.
+This module imports triton only when Triton is a candidate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+from kernels.errors import BackendUnavailableError, KernelInputError
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def _interpret_requested() -> bool:
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on `device`, or None if they can."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None
+    if device.type != "cpu":
+        return f"the Triton kernels support cuda and cpu (interpreted) tensors, not {device.type}"
+    if not _interpret_requested():
+        return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
+    from kernels import triton_ops
+
+    if not triton_ops.INTERPRETED:
+        return "kernels.triton_ops was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled for the GPU"
+    return None
+
+
+def select_backend(backend: str, device: torch.device) -> ModuleType:
+    """The module (`kernels.reference` or `kernels.triton_ops`) that runs `backend` on `device`.
+
+    Both modules expose `pack`, `unpack` and `overlap_average` with identical signatures.
+    """
+    if backend not in BACKENDS:
+        raise KernelInputError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "reference":
+        return reference
+    reason = _triton_unavailable_reason(device)
+    if reason is None:
+        from kernels import triton_ops
+
+        return triton_ops
+    if backend == "triton":
+        raise BackendUnavailableError(f"backend='triton' cannot run tensors on {device}: {reason}")
+    return reference

@@ -1,0 +1,59 @@
+"""Backend choice, doctests of the public API, and the compiled kernels on a real GPU."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+from kernel_cases import DEVICE, make_tensors
+
+import kernels.layout
+import kernels.ops
+from kernels import BackendUnavailableError, BucketLayout, SegmentSpec, pack, reference, select_backend, triton_ops, unpack
+
+CPU = torch.device("cpu")
+
+
+def test_cpu_without_interpreter_auto_uses_reference_and_triton_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert select_backend("auto", CPU) is reference
+    with pytest.raises(BackendUnavailableError, match=r"backend='triton' cannot run tensors on cpu: Triton runs CPU tensors only under TRITON_INTERPRET=1"):
+        select_backend("triton", CPU)
+
+
+def test_kernels_compiled_for_gpu_are_refused_for_cpu_tensors(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_ops, "INTERPRETED", False)
+    assert select_backend("auto", CPU) is reference
+    with pytest.raises(BackendUnavailableError, match=r"imported before TRITON_INTERPRET=1 was set"):
+        select_backend("triton", CPU)
+
+
+def test_other_devices_fall_back_to_reference_and_refuse_triton():
+    meta = torch.device("meta")
+    assert select_backend("auto", meta) is reference and select_backend("reference", DEVICE) is reference
+    with pytest.raises(BackendUnavailableError, match=r"support cuda and cpu \(interpreted\) tensors, not meta"):
+        select_backend("triton", meta)
+
+
+@pytest.mark.parametrize("module", [kernels.layout, kernels.ops])
+def test_docstring_examples_run(module):
+    assert doctest.testmod(module, raise_on_error=False).failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_runs_compiled_kernels_bit_exact_on_a_llama_sized_bucket():
+    assert select_backend("auto", DEVICE) is triton_ops and not triton_ops.INTERPRETED
+    d, d_ff = 2048, 5632
+    shapes = [(d_ff, d), (d_ff, d), (d, d_ff), (d,)]
+    held = torch.randperm(d_ff, generator=torch.Generator().manual_seed(0))[: d_ff // 2].tolist()
+    specs = [SegmentSpec(0, "rows", held, 2), SegmentSpec(1, "rows", held, 2), SegmentSpec(2, "cols", held, 2), SegmentSpec(3)]
+    layout = BucketLayout(shapes, specs, device=DEVICE)
+    grads = make_tensors(shapes, torch.float32, seed=0)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = pack(grads, layout, scale=layout.inverse_coverage, out_dtype=out_dtype, backend="triton")
+        assert torch.equal(got, pack(grads, layout, scale=layout.inverse_coverage, out_dtype=out_dtype, backend="reference"))
+    back = [torch.zeros_like(g) for g in grads]
+    unpack(pack(grads, layout), back, layout, backend="triton")
+    assert torch.equal(back[0][held], grads[0][held]) and torch.equal(back[2][:, held], grads[2][:, held])
