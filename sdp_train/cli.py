@@ -17,6 +17,8 @@ from collections.abc import Sequence
 # Order is the order shown in --help. Set SDP_DEBUG=1 to see the traceback of a user error.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "masklab.cli",
+    "theory.cli",
+    "sdp_train.train_cli",
 )
 
 EXIT_USAGE = 2

@@ -1,0 +1,72 @@
+"""`sdp verify` (theory.cli) through its own argparse parser."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from masklab.io import save_mask
+from masklab.mask import Mask, Schedule
+from theory import cli
+
+BASE = ["--smoothness", "1", "--sigma", "1", "--zeta", "1", "--eta", "0.5", "--steps", "100",
+        "--suboptimality", "1"]
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["verify", *argv])
+    return args.func(args)
+
+
+@pytest.fixture
+def mask_file(tmp_path):
+    m = np.zeros((8, 4), dtype=np.uint8)
+    for j in range(4):
+        m[[(2 * j + t) % 8 for t in range(4)], j] = 1
+    return str(save_mask(Mask(m, block_sizes=[8] * 4, schedule=Schedule("permute", 1)), tmp_path / "m.json"))
+
+
+def test_verify_json_reports_every_key(mask_file, capsys):
+    assert _run([mask_file, *BASE, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"step_size_ok", "eta_max", "terms", "bound", "ddp_bound", "ratio_to_ddp"} <= set(out)
+    assert set(out["terms"]) == {"optimization", "bias", "variance", "consensus"}
+    assert out["step_size_ok"] and out["eta_max"] == 1.0 and out["terms"]["bias"] == 0.0
+    # variance: L eta (sum_j sigma_j^2/4 + 8 (1/4 - 1/8) zeta^2) = 0.5 * (0.25 + 1)
+    assert out["terms"]["variance"] == pytest.approx(0.625)
+    assert out["ratio_to_ddp"] == pytest.approx(out["bound"] / out["ddp_bound"])
+
+
+def test_verify_simulate_quadratic_holds(mask_file, capsys):
+    assert _run([mask_file, *BASE, "--simulate", "quadratic", "--seeds", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["violated"] is False and out["assumptions_held"] and 0 < out["measured"] < out["bound"]
+
+
+def test_verify_text_reports_failed_step_size(mask_file, capsys):
+    argv = [mask_file, *BASE]
+    argv[argv.index("--eta") + 1] = "2"
+    assert _run(argv) == 0
+    out = capsys.readouterr().out
+    assert "VIOLATES 0 < eta <= 1" in out and "not a proved bound" in out
+
+
+def test_verify_local_steps_need_grad_bound(mask_file):
+    with pytest.raises(ValueError, match="--grad-bound"):
+        _run([mask_file, *BASE, "--local-steps", "2"])
+
+
+def test_verify_local_steps_with_grad_bound(mask_file, capsys):
+    argv = [mask_file, *BASE, "--local-steps", "2", "--grad-bound", "3", "--json"]
+    argv[argv.index("--eta") + 1] = "0.2"
+    argv[argv.index("--steps") + 1] = "50"
+    with pytest.raises(ValueError, match="every=1 must be a multiple of local_steps=2"):
+        _run([*argv, "--simulate", "quadratic"])
+    assert _run(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["terms"]["consensus"] > 0 and out["eta_max"] == 0.25
