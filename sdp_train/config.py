@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ class TrainConfig:
 
     model: str = "llama-debug"
     """Named model (see ``sdp_train.models``)."""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields of the named model config to change, e.g. ``{"width_multiplier": 0.125}``."""
     mode: str = "bsdp"
     """``ddp`` (torch DDP baseline), ``bsdp`` (block, forward masking), ``nsdp`` (neurons,
     forward masking) or ``bbsdp`` (blocks, backward masking)."""
@@ -69,6 +71,8 @@ class TrainConfig:
     """Output directory (metrics.jsonl, summary.json)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_overrides, dict):
+            raise ConfigError(f"model_overrides must be a mapping of config fields, got {self.model_overrides!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches")

@@ -1,0 +1,259 @@
+"""The SDP sync engine: average every held slice among exactly the workers that hold it.
+
+Plan (once per mask, identical on every rank): every parameter slice a worker holds is an *atom*
+(a whole tensor at block level; a set of rows/columns at neuron level); atoms with the same holder
+set form one `BucketPlan`. Buckets are ordered once, globally, by when backward finishes them
+(the latest-in-forward parameter first) and that order is the order of every collective on every
+rank, so collectives on overlapping holder groups can never be issued in different orders
+(NCCL requires it; gloo would deadlock otherwise).
+
+Run (every step): a post-accumulate-grad hook counts each bucket's gradients; when a bucket is
+complete and every bucket before it has been launched, `kernels.pack` scales its slices by
+1/c_j into one flat buffer and one asynchronous ``all_reduce`` among the holders starts, so
+communication overlaps the rest of backward (as in DDP). `SyncEngine.finish` launches what is
+left, waits, and `kernels.unpack` writes the averages back. Buckets held by a single worker need
+no communication. Bytes are counted from the buffers actually passed to collectives.
+
+Not here: building models (`sdp_train.subnet`), the optimizer and the loop (`sdp_train.train`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import kernels
+from sdp_train.errors import ConfigError
+from sdp_train.models.blocks import SliceSpec
+
+
+@dataclass(frozen=True)
+class Atom:
+    """One parameter, or one set of its rows/columns, held by the same workers."""
+
+    name: str
+    dim: int | None
+    index: tuple[int, ...]  # full-model positions along `dim`; () for a whole tensor
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Atoms with one holder set, in buffer order."""
+
+    holders: tuple[int, ...]
+    atoms: tuple[Atom, ...]
+    order_key: tuple[int, tuple[int, ...]]  # (-first parameter position, holders): launch order
+
+
+def plan_buckets(held_by_rank: Sequence[Mapping[str, SliceSpec]], parameter_names: Sequence[str]) -> list[BucketPlan]:
+    """Group every held parameter slice by holder set, in the global launch order.
+
+    Parameters
+    ----------
+    held_by_rank : sequence of mapping
+        For each rank, full-model tensor name -> the part it holds (``subnet.held_tensors``).
+    parameter_names : sequence of str
+        The full model's parameter names in forward (registration) order; buffers are excluded.
+    """
+    position = {name: i for i, name in enumerate(parameter_names)}
+    groups: dict[tuple[int, ...], list[Atom]] = defaultdict(list)
+    for name in parameter_names:
+        specs = {r: held[name] for r, held in enumerate(held_by_rank) if name in held}
+        for holders, atom in _atoms(name, specs):
+            groups[holders].append(atom)
+    plans = [
+        BucketPlan(holders, tuple(atoms), (-min(position[a.name] for a in atoms), holders))
+        for holders, atoms in groups.items()
+    ]
+    # The latest-in-forward parameter gets its gradient first: launch those buckets first.
+    return sorted(plans, key=lambda p: p.order_key)
+
+
+def _atoms(name: str, specs: Mapping[int, SliceSpec]) -> list[tuple[tuple[int, ...], Atom]]:
+    if all(s.is_whole for s in specs.values()):
+        return [(tuple(sorted(specs)), Atom(name, None, ()))]
+    dims = {s.dim for s in specs.values() if not s.is_whole}
+    if len(dims) != 1:
+        raise ConfigError(f"tensor {name!r} is sliced along different dimensions {sorted(dims)} on different ranks")
+    dim = dims.pop()
+    full_size = next(s.full_size for s in specs.values() if not s.is_whole)
+    holders_of: dict[int, list[int]] = defaultdict(list)
+    for r in sorted(specs):
+        index = range(full_size) if specs[r].is_whole else specs[r].index
+        for i in index:
+            holders_of[i].append(r)
+    by_holders: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i in sorted(holders_of):
+        by_holders[tuple(holders_of[i])].append(i)
+    return [(h, Atom(name, dim, tuple(idx))) for h, idx in by_holders.items()]
+
+
+class _Bucket:
+    """This rank's share of one BucketPlan: its parameters, layout, buffer and group."""
+
+    def __init__(self, plan: BucketPlan, params: dict[str, nn.Parameter], local_index: Mapping[str, SliceSpec],
+                 group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.plan = plan
+        self.group = group
+        self.params = [params[a.name] for a in plan.atoms]
+        specs = [kernels.SegmentSpec(i, *_segment(a, local_index[a.name]), coverage=len(plan.holders))
+                 for i, a in enumerate(plan.atoms)]
+        self.layout = kernels.BucketLayout([p.shape for p in self.params], specs, device=device)
+        self.buffer = torch.empty(self.layout.total_numel, dtype=self.params[0].dtype, device=device)
+        self.pending = 0
+        self.work: dist.Work | None = None
+        self.launched = False
+
+    @property
+    def communicates(self) -> bool:
+        return self.group is not None
+
+    def grads(self) -> list[torch.Tensor]:
+        for p in self.params:
+            if p.grad is None:  # a parameter the forward pass did not use: its gradient is zero
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]
+
+
+def _segment(atom: Atom, local: SliceSpec) -> tuple[str, tuple[int, ...]]:
+    if atom.dim is None:
+        return "whole", ()
+    if atom.dim not in (0, 1):
+        raise ConfigError(f"tensor {atom.name!r} is sliced along dim {atom.dim}; the kernels pack rows (0) or columns (1)")
+    position = range(len(local.index)) if local.is_whole else {full: i for i, full in enumerate(local.index)}
+    kind = "rows" if atom.dim == 0 else "cols"
+    return kind, tuple(position[i] for i in atom.index)
+
+
+def create_groups(plans: Sequence[BucketPlan], world_size: int) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """One process group per distinct holder set, created by every rank in one sorted order.
+
+    The world's group serves the complete holder set; single holders need none (None). Uses the
+    default ``dist.new_group`` path: every rank calls it for every set, members or not.
+    """
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for holders in sorted({p.holders for p in plans}):
+        if len(holders) == 1:
+            groups[holders] = None
+        elif len(holders) == world_size:
+            groups[holders] = dist.group.WORLD
+        else:
+            groups[holders] = dist.new_group(ranks=list(holders))
+    return groups
+
+
+class SyncEngine:
+    """Holder-set gradient averaging for one rank's (sub)model, overlapped with backward.
+
+    Parameters
+    ----------
+    model : nn.Module
+        This rank's model; its state-dict names are the full model's.
+    plans : sequence of BucketPlan
+        From `plan_buckets`, identical on every rank.
+    local_index : mapping
+        This rank's ``model.full_index()`` (full-model positions of its local rows/columns).
+    groups : mapping
+        From `create_groups`.
+    rank : int
+    backend : {"auto", "triton", "reference"}
+        Passed to `kernels.pack` / `kernels.unpack`.
+    """
+
+    def __init__(self, model: nn.Module, plans: Sequence[BucketPlan], local_index: Mapping[str, SliceSpec],
+                 groups: Mapping[tuple[int, ...], dist.ProcessGroup | None], rank: int, *, backend: str = "auto") -> None:
+        params = dict(model.named_parameters())
+        device = next(iter(params.values())).device
+        self.rank = rank
+        self.backend = backend
+        self.buckets = [_Bucket(p, params, local_index, groups[p.holders], device) for p in plans if rank in p.holders]
+        self._of_param: dict[nn.Parameter, list[_Bucket]] = defaultdict(list)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._of_param[p].append(bucket)
+        self._next = 0
+        self.comm_bytes = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._of_param]
+        self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending, bucket.work, bucket.launched = len(bucket.params), None, False
+        self._next = 0
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        for bucket in self._of_param[param]:
+            bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        kernels.pack(bucket.grads(), bucket.layout, bucket.buffer, scale=bucket.layout.inverse_coverage,
+                     backend=self.backend)
+        if bucket.communicates:
+            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+            self.comm_bytes += bucket.buffer.numel() * bucket.buffer.element_size()
+        bucket.launched = True
+        self._next += 1
+
+    def finish(self) -> torch.Tensor:
+        """Complete this step's averaging; return this rank's share of the squared gradient norm.
+
+        The share counts each averaged slice on exactly one rank (its lowest-ranked holder), so
+        summing it over ranks gives the squared norm of the whole averaged gradient.
+        """
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        sq_norm = torch.zeros((), dtype=torch.float32, device=self.buckets[0].buffer.device if self.buckets else "cpu")
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            # pack scaled by 1/c_j and the holders summed: the buffer is the average (or, for a
+            # single holder, the gradient itself).
+            if bucket.communicates:
+                kernels.unpack(bucket.buffer, bucket.grads(), bucket.layout, mode="copy", backend=self.backend)
+            if bucket.plan.holders[0] == self.rank:
+                sq_norm += bucket.buffer.float().pow(2).sum()
+        self._reset()
+        return sq_norm
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class ParamBroadcaster:
+    """Bb-SDP: after each step, send every block's new values from its first holder to the others.
+
+    Every rank holds the full model (backward masking), so every rank takes part in every
+    broadcast, in the global bucket order. Buckets held by all workers need none.
+    """
+
+    def __init__(self, model: nn.Module, plans: Sequence[BucketPlan], world_size: int, *, backend: str = "auto") -> None:
+        params = dict(model.named_parameters())
+        full = {name: SliceSpec() for name in params}
+        self.backend = backend
+        self.comm_bytes = 0
+        self.buckets = [_Bucket(p, params, full, dist.group.WORLD, next(iter(params.values())).device)
+                        for p in plans if len(p.holders) < world_size]
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        for bucket in self.buckets:
+            values = [p.data for p in bucket.params]
+            src = bucket.plan.holders[0]
+            if self.rank == src:
+                kernels.pack(values, bucket.layout, bucket.buffer, backend=self.backend)
+            dist.broadcast(bucket.buffer, src=src)
+            self.comm_bytes += bucket.buffer.numel() * bucket.buffer.element_size()
+            if self.rank not in bucket.plan.holders:
+                kernels.unpack(bucket.buffer, values, bucket.layout, mode="copy", backend=self.backend)

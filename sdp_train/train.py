@@ -1,0 +1,277 @@
+"""The training run, top to bottom: config -> mask -> model -> sync -> optimizer -> loop -> summary.
+
+Runs as one process or under torchrun (one rank per worker). ``ddp`` wraps the full model in
+``torch.nn.parallel.DistributedDataParallel``; ``bsdp``/``nsdp`` build each worker's
+forward-masked subnetwork and average through the `SyncEngine`; ``bbsdp`` keeps the full model,
+trains only held blocks and broadcasts their new values after each step. Validation always
+uses the full assembled model. Everything a run needs is checked by `prepare` before any
+process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from masklab import Mask, design, load_mask
+from masklab.io import mask_to_dict
+from sdp_train.config import TrainConfig
+from sdp_train.data import DataConfig, build_batches
+from sdp_train.dist import DistInfo, default_device, destroy_distributed, init_distributed, print0
+from sdp_train.errors import ConfigError
+from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
+from sdp_train.models.blocks import SliceSpec
+from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
+from sdp_train.sync import ParamBroadcaster, SyncEngine, create_groups, plan_buckets
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` validated: the config, the model shape and the mask (None for DDP)."""
+
+    config: TrainConfig
+    model_config: ModelConfig
+    mask: Mask | None
+    data: DataConfig
+
+
+def prepare(cfg: TrainConfig) -> Prepared:
+    """Check config, model and mask together; raise ConfigError before anything distributed starts."""
+    base = get_model_config(cfg.model, **cfg.model_overrides)
+    is_lm = hasattr(base, "vocab_size")
+    data = _data_config(cfg, is_lm)
+    model_config = base
+    if not is_lm and "in_channels" not in cfg.model_overrides:
+        # digits are 1-channel 8x8 images; CIFAR batches are RGB
+        model_config = get_model_config(cfg.model, **{**cfg.model_overrides,
+                                                       "in_channels": 1 if data.dataset == "digits" else 3})
+    if is_lm and cfg.seq_len > model_config.max_seq_len:
+        raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model}'s max_seq_len={model_config.max_seq_len}")
+    if cfg.mode == "ddp":
+        return Prepared(cfg, model_config, None, data)
+    bmap = block_map(model_config)
+    blocks = bmap.num_blocks(cfg.level)
+    if cfg.mask is not None:
+        mask = load_mask(cfg.mask)
+    else:
+        mask = design_for_model(cfg, model_config)
+    if mask.workers != cfg.workers:
+        raise ConfigError(f"the mask has {mask.workers} workers (rows) but the run has --workers {cfg.workers}")
+    if mask.blocks != blocks:
+        raise ConfigError(f"the mask has {mask.blocks} blocks (columns) but {cfg.model} has {blocks} "
+                          f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
+    if not mask.schedule.is_static:
+        raise ConfigError(f"the runtime trains static masks; this mask has a {mask.schedule.kind!r} schedule")
+    for k in range(mask.workers):  # the model's structural rules, per worker (raises ConfigError)
+        try:
+            held_tensors(model_config, mask.matrix[k], cfg.level)
+        except ConfigError as exc:
+            raise ConfigError(f"mask row {k} (worker {k}) does not fit {cfg.model}: {exc}") from None
+    return Prepared(cfg, model_config, mask, data)
+
+
+def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
+    """The mask `sdp train --active C` uses: one design over the blocks, or one per layer for neurons.
+
+    At neuron level every layer gets its own (K x groups) design, so each worker keeps a fraction C
+    of every layer's neurons (the paper's N-SDP) and no layer loses all its neurons on a worker.
+    """
+    bmap = block_map(model_config)
+    names = list(bmap.block_names(cfg.level))
+    if cfg.level == "block":
+        mask = design(cfg.workers, len(names), active=cfg.active, construction=cfg.construction, seed=cfg.seed)
+        return mask.replace(block_names=names)
+    groups = model_config.neuron_groups
+    layers = [design(cfg.workers, groups, active=cfg.active, construction=cfg.construction, seed=cfg.seed + i)
+              for i in range(len(names) // groups)]
+    return Mask(np.hstack([m.matrix for m in layers]), block_names=names,
+                construction=f"per-layer {layers[0].construction}")
+
+
+def _data_config(cfg: TrainConfig, is_lm: bool) -> DataConfig:
+    kind, _, where = cfg.data.partition(":")
+    files: tuple[str, ...] = ()
+    val: tuple[str, ...] = ()
+    if kind == "auto":
+        kind = "stdlib-bytes" if is_lm else "digits"
+    elif kind == "stdlib":
+        kind = "stdlib-bytes"
+    elif kind in ("bin", "cifar"):
+        root = Path(where)
+        if not root.is_dir():
+            raise ConfigError(f"data {cfg.data!r}: {root} is not a directory")
+        pattern = "*.bin" if kind == "bin" else "data_batch_*"
+        files = tuple(str(p) for p in sorted(root.glob(pattern)))
+        val = tuple(str(p) for p in sorted(root.glob("val*.bin" if kind == "bin" else "test_batch")))
+        files = tuple(f for f in files if f not in val)
+        kind = "token-bin" if kind == "bin" else "cifar"
+        if not files:
+            raise ConfigError(f"data {cfg.data!r}: no training files ({pattern}) in {root}")
+    if (kind in ("stdlib-bytes", "token-bin")) != is_lm:
+        raise ConfigError(f"data {cfg.data!r} does not fit model {cfg.model!r}")
+    return DataConfig(dataset=kind, batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_bytes=cfg.max_data_bytes,
+                      heterogeneous=cfg.heterogeneous, train_files=files, val_files=val)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Run:
+    """One rank's model, synchronisation and optimizer for a prepared config."""
+
+    def __init__(self, prep: Prepared, info: DistInfo, device: torch.device) -> None:
+        cfg, mc = prep.config, prep.model_config
+        self.cfg, self.model_config, self.info, self.device = cfg, mc, info, device
+        self.engine: SyncEngine | None = None
+        self.broadcaster: ParamBroadcaster | None = None
+        self.ddp_bytes = 0
+        self.param_names = [n for n in block_map(mc).shapes if n in block_map(mc).parameter_names]
+        if cfg.mode == "ddp":
+            model = build_model(mc, seed=cfg.seed, device=device)
+            self.model = model
+            self.train_model: nn.Module = self._wrap_ddp(model) if info.world_size > 1 else model
+            self.held_by_rank = [{n: SliceSpec() for n in model.state_dict()}] * info.world_size
+        else:
+            rows = prep.mask.matrix.astype(bool)
+            level = cfg.level
+            self.held_by_rank = [held_tensors(mc, rows[r], level) for r in range(info.world_size)]
+            if cfg.mode == "bbsdp":
+                self.model = build_model(mc, seed=cfg.seed, device=device)
+                apply_backward_mask(self.model, mc, rows[info.rank])
+            else:
+                self.model = build_worker_model(mc, rows[info.rank], level, seed=cfg.seed, device=device)
+            self.train_model = self.model
+            plans = plan_buckets(self.held_by_rank, self.param_names)
+            groups = create_groups(plans, info.world_size) if info.world_size > 1 else {p.holders: None for p in plans}
+            local_index = self.model.full_index()
+            self.engine = SyncEngine(self.model, plans, local_index, groups, info.rank)
+            if cfg.mode == "bbsdp" and info.world_size > 1:
+                self.broadcaster = ParamBroadcaster(self.model, plans, info.world_size)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
+        )
+
+    def _wrap_ddp(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if self.device.type == "cpu" else [self.device])
+
+        def counting_allreduce(state, bucket):
+            buf = bucket.buffer()
+            self.ddp_bytes += buf.numel() * buf.element_size()
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting_allreduce)
+        return ddp
+
+    @property
+    def comm_bytes(self) -> int:
+        total = self.ddp_bytes
+        if self.engine is not None:
+            total += self.engine.comm_bytes
+        if self.broadcaster is not None:
+            total += self.broadcaster.comm_bytes
+        return total
+
+    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """One optimizer step; returns the worker-mean loss and the averaged gradient's norm."""
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        loss = loss_fn(self.train_model(inputs), targets)
+        loss.backward()
+        if self.engine is not None:
+            sq_norm = self.engine.finish()
+        else:  # DDP: every rank holds the same averaged gradient; rank 0 contributes the norm
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            sq_norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if self.info.rank == 0 \
+                else torch.zeros((), device=self.device)
+        stats = torch.stack([loss.detach().float(), sq_norm.float()])
+        if self.info.world_size > 1:
+            dist.all_reduce(stats)
+            self.ddp_bytes += stats.numel() * stats.element_size()
+        mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
+        if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
+            coef = cfg.grad_clip / (grad_norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        if self.broadcaster is not None:
+            self.broadcaster.broadcast()
+        return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg)}
+
+    @torch.no_grad()
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The full assembled model: each tensor slice taken from its lowest-ranked holder."""
+        shapes = block_map(self.model_config).shapes
+        local = self.model.state_dict()
+        if self.info.world_size == 1 or self.cfg.mode == "ddp":
+            return {n: v.clone() for n, v in local.items()}
+        index = self.model.full_index()
+        with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
+            dtypes = {n: t.dtype for n, t in model_class(self.model_config)(self.model_config).state_dict().items()}
+        full = {n: torch.zeros(shapes[n], dtype=dtypes[n], device=self.device) for n in shapes}
+        for name, value in local.items():
+            owned = owned_positions(name, self.held_by_rank, self.info.rank)
+            if owned is None:
+                continue
+            dim, full_positions = owned
+            if dim is None:
+                full[name].copy_(value)
+                continue
+            spec = index[name]
+            local_of = {f: i for i, f in enumerate(range(spec.full_size) if spec.is_whole else spec.index)}
+            local_pos = torch.tensor([local_of[f] for f in full_positions], dtype=torch.int64, device=self.device)
+            full_pos = torch.tensor(full_positions, dtype=torch.int64, device=self.device)
+            full[name].index_copy_(dim, full_pos, value.index_select(dim, local_pos))
+        for name in shapes:
+            dist.all_reduce(full[name])
+        return full
+
+
+def owned_positions(name: str, held_by_rank, rank: int) -> tuple[int | None, tuple[int, ...]] | None:
+    """Which part of tensor `name` `rank` is the lowest-ranked holder of.
+
+    Returns None (no part), ``(None, ())`` (the whole tensor) or ``(dim, full positions)``.
+    """
+    holders = [r for r, h in enumerate(held_by_rank) if name in h]
+    if rank not in holders:
+        return None
+    sliced = [held_by_rank[r][name] for r in holders if not held_by_rank[r][name].is_whole]
+    if not sliced:
+        return (None, ()) if holders[0] == rank else None
+    dim, full_size = sliced[0].dim, sliced[0].full_size
+    owner: dict[int, int] = {}
+    for r in holders:
+        spec = held_by_rank[r][name]
+        for i in range(full_size) if spec.is_whole else spec.index:
+            owner.setdefault(i, r)
+    mine = tuple(i for i in sorted(owner) if owner[i] == rank)
+    return (dim, mine) if mine else None

@@ -1,0 +1,65 @@
+"""Run under torchrun by the distributed tests: real gloo process groups, one process per rank.
+
+    python -m torch.distributed.run --standalone --nproc-per-node K rank_script.py CASE SPEC.json OUTDIR
+
+``grads``: for each (model, mode, mask) in SPEC, one forward/backward on this rank's batch, the
+sync engine's averaged gradients saved with the batch (full-model names, this rank's local
+tensors and their full-model index) for the test to compare with a single-process reference.
+``train``: the training loop for each config in SPEC, one after another in one process group.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from sdp_train.config import TrainConfig
+from sdp_train.data import build_batches
+from sdp_train.dist import default_device, destroy_distributed, init_distributed
+from sdp_train.loop import _train
+from sdp_train.train import Run, loss_fn, prepare
+
+
+def grads_case(spec: dict, info, device, out: Path) -> None:
+    for i, case in enumerate(spec["cases"]):
+        cfg = TrainConfig(model=case["model"], mode=case["mode"], workers=info.world_size, batch_size=2,
+                          seq_len=16, active=None, mask=case["mask"], out=str(out))
+        prep = prepare(cfg)
+        run = Run(prep, info, device)
+        inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
+                                             world_size=info.world_size))
+        before = run.comm_bytes
+        loss_fn(run.train_model(inputs), targets).backward()
+        sq_norm = run.engine.finish()
+        torch.save({
+            "inputs": inputs, "targets": targets, "sq_norm": sq_norm,
+            "grads": {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None},
+            "index": {n: (s.dim, list(s.index), s.full_size) for n, s in run.model.full_index().items()},
+            "comm_bytes": run.comm_bytes - before,
+        }, out / f"grads{i}_rank{info.rank}.pt")
+
+
+def train_case(spec: dict, info, device, out: Path) -> None:
+    for cfg_dict in spec["configs"]:
+        _train(prepare(TrainConfig(**cfg_dict)), info, device)
+        gc.collect()  # free the previous run's DDP reducer before the next run's collectives
+        torch.distributed.barrier()
+
+
+def main() -> None:
+    case, spec_path, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    spec = json.loads(spec_path.read_text())
+    device = default_device()
+    info = init_distributed(device)
+    try:
+        {"grads": grads_case, "train": train_case}[case](spec, info, device, out)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""SDP on real gloo process groups (torchrun, several ranks on CPU) against independent references.
+
+The references are single-process computations built only from the mask and the model's block
+map: every worker's subnetwork gradient on that worker's batch, scattered into full-model
+coordinates and averaged over the workers that hold each entry.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from masklab import Mask, save_mask
+from masklab.constructions import complete
+from sdp_train.models import block_map, build_model, get_model_config
+from sdp_train.subnet import build_worker_model, held_tensors
+from sdp_train.train import loss_fn
+from tests.distributed.conftest import run_rank_script
+
+pytestmark = pytest.mark.slow
+K = 4
+LLAMA = get_model_config("llama-debug")
+
+
+def _masks() -> dict[str, np.ndarray]:
+    # Blocks with coverage 2 and 3, overlapping holder sets, every worker non-empty.
+    block = np.array([[1, 1, 0, 0], [1, 0, 1, 1], [0, 1, 1, 0], [0, 1, 0, 1]], dtype=np.uint8)
+    rng = np.random.default_rng(7)
+    neuron = np.zeros((K, block_map(LLAMA).num_blocks("neuron")), dtype=np.uint8)
+    for j in range(neuron.shape[1]):
+        neuron[rng.choice(K, size=rng.integers(1, K + 1), replace=False), j] = 1
+    neuron[:, 5] = 0
+    neuron[2, 5] = 1  # a single-holder group: averaged over one worker, nothing sent
+    return {"block": block, "neuron": neuron}
+
+
+CASES = [("bsdp", "block"), ("nsdp", "neuron"), ("bbsdp", "block")]
+
+
+@pytest.fixture(scope="module")
+def grad_runs(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
+    out = tmp_path_factory.mktemp("grads")
+    masks = _masks()
+    cases = []
+    for mode, level in CASES:
+        path = save_mask(Mask(masks[level]), out / f"{mode}.json")
+        cases.append({"model": "llama-debug", "mode": mode, "mask": str(path)})
+    # The fused Triton kernels (interpreted on CPU) do the packing here, inside real collectives.
+    run_rank_script(K, "grads", {"cases": cases}, out, interpret_triton=True)
+    return out, masks
+
+
+def _full(local: torch.Tensor, index: tuple, full_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter a local tensor into full coordinates; also return the indicator of held entries."""
+    dim, idx, _ = index
+    full, held = torch.zeros(full_shape), torch.zeros(full_shape)
+    if dim is None:
+        return local.clone(), torch.ones(full_shape)
+    full.index_copy_(dim, torch.tensor(idx), local)
+    held.index_fill_(dim, torch.tensor(idx), 1.0)
+    return full, held
+
+
+def _reference_average(mode: str, level: str, mask: np.ndarray, batches) -> dict[str, torch.Tensor]:
+    """Average over holders of each worker's own gradient, in full-model coordinates."""
+    shapes = block_map(LLAMA).shapes
+    total = {n: torch.zeros(s) for n, s in shapes.items()}
+    count = {n: torch.zeros(s) for n, s in shapes.items()}
+    for k in range(K):
+        inputs, targets = batches[k]
+        if mode == "bbsdp":
+            model = build_model(LLAMA, seed=0)
+            held = held_tensors(LLAMA, mask[k], level)  # what B-SDP worker k holds = what Bb-SDP trains
+            index = {n: (None, [], 0) for n in held}
+        else:
+            model = build_worker_model(LLAMA, mask[k], level, seed=0)
+            index = {n: (s.dim, list(s.index), s.full_size) for n, s in model.full_index().items()}
+        loss_fn(model(inputs), targets).backward()
+        for name, p in model.named_parameters():
+            if name not in index:
+                continue  # Bb-SDP: frozen block, no gradient is averaged
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            full, held = _full(g, index[name], shapes[name])
+            total[name] += full
+            count[name] += held
+    return {n: total[n] / count[n].clamp(min=1) for n in shapes}
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_averaged_gradient_equals_holder_average_of_single_process_reference(grad_runs, case):
+    out, masks = grad_runs
+    mode, level = CASES[case]
+    ranks = [torch.load(out / f"grads{case}_rank{r}.pt", weights_only=True) for r in range(K)]
+    reference = _reference_average(mode, level, masks[level], [(r["inputs"], r["targets"]) for r in ranks])
+    shapes = block_map(LLAMA).shapes
+    checked = 0
+    for r, result in enumerate(ranks):
+        held = held_tensors(LLAMA, masks[level][r], level)
+        for name, grad in result["grads"].items():
+            if name not in held:
+                continue
+            dim, idx, _ = result["index"][name]
+            expected = reference[name] if dim is None else reference[name].index_select(dim, torch.tensor(idx))
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7, msg=f"rank {r}, {name}")
+            checked += 1
+    assert checked > 0
+    # The clipping norm: each averaged entry counted once across ranks.
+    held_any = {n: torch.zeros(shapes[n]) for n in shapes}
+    for r in range(K):
+        for name, spec in held_tensors(LLAMA, masks[level][r], level).items():
+            held_any[name] = torch.maximum(held_any[name], _full(torch.ones(0), (None, [], 0), shapes[name])[1]
+                                           if spec.is_whole else _full(torch.ones(spec.take(torch.ones(shapes[name])).shape),
+                                                                       (spec.dim, list(spec.index), 0), shapes[name])[1])
+    expected_sq = sum(float((reference[n] ** 2 * held_any[n]).sum()) for n in shapes if n in reference)
+    assert float(sum(r["sq_norm"] for r in ranks)) == pytest.approx(expected_sq, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", [0, 2])
+def test_comm_bytes_are_the_held_blocks_with_several_holders(grad_runs, case):
+    out, masks = grad_runs
+    mode, level = CASES[case]
+    bmap = block_map(LLAMA)
+    mask = masks[level]
+    shared = sum(int(np.prod(bmap.shapes[n])) for n in bmap.shared(level) if n in bmap.parameter_names)
+    block_numel = [sum(int(np.prod(bmap.shapes[n])) for n, _ in bmap.owned(level, j)) for j in range(mask.shape[1])]
+    for r in range(K):
+        result = torch.load(out / f"grads{case}_rank{r}.pt", weights_only=True)
+        held = [j for j in range(mask.shape[1]) if mask[r, j] and mask[:, j].sum() > 1]
+        assert result["comm_bytes"] == 4 * (shared + sum(block_numel[j] for j in held)), f"rank {r}"
+
+
+def _train_cfg(out: Path, **kw) -> dict:
+    base = {"model": "llama-debug", "workers": 2, "steps": 6, "batch_size": 4, "seq_len": 32,
+            "warmup_steps": 2, "lr": 3e-3, "eval_batches": 2, "max_data_bytes": 200_000, "seed": 1}
+    return {**base, **kw, "out": str(out)}
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_complete_mask_trajectory_equals_ddp_and_short_runs_lower_the_loss(tmp_path):
+    complete_mask = save_mask(complete(2, 4), tmp_path / "complete.json")
+    resnet = {"model": "resnet18-cifar", "model_overrides": {"width_multiplier": 0.125}, "batch_size": 16,
+              "lr": 1e-2, "steps": 8}
+    runs = {
+        "ddp": _train_cfg(tmp_path / "ddp", mode="ddp"),
+        "complete": _train_cfg(tmp_path / "complete", mode="bsdp", mask=str(complete_mask), active=None),
+        "bsdp": _train_cfg(tmp_path / "bsdp", mode="bsdp", active=0.5),
+        "nsdp": _train_cfg(tmp_path / "nsdp", mode="nsdp", active=0.5),
+        "bbsdp": _train_cfg(tmp_path / "bbsdp", mode="bbsdp", active=0.5),
+    }
+    for mode in ("ddp", "bsdp", "nsdp", "bbsdp"):
+        runs[f"resnet-{mode}"] = _train_cfg(tmp_path / f"resnet-{mode}", mode=mode, active=0.5, **resnet)
+    run_rank_script(2, "train", {"configs": list(runs.values())}, tmp_path)
+
+    ddp, sdp = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "complete")
+    np.testing.assert_allclose([m["loss"] for m in sdp], [m["loss"] for m in ddp], rtol=1e-5)
+    np.testing.assert_allclose([m["grad_norm"] for m in sdp], [m["grad_norm"] for m in ddp], rtol=1e-4)
+    n_params = sum(p.numel() for p in build_model(LLAMA, seed=0).parameters())
+    stats_bytes = 8  # the per-step [loss, grad-norm^2] all-reduce
+    assert {m["comm_bytes"] for m in ddp} == {4 * n_params + stats_bytes}
+    assert {m["comm_bytes"] for m in sdp} == {4 * n_params + stats_bytes}
+    for name in runs:
+        losses = [m["loss"] for m in _metrics(tmp_path / name)]
+        assert np.mean(losses[-2:]) < losses[0], f"{name}: {losses}"
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert np.isfinite(summary["final_val_loss"])
+        assert summary["config"]["mode"] == runs[name]["mode"]
