@@ -39,11 +39,22 @@ def pack(
         if seg.numel == 0:
             continue
         src = tensors[seg.tensor_index]
+        dst = out.narrow(0, seg.offset, seg.numel)
+        if src.dtype == out.dtype and (scale is None or out.dtype == torch.float32):
+            # Same dtype: write straight into the buffer, no temporary. In float32 the in-place
+            # product is the same float32 operation as the general path below.
+            if seg.kind == "whole":
+                dst.copy_(src.reshape(-1))
+            else:
+                dst3 = dst.view(seg.outer, len(seg.index), seg.inner)
+                torch.index_select(_held_view(src, seg), 1, layout.index_tensors[j], out=dst3)
+            if scale is not None:
+                dst.mul_(scale[j])
+            continue
         if seg.kind == "whole":
             held = src.reshape(-1)
         else:
             held = _held_view(src, seg).index_select(1, layout.index_tensors[j]).reshape(-1)  # (numel,)
-        dst = out.narrow(0, seg.offset, seg.numel)
         dst.copy_(held if scale is None else held.float() * scale[j])
     return out
 
