@@ -1,0 +1,114 @@
+"""`sdp train`: bad configs and masks are refused before any process starts; a real launch writes
+the documented files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from masklab import Mask, Schedule, save_mask
+from sdp_train.cli import main
+from sdp_train.config import TrainConfig
+from sdp_train.errors import ConfigError
+from sdp_train.train_cli import config_from_args
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes"}
+SUMMARY_KEYS = {"final_train_loss", "final_val_loss", "comm_bytes_per_step", "step_time_s", "tokens_per_s",
+                "config", "mask"}
+
+
+def _refused(capsys, argv, message):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sdp train: error:"), err
+    assert message in err[0]
+
+
+@pytest.mark.parametrize(
+    ("mask", "argv", "message"),
+    [
+        (np.ones((3, 4)), ["--workers", "2"], "the mask has 3 workers (rows) but the run has --workers 2"),
+        (np.ones((2, 5)), ["--workers", "2"], "the mask has 5 blocks (columns) but llama-debug has 4 maskable blocks"),
+        (np.ones((2, 31)), ["--workers", "2", "--mode", "nsdp"], "has 32 maskable blocks at level 'neuron'"),
+    ],
+)
+def test_mask_that_does_not_fit_the_model_is_refused_before_launch(tmp_path, capsys, mask, argv, message):
+    path = save_mask(Mask(mask), tmp_path / "m.json")
+    out = tmp_path / "run"
+    _refused(capsys, ["--mask", str(path), "--steps", "2", "--out", str(out), *argv], message)
+    assert not out.exists()
+
+
+def test_scheduled_mask_and_structural_violations_are_refused(tmp_path, capsys):
+    scheduled = save_mask(Mask(np.ones((2, 4)), schedule=Schedule("cyclic", 5)), tmp_path / "s.json")
+    _refused(capsys, ["--mask", str(scheduled), "--workers", "2"], "static masks")
+    resnet = np.ones((2, 20), dtype=np.uint8)
+    resnet[1, :4] = 0  # worker 1 keeps no channel group of block layer1.0
+    path = save_mask(Mask(resnet), tmp_path / "r.json")
+    _refused(capsys, ["--model", "resnet18-cifar", "--mode", "nsdp", "--mask", str(path), "--workers", "2"],
+             "mask row 1 (worker 1) does not fit resnet18-cifar")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--active", "0"], "active=0.0 must be in (0, 1]"),
+        (["--steps", "0"], "steps=0 must be an integer >= 1"),
+        (["--model", "gpt-9"], "gpt-9"),
+        (["--lr", "nan"], "lr=nan must be a finite number"),
+        (["--data", "cifar:/nonexistent"], "is not a directory"),
+        (["--model", "resnet18-cifar", "--data", "stdlib"], "does not fit model"),
+        (["--mask", "/nonexistent.json"], "no such mask file"),
+    ],
+)
+def test_bad_flags_are_one_clear_line(capsys, argv, message):
+    _refused(capsys, ["--workers", "2", *argv], message)
+
+
+def test_config_file_is_read_strictly_and_flags_override_it(tmp_path):
+    cfg_file = tmp_path / "c.json"
+    cfg_file.write_text(json.dumps({"model": "llama-debug", "steps": 7, "lr": 0.01}))
+    args = _parse(["--config", str(cfg_file), "--steps", "9"])
+    cfg = config_from_args(args)
+    assert (cfg.steps, cfg.lr) == (9, 0.01)
+    cfg_file.write_text(json.dumps({"stepz": 7}))
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['stepz'\]"):
+        config_from_args(_parse(["--config", str(cfg_file)]))
+    cfg_file.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        config_from_args(_parse(["--config", str(cfg_file)]))
+
+
+def _parse(argv):
+    from sdp_train.cli import build_parser
+
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_train_config_rejects_bad_values():
+    with pytest.raises(ConfigError, match="mode 'fsdp' is not one of"):
+        TrainConfig(mode="fsdp")
+    with pytest.raises(ConfigError, match="needs --active C or --mask FILE"):
+        TrainConfig(mode="bsdp", active=None)
+
+
+@pytest.mark.slow
+def test_sdp_train_launches_ranks_and_writes_metrics_and_summary(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdp_train.cli", "train", "--model", "llama-debug", "--mode", "bsdp",
+         "--active", "0.5", "--workers", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+         "--max-data-bytes", "100000", "--eval-batches", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "TRITON_INTERPRET": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert all(METRIC_KEYS <= set(m) for m in lines)
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["mask"]["workers"] == 2 and summary["config"]["mode"] == "bsdp"
