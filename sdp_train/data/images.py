@@ -53,12 +53,40 @@ def digits_split(split: str, *, val_every: int = 10) -> tuple[torch.Tensor, torc
     return normalize(images[keep], images[~is_val]), torch.from_numpy(digits.target[keep].astype(np.int64))
 
 
+# The globals a CIFAR-format batch (numpy arrays in a dict) needs, under numpy 1.x and 2.x names.
+_CIFAR_GLOBALS = frozenset({
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),
+})
+
+
+class RefusedGlobalError(pickle.UnpicklingError):
+    """A pickle names a global outside the allowed set."""
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals in ``_CIFAR_GLOBALS``; any other is refused."""
+
+    def find_class(self, module: str, name: str):  # noqa: D102 - see class docstring
+        if (module, name) not in _CIFAR_GLOBALS:
+            raise RefusedGlobalError(
+                f"refused to load global {module}.{name}: a CIFAR batch holds only numpy arrays, "
+                "lists and dicts (the file may be malicious)"
+            )
+        return super().find_class(module, name)
+
+
 def load_cifar_batches(paths: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray]:
     """Read CIFAR-format python batches: images uint8 (N, 3, 32, 32), labels int64 (N,).
 
     Each file is a pickled dict with ``b"data"`` (n, 3072) uint8 and ``b"labels"`` (or
-    ``b"fine_labels"`` for CIFAR-100) of length n. Unpickling runs code from the file: only files
-    the user names are loaded, never files found by searching; pass only files you trust.
+    ``b"fine_labels"`` for CIFAR-100) of length n. Pickles can run code, so they are read by
+    `RestrictedUnpickler`, which admits only the numpy types such a batch holds and refuses any
+    other global (``os.system``, ``builtins.eval``, ...) before it is called. Only files the user
+    names are loaded, never files found by searching.
 
     Raises
     ------
@@ -73,7 +101,9 @@ def load_cifar_batches(paths: Sequence[str | Path]) -> tuple[np.ndarray, np.ndar
             raise DataFileError(f"CIFAR batch {path} does not exist or is not a file")
         try:
             with path.open("rb") as f:
-                batch = pickle.load(f, encoding="bytes")
+                batch = RestrictedUnpickler(f, encoding="bytes").load()
+        except RefusedGlobalError as exc:
+            raise DataFileError(f"CIFAR batch {path}: {exc}") from None
         except Exception as exc:  # unpickling a file of another format can raise almost anything
             raise DataFileError(f"CIFAR batch {path} is not a python pickle: {exc}") from exc
         if not isinstance(batch, dict) or b"data" not in batch:
