@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from masklab import analysis
 from masklab.mask import Mask, Schedule
-from tests.strategies import balanced_masks, masks
+from masklab.testing import balanced_masks, masks
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

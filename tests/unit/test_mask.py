@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 from masklab.errors import MaskError
 from masklab.mask import Mask, Schedule
-from tests.strategies import masks
+from masklab.testing import masks
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,243 @@
+"""Hypothesis strategies for SDP masks, schedules, exact designs and the theory's problem constants.
+
+Masks are built from small integers, booleans and permutations, never from floats or rejection of
+large arrays, so Hypothesis shrinks a failing example to the fewest workers and blocks and to the
+simplest matrix (all holders forced to the lowest index). Every strategy returns objects that are
+valid by construction (`Mask` validates them again). This module does not check invariants (see
+`masklab.testing.asserts`) and imports `theory` lazily, so that masklab keeps no import of it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from masklab.analysis import is_connected
+from masklab.design import design, exact_designs
+from masklab.errors import MaskError
+from masklab.mask import SCHEDULE_KINDS, Mask, Schedule
+
+IntLike = int | st.SearchStrategy[int] | None
+ActiveLike = float | tuple[float, float] | None
+
+__all__ = ["balanced_masks", "block_designs", "masks", "problem_constants", "schedules", "step_sizes"]
+
+
+def schedules(*, kinds: tuple[str, ...] = SCHEDULE_KINDS, max_every: int = 5) -> st.SearchStrategy[Schedule]:
+    """A `Schedule` of one of ``kinds`` redrawn every 1..`max_every` steps; shrinks to static, every=1.
+
+    >>> from hypothesis import find
+    >>> find(schedules(), lambda s: True)
+    Schedule(kind='static', every=1)
+    """
+    unknown = [k for k in kinds if k not in SCHEDULE_KINDS]
+    if not kinds or unknown:
+        raise MaskError(f"kinds={kinds!r} must be a non-empty subset of {SCHEDULE_KINDS}")
+    if max_every < 1:
+        raise MaskError(f"max_every={max_every!r} must be >= 1")
+    return st.builds(Schedule, st.sampled_from(kinds), st.integers(1, max_every))
+
+
+def masks(
+    *,
+    workers: IntLike = None,
+    blocks: IntLike = None,
+    max_workers: int = 8,
+    max_blocks: int = 10,
+    active: ActiveLike = None,
+    balanced: bool = False,
+    connected: bool = False,
+    schedule: bool | st.SearchStrategy[Schedule] = False,
+) -> st.SearchStrategy[Mask]:
+    """Valid masks (every block held, every worker holding a block); shrinks to 1 x 1.
+
+    Parameters
+    ----------
+    workers, blocks : int or strategy of int, optional
+        K and B: a fixed number, or a strategy; default 1..`max_workers` and 1..`max_blocks`.
+    max_workers, max_blocks : int
+        Upper ends of the default ranges of K and B.
+    active : float or (float, float), optional
+        The active fraction C = sum(M) / (K B): a float asks for the nearest achievable C, a pair
+        (lo, hi) for C in [lo, hi] (sizes where no valid mask has such a C are skipped).
+    balanced : bool
+        Every block has the same coverage c.
+    connected : bool
+        The worker mixing graph is connected (spectral gap > 0); drawn by filtering.
+    schedule : bool or strategy of Schedule
+        ``True`` draws from `schedules()`; ``False`` gives static masks.
+
+    Examples
+    --------
+    >>> from hypothesis import find
+    >>> find(masks(), lambda m: m.workers >= 3).matrix.tolist()
+    [[1], [1], [1]]
+    """
+    k_strategy = _sizes(workers, max_workers, "workers")
+    b_strategy = _sizes(blocks, max_blocks, "blocks")
+    window = _active_window(active)
+    schedule_strategy = _schedule_strategy(schedule)
+    build = _balanced_mask if balanced else _mask
+    strategy = build(k_strategy, b_strategy, window, schedule_strategy)
+    return strategy.filter(is_connected) if connected else strategy
+
+
+def balanced_masks(
+    *, workers: IntLike = None, blocks: IntLike = None, max_workers: int = 8, max_blocks: int = 10,
+    active: ActiveLike = None,
+) -> st.SearchStrategy[Mask]:
+    """Static masks in which every block has the same coverage c: ``masks(balanced=True, ...)``."""
+    return masks(
+        workers=workers, blocks=blocks, max_workers=max_workers, max_blocks=max_blocks, active=active, balanced=True
+    )
+
+
+def block_designs(*, max_workers: int = 13) -> st.SearchStrategy[Mask]:
+    """The library's exact 2-designs (`masklab.design.exact_designs`) with K <= `max_workers`.
+
+    Their spectral gap equals the trace bound; shrinks towards the smallest design (K=4, B=6).
+    """
+    if max_workers < 4:
+        raise MaskError(f"max_workers={max_workers!r} must be >= 4: the smallest exact design has K=4")
+    entries = exact_designs(max_workers)
+    return st.sampled_from(entries).map(lambda e: design(e[0], e[1], coverage=e[2]))
+
+
+def problem_constants(
+    *, blocks: IntLike = None, max_blocks: int = 10, max_value: float = 10.0, local_steps: bool = False
+) -> st.SearchStrategy[Any]:
+    """`theory.bounds.ProblemConstants` with L in [0.01, max_value] and per-block sigma^2, zeta^2.
+
+    Parameters
+    ----------
+    blocks : int or strategy of int, optional
+        B, the length of ``sigma_sq`` / ``zeta_sq``; must equal the mask's B where both are used.
+    max_value : float
+        Upper end of L, of each sigma_j and zeta_j, and of f(x_0) - f*.
+    local_steps : bool
+        Also draw the local-step constants (worker smoothness >= L, per-block G_j^2).
+    """
+    if not (math.isfinite(max_value) and max_value >= 0.01):
+        raise MaskError(f"max_value={max_value!r} must be a finite number >= 0.01")
+    return _problem_constants(_sizes(blocks, max_blocks, "blocks"), max_value, local_steps)
+
+
+def step_sizes(smoothness: float, *, local_steps: int = 1, min_fraction: float = 1e-3) -> st.SearchStrategy[float]:
+    """Step sizes eta in [min_fraction * eta_max, eta_max], eta_max = `max_step_size` for L = `smoothness`.
+
+    The floor keeps eta away from subnormal floats, for which the bound's 1/(eta T) term overflows.
+    """
+    from theory.bounds import max_step_size
+
+    if not 0.0 < min_fraction <= 1.0:
+        raise MaskError(f"min_fraction={min_fraction!r} must be in (0, 1]")
+    eta_max = max_step_size(smoothness, local_steps=local_steps)
+    return st.floats(min_fraction, 1.0).map(lambda f: f * eta_max)
+
+
+# -- internals ---------------------------------------------------------------------------------
+def _sizes(value: IntLike, maximum: int, what: str) -> st.SearchStrategy[int]:
+    if isinstance(value, st.SearchStrategy):
+        return value
+    if value is None:
+        if isinstance(maximum, bool) or not isinstance(maximum, int) or maximum < 1:
+            raise MaskError(f"max_{what}={maximum!r} must be an integer >= 1")
+        return st.integers(1, maximum)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise MaskError(f"{what}={value!r} must be an integer >= 1 or a strategy of integers")
+    return st.just(int(value))
+
+
+def _active_window(active: ActiveLike) -> tuple[float, float] | None:
+    if active is None:
+        return None
+    lo, hi = (active, active) if isinstance(active, (int, float)) else tuple(active)
+    if not (0.0 < lo <= hi <= 1.0):
+        raise MaskError(f"active={active!r} must be a fraction in (0, 1] or a pair 0 < lo <= hi <= 1")
+    return float(lo), float(hi)
+
+
+def _schedule_strategy(schedule: bool | st.SearchStrategy[Schedule]) -> st.SearchStrategy[Schedule]:
+    if isinstance(schedule, st.SearchStrategy):
+        return schedule
+    if not isinstance(schedule, bool):
+        raise MaskError(f"schedule={schedule!r} must be a bool or a strategy of Schedule")
+    return schedules() if schedule else st.just(Schedule())
+
+
+def _ones_range(cells: int, low: int, window: tuple[float, float] | None, step: int = 1) -> list[int]:
+    """Feasible counts n of ones (multiples of `step`, low <= n <= cells) for the active window."""
+    counts = range(low, cells + 1, step) if step == 1 else range(step * -(-low // step), cells + 1, step)
+    if window is None:
+        return list(counts)
+    lo, hi = window
+    if lo == hi:  # a single float: the achievable count nearest to lo * cells
+        return [min(counts, key=lambda n: (abs(n - lo * cells), n))] if len(counts) else []
+    return [n for n in counts if lo * cells - 1e-9 <= n <= hi * cells + 1e-9]
+
+
+@st.composite
+def _mask(draw, k_s, b_s, window, schedule_s) -> Mask:
+    k, b = draw(k_s), draw(b_s)
+    if window is None:
+        # Free bits, then one holder forced into every empty column and row: all-False bits and
+        # holder index 0 are what Hypothesis shrinks to, so counterexamples come out minimal.
+        bits = draw(st.lists(st.booleans(), min_size=k * b, max_size=k * b))
+        m = np.array(bits, dtype=np.uint8).reshape(k, b)
+        for j in np.flatnonzero(m.sum(axis=0) == 0):
+            m[draw(st.integers(0, k - 1)), j] = 1
+        for i in np.flatnonzero(m.sum(axis=1) == 0):
+            m[i, draw(st.integers(0, b - 1))] = 1
+    else:
+        counts = _ones_range(k * b, max(k, b), window)
+        if not counts:
+            draw(st.nothing())
+        n = draw(st.sampled_from(counts))
+        # A spine of max(k, b) ones (i mod k, i mod b) covers every row and column; the rest of the
+        # n ones go to distinct other cells.
+        m = np.zeros((k, b), dtype=np.uint8)
+        i = np.arange(max(k, b))
+        m[i % k, i % b] = 1
+        free = np.flatnonzero(m.ravel() == 0)
+        extra = draw(st.lists(st.sampled_from(free.tolist()), min_size=n - i.size, max_size=n - i.size,
+                              unique=True)) if n > i.size else []
+        m.ravel()[extra] = 1
+        m = m[draw(st.permutations(range(k)))]
+    return Mask(m, schedule=draw(schedule_s))
+
+
+@st.composite
+def _balanced_mask(draw, k_s, b_s, window, schedule_s) -> Mask:
+    k, b = draw(k_s), draw(b_s)
+    coverages = [n // b for n in _ones_range(k * b, b * -(-k // b), window, step=b)]
+    if not coverages:
+        draw(st.nothing())
+    c = draw(st.sampled_from(coverages))
+    order = draw(st.permutations(range(k)))
+    m = np.zeros((k, b), dtype=np.uint8)
+    # Column j takes c consecutive workers of a permutation starting at j*c: every worker is
+    # reached because b*c >= k, and each column has exactly c distinct holders.
+    for j in range(b):
+        for t in range(c):
+            m[order[(j * c + t) % k], j] = 1
+    return Mask(m, schedule=draw(schedule_s))
+
+
+@st.composite
+def _problem_constants(draw, b_s, max_value: float, local_steps: bool) -> Any:
+    from theory.bounds import ProblemConstants
+
+    b = draw(b_s)
+    positive = st.floats(0.01, max_value)
+    per_block = st.lists(st.floats(0.0, max_value), min_size=b, max_size=b).map(lambda v: np.square(v))
+    smoothness = draw(positive)
+    extra: dict[str, Any] = {}
+    if local_steps:
+        extra = {"worker_smoothness": smoothness * draw(st.floats(1.0, 4.0)), "grad_sq": draw(per_block)}
+    return ProblemConstants(
+        smoothness=smoothness, sigma_sq=draw(per_block), zeta_sq=draw(per_block),
+        suboptimality=draw(positive), **extra,
+    )
