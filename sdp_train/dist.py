@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,25 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def collective_timeout() -> timedelta:
+    """How long any collective may wait for a peer before it fails (``SDP_COLLECTIVE_TIMEOUT_S``).
+
+    Set deliberately (default 600 s) so that a stuck or dead rank ends the job with an error
+    instead of an endless hang.
+    """
+    raw = os.environ.get("SDP_COLLECTIVE_TIMEOUT_S", str(DEFAULT_COLLECTIVE_TIMEOUT_S))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"SDP_COLLECTIVE_TIMEOUT_S={raw!r} must be a positive number of seconds")
+    return timedelta(seconds=seconds)
+
+
 def init_distributed(device: torch.device) -> DistInfo:
     """Create the default process group if launched by torchrun (gloo on CPU, nccl on CUDA)."""
     if not under_torchrun() or dist.is_initialized():
@@ -58,7 +78,7 @@ def init_distributed(device: torch.device) -> DistInfo:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend=backend, **kwargs)
+    dist.init_process_group(backend=backend, timeout=collective_timeout(), **kwargs)
     return get_dist_info()
 
 

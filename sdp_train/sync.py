@@ -28,8 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
+from sdp_train.dist import collective_timeout
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
+
+
+class CollectiveError(RuntimeError):
+    """A holder-group collective failed or timed out; names the rank and the bucket."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ def create_groups(plans: Sequence[BucketPlan], world_size: int) -> dict[tuple[in
         elif len(holders) == world_size:
             groups[holders] = dist.group.WORLD
         else:
-            groups[holders] = dist.new_group(ranks=list(holders))
+            groups[holders] = dist.new_group(ranks=list(holders), timeout=collective_timeout())
     return groups
 
 
@@ -215,7 +220,7 @@ class SyncEngine:
         sq_norm = torch.zeros((), dtype=torch.float32, device=self.buckets[0].buffer.device if self.buckets else "cpu")
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()
+                self._wait(bucket)
             # pack scaled by 1/c_j and the holders summed: the buffer is the average (or, for a
             # single holder, the gradient itself).
             if bucket.communicates:
@@ -224,6 +229,18 @@ class SyncEngine:
                 sq_norm += bucket.buffer.float().pow(2).sum()
         self._reset()
         return sq_norm
+
+    def _wait(self, bucket: _Bucket) -> None:
+        try:
+            bucket.work.wait()
+        except RuntimeError as exc:  # gloo/NCCL report a timed-out or broken peer this way
+            names = [a.name for a in bucket.plan.atoms]
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} tensors)" if len(names) > 3 else "")
+            raise CollectiveError(
+                f"rank {self.rank}: the all_reduce of bucket {self.buckets.index(bucket)} (holders "
+                f"{list(bucket.plan.holders)}, {bucket.layout.total_numel} elements: {shown}) did not "
+                f"complete: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from exc
 
     def remove_hooks(self) -> None:
         for h in self._handles:
