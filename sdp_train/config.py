@@ -15,7 +15,8 @@ from typing import Any
 
 from sdp_train.errors import ConfigError
 
-MODES = ("ddp", "bsdp", "nsdp", "bbsdp")
+MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")
+BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
 LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron"}
 
 
@@ -28,10 +29,10 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields of the named model config to change, e.g. ``{"width_multiplier": 0.125}``."""
     mode: str = "bsdp"
-    """``ddp`` (torch DDP baseline), ``bsdp`` (block, forward masking), ``nsdp`` (neurons,
-    forward masking) or ``bbsdp`` (blocks, backward masking)."""
+    """``ddp`` (torch DDP baseline), ``fsdp`` (FSDP2 ``fully_shard`` baseline), ``bsdp`` (block,
+    forward masking), ``nsdp`` (neurons, forward masking) or ``bbsdp`` (blocks, backward masking)."""
     active: float | None = 0.5
-    """Active fraction C for a designed mask; ignored when `mask` is given or mode is ddp."""
+    """Active fraction C for a designed mask; ignored when `mask` is given or mode is ddp/fsdp."""
     mask: str | None = None
     """Path of a mask JSON file (``sdp design --out``); overrides `active`."""
     construction: str = "auto"
@@ -67,8 +68,19 @@ class TrainConfig:
     """Validation batches per rank for the final (and periodic) validation loss."""
     eval_every: int = 0
     """Validate every N steps (0: only at the end)."""
+    activation_checkpointing: bool = False
+    """Recompute each residual block's activations in backward (torch.utils.checkpoint), any mode."""
+    fsdp: bool = False
+    """B-SDP only: shard each held block among its holders with FSDP2 (SDP and FSDP savings multiply)."""
+    memory_steps: int = 2
+    """Steps (the first of this run, or after resuming) whose peak memory is measured and reported in
+    summary.json; 0 disables. On CPU the tracker slows these steps ~10x."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps and at the end (0: none), under ``out/checkpoints/step_N``."""
+    resume: str | None = None
+    """Checkpoint directory to continue from (a ``step_N`` directory, or ``checkpoints`` for the latest)."""
     out: str = "runs/latest"
-    """Output directory (metrics.jsonl, summary.json)."""
+    """Output directory (metrics.jsonl, summary.json, checkpoints/)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_overrides, dict):
@@ -76,7 +88,7 @@ class TrainConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches")
-        _non_negative_int(self, "warmup_steps", "eval_every", "seed")
+        _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every")
         if self.active is not None and not (isinstance(self.active, (int, float)) and 0.0 < self.active <= 1.0):
             raise ConfigError(f"active={self.active!r} must be in (0, 1]")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
@@ -87,14 +99,18 @@ class TrainConfig:
             raise ConfigError("lr=0 would not train; give a positive learning rate")
         if self.min_lr_ratio > 1:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be <= 1")
-        if self.mode != "ddp" and self.mask is None and self.active is None:
+        if self.fsdp and self.mode != "bsdp":
+            raise ConfigError(f"fsdp=True (--fsdp) composes with mode 'bsdp' only, got mode {self.mode!r}: "
+                              "nsdp slices tensors differently on every worker, bbsdp keeps full frozen copies, "
+                              "and ddp/fsdp are the baselines (use --mode fsdp)")
+        if self.mode not in BASELINES and self.mask is None and self.active is None:
             raise ConfigError(f"mode {self.mode!r} needs --active C or --mask FILE")
         if self.max_data_bytes < 10_000:
             raise ConfigError(f"max_data_bytes={self.max_data_bytes} must be >= 10000")
 
     @property
     def level(self) -> str | None:
-        """Mask level of the mode (``block``/``neuron``), None for DDP."""
+        """Mask level of the mode (``block``/``neuron``), None for the DDP and FSDP baselines."""
         return LEVEL_OF_MODE.get(self.mode)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,37 +1,40 @@
 """The training run, top to bottom: config -> mask -> model -> sync -> optimizer -> loop -> summary.
 
 Runs as one process or under torchrun (one rank per worker). ``ddp`` wraps the full model in
-``torch.nn.parallel.DistributedDataParallel``; ``bsdp``/``nsdp`` build each worker's
-forward-masked subnetwork and average through the `SyncEngine`; ``bbsdp`` keeps the full model,
-trains only held blocks and broadcasts their new values after each step. Validation always
+``torch.nn.parallel.DistributedDataParallel``, ``fsdp`` shards it with FSDP2 ``fully_shard``;
+``bsdp``/``nsdp`` build each worker's forward-masked subnetwork and average through the
+`SyncEngine` (or, with ``fsdp=True``, shard each block among its holders); ``bbsdp`` keeps the
+full model, trains only held blocks and broadcasts their new values after each step. Activation
+checkpointing and FSDP are applied by `sdp_train.parallelize`. Validation always
 uses the full assembled model. Everything a run needs is checked by `prepare` before any
 process group exists.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from masklab import Mask, design, load_mask
-from masklab.io import mask_to_dict
-from sdp_train.config import TrainConfig
-from sdp_train.data import DataConfig, build_batches
-from sdp_train.dist import DistInfo, default_device, destroy_distributed, init_distributed, print0
+from sdp_train.checkpoint import check_resumable, find_checkpoint
+from sdp_train.config import BASELINES, TrainConfig
+from sdp_train.data import DataConfig
+from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
+from sdp_train.parallelize import parallelize
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
 from sdp_train.sync import ParamBroadcaster, SyncEngine, create_groups, plan_buckets
 
@@ -44,6 +47,8 @@ class Prepared:
     model_config: ModelConfig
     mask: Mask | None
     data: DataConfig
+    resume_from: Path | None = None
+    """The checkpoint directory to continue from, already checked against this run."""
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -58,8 +63,15 @@ def prepare(cfg: TrainConfig) -> Prepared:
                                                        "in_channels": 1 if data.dataset == "digits" else 3})
     if is_lm and cfg.seq_len > model_config.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model}'s max_seq_len={model_config.max_seq_len}")
-    if cfg.mode == "ddp":
-        return Prepared(cfg, model_config, None, data)
+    mask = None if cfg.mode in BASELINES else _mask_for_model(cfg, model_config)
+    resume_from = None
+    if cfg.resume is not None:
+        resume_from = find_checkpoint(cfg.resume)
+        check_resumable(resume_from, cfg, model_config, mask)
+    return Prepared(cfg, model_config, mask, data, resume_from)
+
+
+def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
     bmap = block_map(model_config)
     blocks = bmap.num_blocks(cfg.level)
     if cfg.mask is not None:
@@ -78,7 +90,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
             held_tensors(model_config, mask.matrix[k], cfg.level)
         except ConfigError as exc:
             raise ConfigError(f"mask row {k} (worker {k}) does not fit {cfg.model}: {exc}") from None
-    return Prepared(cfg, model_config, mask, data)
+    return mask
 
 
 def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
@@ -143,15 +155,23 @@ class Run:
     def __init__(self, prep: Prepared, info: DistInfo, device: torch.device) -> None:
         cfg, mc = prep.config, prep.model_config
         self.cfg, self.model_config, self.info, self.device = cfg, mc, info, device
+        self.mask = prep.mask
         self.engine: SyncEngine | None = None
         self.broadcaster: ParamBroadcaster | None = None
         self.ddp_bytes = 0
         self.param_names = [n for n in block_map(mc).shapes if n in block_map(mc).parameter_names]
-        if cfg.mode == "ddp":
-            model = build_model(mc, seed=cfg.seed, device=device)
-            self.model = model
-            self.train_model: nn.Module = self._wrap_ddp(model) if info.world_size > 1 else model
-            self.held_by_rank = [{n: SliceSpec() for n in model.state_dict()}] * info.world_size
+        if self.uses_fsdp and not dist.is_initialized():
+            raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
+                              f"or with --workers >= 2 (got workers={cfg.workers})")
+        world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if self.uses_fsdp else None
+        self.fsdp_counter = FSDPCollectiveBytes() if self.uses_fsdp else None
+        if cfg.mode in BASELINES:
+            self.model = build_model(mc, seed=cfg.seed, device=device)
+            self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * info.world_size
+            parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
+                        block_meshes=None, root_mesh=world_mesh)
+            use_ddp = cfg.mode == "ddp" and info.world_size > 1
+            self.train_model: nn.Module = self._wrap_ddp(self.model) if use_ddp else self.model
         else:
             rows = prep.mask.matrix.astype(bool)
             level = cfg.level
@@ -162,12 +182,18 @@ class Run:
             else:
                 self.model = build_worker_model(mc, rows[info.rank], level, seed=cfg.seed, device=device)
             self.train_model = self.model
-            plans = plan_buckets(self.held_by_rank, self.param_names)
-            groups = create_groups(plans, info.world_size) if info.world_size > 1 else {p.holders: None for p in plans}
-            local_index = self.model.full_index()
-            self.engine = SyncEngine(self.model, plans, local_index, groups, info.rank)
-            if cfg.mode == "bbsdp" and info.world_size > 1:
-                self.broadcaster = ParamBroadcaster(self.model, plans, info.world_size)
+            block_meshes = None
+            if cfg.fsdp:
+                block_meshes = holder_meshes(prep.mask, block_map(mc).block_names("block"), info.rank, device.type)
+            parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
+                        block_meshes=block_meshes, root_mesh=world_mesh)
+            if not cfg.fsdp:  # with FSDP, each block's reduce-scatter over its holders is the average
+                plans = plan_buckets(self.held_by_rank, self.param_names)
+                groups = (create_groups(plans, info.world_size) if info.world_size > 1
+                          else {p.holders: None for p in plans})
+                self.engine = SyncEngine(self.model, plans, self.model.full_index(), groups, info.rank)
+                if cfg.mode == "bbsdp" and info.world_size > 1:
+                    self.broadcaster = ParamBroadcaster(self.model, plans, info.world_size)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
@@ -190,12 +216,23 @@ class Run:
         return ddp
 
     @property
+    def uses_fsdp(self) -> bool:
+        return self.cfg.mode == "fsdp" or self.cfg.fsdp
+
+    @property
+    def comm_buffers(self) -> list[torch.Tensor]:
+        """The sync engine's long-lived bucket buffers (counted as "other" memory)."""
+        return [b.buffer for b in self.engine.buckets] if self.engine is not None else []
+
+    @property
     def comm_bytes(self) -> int:
         total = self.ddp_bytes
         if self.engine is not None:
             total += self.engine.comm_bytes
         if self.broadcaster is not None:
             total += self.broadcaster.comm_bytes
+        if self.fsdp_counter is not None:
+            total += self.fsdp_counter.comm_bytes
         return total
 
     def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -203,10 +240,14 @@ class Run:
         cfg = self.cfg
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        loss = loss_fn(self.train_model(inputs), targets)
-        loss.backward()
+        with self.fsdp_counter if self.fsdp_counter is not None else nullcontext():
+            loss = loss_fn(self.train_model(inputs), targets)
+            loss.backward()
         if self.engine is not None:
             sq_norm = self.engine.finish()
+        elif self.uses_fsdp:  # every gradient entry lives in exactly one rank's shard
+            sq_norm = torch.stack([_local(p.grad).float().pow(2).sum() for p in self.model.parameters()
+                                   if p.grad is not None]).sum()
         else:  # DDP: every rank holds the same averaged gradient; rank 0 contributes the norm
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             sq_norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if self.info.rank == 0 \
@@ -231,8 +272,9 @@ class Run:
     def full_state(self) -> dict[str, torch.Tensor]:
         """The full assembled model: each tensor slice taken from its lowest-ranked holder."""
         shapes = block_map(self.model_config).shapes
-        local = self.model.state_dict()
-        if self.info.world_size == 1 or self.cfg.mode == "ddp":
+        # FSDP: gather each sharded tensor over its mesh (every rank in one order, block by block)
+        local = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in self.model.state_dict().items()}
+        if self.info.world_size == 1 or self.cfg.mode in BASELINES:
             return {n: v.clone() for n, v in local.items()}
         index = self.model.full_index()
         with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
@@ -254,6 +296,43 @@ class Run:
         for name in shapes:
             dist.all_reduce(full[name])
         return full
+
+
+class FSDPCollectiveBytes(TorchDispatchMode):
+    """Counts the bytes of FSDP2's all-gathers and reduce-scatters as they are dispatched.
+
+    Each collective counts its full (unsharded) buffer, as an all-reduce counts its buffer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.comm_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d._allgather_base_.default:
+            self.comm_bytes += args[0].numel() * args[0].element_size()  # (output, input shard, ...)
+        elif func is torch.ops.c10d._reduce_scatter_base_.default:
+            self.comm_bytes += args[1].numel() * args[1].element_size()  # (output shard, input, ...)
+        return func(*args, **(kwargs or {}))
+
+
+def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: str) -> dict[str, DeviceMesh]:
+    """Block name -> mesh over the block's holders, for the blocks `rank` holds (B-SDP + FSDP).
+
+    Every rank creates the process group of every distinct holder set (single holders included:
+    FSDP needs a mesh for them too), in one sorted order, as ``dist.new_group`` requires.
+    """
+    holders_of = {name: tuple(int(k) for k in np.flatnonzero(mask.matrix[:, j]))
+                  for j, name in enumerate(names)}
+    groups = {}
+    for holders in sorted(set(holders_of.values())):
+        full = len(holders) == mask.workers
+        groups[holders] = dist.group.WORLD if full else dist.new_group(ranks=list(holders))
+    return {name: DeviceMesh.from_group(groups[h], device_type) for name, h in holders_of.items() if rank in h}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def owned_positions(name: str, held_by_rank, rank: int) -> tuple[int | None, tuple[int, ...]] | None:

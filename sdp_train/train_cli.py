@@ -19,27 +19,33 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--warmup-steps": ("warmup_steps", int), "--weight-decay": ("weight_decay", float),
     "--grad-clip": ("grad_clip", float), "--seed": ("seed", int), "--data": ("data", str),
     "--eval-batches": ("eval_batches", int), "--eval-every": ("eval_every", int), "--out": ("out", str),
-    "--max-data-bytes": ("max_data_bytes", int),
+    "--max-data-bytes": ("max_data_bytes", int), "--memory-steps": ("memory_steps", int),
+    "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
+}
+_SWITCHES = {  # flag -> (TrainConfig field, help)
+    "--heterogeneous": ("heterogeneous", "give each worker a different part of the data (by file / class)"),
+    "--ac": ("activation_checkpointing", "recompute each residual block's activations in backward"),
+    "--fsdp": ("fsdp", "with --mode bsdp: shard each held block among its holders (FSDP2)"),
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train with SDP (or the DDP baseline) on torch.distributed",
-                              description="Train a model with DDP, B-SDP, N-SDP or Bb-SDP.")
+                              description="Train a model with DDP, FSDP, B-SDP, N-SDP or Bb-SDP.")
     p.add_argument("--config", metavar="FILE", help="JSON file of TrainConfig fields; flags override it")
     docs = {f.name: f for f in fields(TrainConfig)}
     for flag, (name, typ) in _FLAGS.items():
         kwargs = {"choices": MODES} if name == "mode" else {}
         p.add_argument(flag, dest=name, type=typ, default=None, metavar=name.upper(),
                        help=f"(default {docs[name].default!r})", **kwargs)
-    p.add_argument("--heterogeneous", dest="heterogeneous", action="store_true", default=None,
-                   help="give each worker a different part of the data (by file / class)")
+    for flag, (name, text) in _SWITCHES.items():
+        p.add_argument(flag, dest=name, action="store_true", default=None, help=text)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = load_config_file(args.config) if args.config else {}
-    names = [name for name, _ in _FLAGS.values()] + ["heterogeneous"]
+    names = [name for name, _ in _FLAGS.values()] + [name for name, _ in _SWITCHES.values()]
     values.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
     if "mask" in values and "active" not in values:
         values["active"] = None
@@ -64,6 +70,5 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
     for flag, (name, _) in _FLAGS.items():
         if getattr(args, name) is not None:
             argv += [flag, str(getattr(args, name))]
-    if args.heterogeneous:
-        argv.append("--heterogeneous")
+    argv += [flag for flag, (name, _) in _SWITCHES.items() if getattr(args, name)]
     return argv

@@ -5,7 +5,7 @@
 >>> block_map(config).block_names("block")
 ('layers.0', 'layers.1')
 
-Each model family (`llama`, `resnet`) provides ``num_params``, ``block_map`` and
+Each model family (`llama`, `resnet`, `vit`) provides ``num_params``, ``block_map`` and
 ``subnet_kwargs``; this module dispatches on the config type. Building a worker's subnetwork from
 a mask row is `sdp_train.subnet`.
 """
@@ -21,27 +21,29 @@ import torch
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models import llama, resnet
+from sdp_train.models import llama, resnet, vit
 from sdp_train.models.blocks import LEVELS, Block, BlockMap, SliceSpec, SubnetModule
 from sdp_train.models.llama import Llama, LlamaConfig
 from sdp_train.models.resnet import ResNet, ResNetConfig
+from sdp_train.models.vit import ViT, ViTConfig
 
-ModelConfig = LlamaConfig | ResNetConfig
+ModelConfig = LlamaConfig | ResNetConfig | ViTConfig
 
 _FAMILIES: dict[type, tuple[type[nn.Module], ModuleType]] = {
     LlamaConfig: (Llama, llama),
     ResNetConfig: (ResNet, resnet),
+    ViTConfig: (ViT, vit),
 }
 
 __all__ = [
     "LEVELS", "Block", "BlockMap", "Llama", "LlamaConfig", "ModelConfig", "ResNet", "ResNetConfig",
     "SliceSpec", "SubnetModule", "block_map", "build_model", "get_model_config", "model_class",
-    "model_names", "num_params", "subnet_kwargs",
+    "model_names", "num_params", "subnet_kwargs", "ViT", "ViTConfig",
 ]
 
 
 def _named_configs() -> dict[str, ModelConfig]:
-    return {**llama.llama_configs(), **resnet.resnet_configs()}
+    return {**llama.llama_configs(), **resnet.resnet_configs(), **vit.vit_configs()}
 
 
 def model_names() -> tuple[str, ...]:
@@ -70,7 +72,7 @@ def get_model_config(name: str, **overrides: Any) -> ModelConfig:
 
 def _family(config: ModelConfig) -> tuple[type[nn.Module], ModuleType]:
     if type(config) not in _FAMILIES:
-        raise ConfigError(f"not a model config: {type(config).__name__}; expected LlamaConfig or ResNetConfig")
+        raise ConfigError(f"not a model config: {type(config).__name__}; expected LlamaConfig, ResNetConfig or ViTConfig")
     return _FAMILIES[type(config)]
 
 

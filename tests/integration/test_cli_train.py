@@ -90,8 +90,8 @@ def _parse(argv):
 
 
 def test_train_config_rejects_bad_values():
-    with pytest.raises(ConfigError, match="mode 'fsdp' is not one of"):
-        TrainConfig(mode="fsdp")
+    with pytest.raises(ConfigError, match="mode 'zero3' is not one of"):
+        TrainConfig(mode="zero3")
     with pytest.raises(ConfigError, match="needs --active C or --mask FILE"):
         TrainConfig(mode="bsdp", active=None)
 

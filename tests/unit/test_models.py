@@ -46,7 +46,8 @@ def test_num_params_equals_instantiated_count(config):
 
 
 def test_model_names_lists_every_named_config():
-    assert set(model_names()) == {"llama-debug", "llama-134m", "llama-500m", "llama-1b", "resnet18-cifar"}
+    assert set(model_names()) == {"llama-debug", "llama-134m", "llama-500m", "llama-1b", "resnet18-cifar",
+                                 "vit-tiny"}
 
 
 def test_unknown_model_name_lists_known_ones():

@@ -1,0 +1,102 @@
+"""Activation checkpointing and FSDP2 applied to a (sub)model in place, in torchtitan's order.
+
+`parallelize` calls the parallelisms in a fixed order: activation checkpointing first (inside
+each residual block, so FSDP's hooks on the block run outside the checkpointed region and the
+recomputation sees unsharded parameters), then FSDP2 (every residual block, then the root). DDP
+and the SDP sync engine are set up by `sdp_train.train.Run`, since they need its byte counters.
+
+With SDP (``--fsdp``) each held block is sharded among exactly its holders: its mesh is built
+from the block's holder-set process group, so FSDP's reduce-scatter computes the holder-set
+average that the sync engine would, and SDP's and FSDP's savings multiply. Every block's input
+requires grad (it is the output of a trained embedding/stem), so FSDP launches each block's
+reduce-scatter from the block's own backward, and `apply_fsdp` keeps backward free of
+all-gathers: every rank issues its collectives in the model's block order.
+
+Not here: tensor or pipeline parallelism, mixed precision, CPU offload.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+from sdp_train.models import ResNet
+
+
+def residual_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every residual block the model has built, in forward order."""
+    if isinstance(model, ResNet):
+        return [(f"{stage}.{j}", block) for stage in model.stages for j, block in getattr(model, stage).items()]
+    return [(f"layers.{i}", block) for i, block in model.layers.items()]
+
+
+def parallelize(model: nn.Module, *, activation_checkpointing: bool,
+                block_meshes: Mapping[str, DeviceMesh] | None, root_mesh: DeviceMesh | None) -> None:
+    """Apply activation checkpointing and FSDP2 to ``model`` in place.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The full model or a worker's subnetwork.
+    activation_checkpointing : bool
+        Recompute each residual block's activations in backward instead of keeping them.
+    block_meshes : mapping of str to DeviceMesh, optional
+        With FSDP: the mesh each residual block (by `residual_blocks` name) is sharded over.
+    root_mesh : DeviceMesh, optional
+        With FSDP: the mesh of the parameters outside the blocks (held by every worker).
+    """
+    # 1. activation checkpointing, inside each block
+    if activation_checkpointing:
+        apply_ac(model)
+    # 2. FSDP2: blocks, then the root (which takes every parameter the blocks did not)
+    if root_mesh is not None:
+        apply_fsdp(model, block_meshes or {}, root_mesh)
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Checkpoint every residual block (``torch.utils.checkpoint``, non-reentrant).
+
+    The block's buffers are restored after the recomputation, so BatchNorm running statistics are
+    updated once per step as without checkpointing.
+    """
+    for _, block in residual_blocks(model):
+        ctx = functools.partial(_recompute_contexts, block)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=ctx)
+
+
+def _recompute_contexts(block: nn.Module) -> tuple:
+    return nullcontext(), _buffers_kept(block)
+
+
+@contextmanager
+def _buffers_kept(block: nn.Module) -> Iterator[None]:
+    saved = [b.detach().clone() for b in block.buffers()]
+    try:
+        yield
+    finally:  # the recomputation stops early by raising once it has what backward needs
+        with torch.no_grad():
+            for buffer, value in zip(block.buffers(), saved):
+                buffer.copy_(value)
+
+
+def apply_fsdp(model: nn.Module, block_meshes: Mapping[str, DeviceMesh], root_mesh: DeviceMesh) -> None:
+    """``fully_shard`` each residual block on its mesh (default the root's), then the root.
+
+    With holder-set meshes (``block_meshes`` given), blocks keep their parameters unsharded from
+    forward to the end of their backward: backward then issues no all-gathers, so FSDP's implicit
+    backward prefetch (of the previous block *this rank* ran) cannot put collectives on a shared
+    group in different orders on different ranks. Every collective then follows the model's block
+    order on every rank. Between steps every block is sharded.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = not block_meshes
+    for name, block in residual_blocks(model):
+        fully_shard(block, mesh=block_meshes.get(name, root_mesh), reshard_after_forward=reshard)
+    fully_shard(model, mesh=root_mesh)

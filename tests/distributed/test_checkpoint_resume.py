@@ -1,0 +1,99 @@
+"""Checkpoints on real gloo ranks: a resumed run continues the exact loss trajectory, and a
+checkpoint of another mask, model, mode or world size is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from masklab import Mask, save_mask
+from sdp_train.checkpoint import MANIFEST
+from sdp_train.config import TrainConfig
+from sdp_train.errors import ConfigError
+from sdp_train.train import prepare
+from tests.distributed.conftest import run_rank_script
+
+pytestmark = pytest.mark.slow
+BASE = {"model": "llama-debug", "workers": 2, "steps": 4, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
+        "max_data_bytes": 100_000, "memory_steps": 0, "warmup_steps": 1, "seed": 5}
+
+
+def _cfg(out: Path, **kw) -> dict:
+    return {**BASE, **kw, "out": str(out)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt")
+    mask = str(save_mask(Mask(np.array([[1, 1, 1, 0], [0, 1, 1, 1]])), out / "mask.json"))
+    kinds = {"bsdp": {"mode": "bsdp", "active": 0.5}, "bsdp-fsdp": {"mode": "bsdp", "mask": mask, "active": None,
+                                                                     "fsdp": True}}
+    configs = []
+    for name, kw in kinds.items():
+        configs.append(_cfg(out / name, checkpoint_every=2, **kw))
+        configs.append(_cfg(out / f"{name}-resumed", resume=str(out / name / "checkpoints" / "step_2"), **kw))
+    run_rank_script(2, "train", {"configs": configs}, out)
+    return out
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["bsdp", "bsdp-fsdp"])
+def test_resumed_run_repeats_the_uninterrupted_loss_trajectory_exactly(runs, name):
+    full, resumed = _metrics(runs / name), _metrics(runs / f"{name}-resumed")
+    assert [m["step"] for m in resumed] == [2, 3]
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[2:]]
+    summary = json.loads((runs / f"{name}-resumed" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2
+    assert summary["final_val_loss"] == json.loads((runs / name / "summary.json").read_text())["final_val_loss"]
+
+
+def test_checkpoint_is_every_n_steps_and_at_the_end_and_loads_as_plain_tensors(runs):
+    root = runs / "bsdp" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
+    for step in (2, 4):
+        manifest = json.loads((root / f"step_{step}" / MANIFEST).read_text())
+        assert manifest["step"] == step and manifest["identity"]["world_size"] == 2
+        for rank in range(2):
+            state = torch.load(root / f"step_{step}" / f"rank{rank}.pt", weights_only=True)
+            assert state["step"] == step and state["data"]["step"] == step and state["optimizer"]["state"]
+    assert not list(root.glob("step_*/.*"))  # no temporary files left behind
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"active": 0.75}, "mask: checkpoint"),
+    ({"model_overrides": {"hidden_dim": 256}}, "model_config: checkpoint"),
+    ({"mode": "nsdp"}, "mode: checkpoint 'bsdp', this run 'nsdp'"),
+    ({"workers": 4}, "world_size: checkpoint 2, this run 4"),
+])
+def test_checkpoint_of_another_run_is_refused_naming_what_differs(runs, change, message):
+    cfg = TrainConfig(**{**BASE, "mode": "bsdp", "active": 0.5, **change,
+                         "resume": str(runs / "bsdp" / "checkpoints" / "step_2"), "out": str(runs / "x")})
+    with pytest.raises(ConfigError, match=f"cannot resume from .*{message}"):
+        prepare(cfg)
+
+
+def test_resume_picks_the_latest_checkpoint_and_refuses_one_with_nothing_left_or_none(runs, tmp_path):
+    cfg = TrainConfig(**{**BASE, "mode": "bsdp", "active": 0.5, "out": str(tmp_path),
+                         "resume": str(runs / "bsdp" / "checkpoints")})
+    with pytest.raises(ConfigError, match="step_4: it is at step 4 and the run has steps=4"):
+        prepare(cfg)
+    assert prepare(TrainConfig(**{**cfg.to_dict(), "steps": 6})).resume_from.name == "step_4"
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        prepare(TrainConfig(**{**cfg.to_dict(), "resume": str(tmp_path)}))
+
+
+def test_resuming_into_the_same_directory_keeps_only_the_metrics_before_the_checkpoint(tmp_path):
+    from sdp_train.loop import _open_metrics
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(4)))
+    (tmp_path / "summary.json").write_text("{}")
+    _open_metrics(tmp_path, 2).close()
+    assert [m["step"] for m in _metrics(tmp_path)] == [0, 1]
+    assert not (tmp_path / "summary.json").exists()  # the resumed run has not finished yet

@@ -1,0 +1,132 @@
+"""FSDP2 as a baseline and composed with B-SDP, on real gloo ranks.
+
+The FSDP baseline must follow DDP's loss trajectory, B-SDP with ``fsdp=True`` (each block sharded
+among its holders) must follow B-SDP's, and activation checkpointing must change neither. One
+torchrun launch trains every configuration.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from masklab import Mask, save_mask
+from sdp_train.config import TrainConfig
+from sdp_train.dist import DistInfo
+from sdp_train.errors import ConfigError
+from sdp_train.models import block_map, get_model_config
+from sdp_train.train import Run, prepare
+from tests.distributed.conftest import run_rank_script
+
+LLAMA = get_model_config("llama-debug")
+MASK = np.array([[1, 1, 1, 0], [0, 1, 1, 1]])  # blocks 1, 2 shared by both workers; 0, 3 single holders
+RESNET = {"model": "resnet18-cifar", "model_overrides": {"width_multiplier": 0.125}, "batch_size": 8,
+          "active": 0.5}
+
+
+def _cfg(out: Path, **kw) -> dict:
+    base = {"model": "llama-debug", "workers": 2, "steps": 4, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
+            "max_data_bytes": 100_000, "memory_steps": 1, "warmup_steps": 1, "seed": 3}
+    return {**base, **kw, "out": str(out)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp")
+    mask = str(save_mask(Mask(MASK), out / "mask.json"))
+    sdp = {"mode": "bsdp", "mask": mask, "active": None}
+    configs = [
+        _cfg(out / "ddp", mode="ddp"),
+        _cfg(out / "fsdp", mode="fsdp"),
+        _cfg(out / "fsdp-ac", mode="fsdp", activation_checkpointing=True),
+        _cfg(out / "bsdp", **sdp),
+        _cfg(out / "bsdp-fsdp", fsdp=True, **sdp),
+        _cfg(out / "bsdp-fsdp-ac", fsdp=True, activation_checkpointing=True, **sdp),
+        _cfg(out / "resnet-bsdp", mode="bsdp", **RESNET),
+        _cfg(out / "resnet-bsdp-fsdp-ac", mode="bsdp", fsdp=True, activation_checkpointing=True, **RESNET),
+    ]
+    run_rank_script(2, "train", {"configs": configs}, out)
+    return out
+
+
+def _metrics(out: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _summary(out: Path, name: str) -> dict:
+    return json.loads((out / name / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("run", "reference"), [
+    ("fsdp", "ddp"), ("fsdp-ac", "ddp"), ("bsdp-fsdp", "bsdp"), ("bsdp-fsdp-ac", "bsdp"),
+    ("resnet-bsdp-fsdp-ac", "resnet-bsdp"),
+])
+def test_fsdp_follows_the_loss_trajectory_of_the_same_run_without_it(runs, run, reference):
+    got, expected = _metrics(runs, run), _metrics(runs, reference)
+    np.testing.assert_allclose([m["loss"] for m in got], [m["loss"] for m in expected], rtol=1e-5)
+    np.testing.assert_allclose([m["grad_norm"] for m in got], [m["grad_norm"] for m in expected], rtol=1e-4)
+    assert _summary(runs, run)["final_val_loss"] == pytest.approx(_summary(runs, reference)["final_val_loss"],
+                                                                   rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sdp_with_fsdp_holds_each_block_sharded_among_its_holders(runs):
+    bmap = block_map(LLAMA)
+    numel = {n: int(np.prod(s)) for n, s in bmap.shapes.items() if n in bmap.parameter_names}
+    shared = sum(numel[n] for n in bmap.shared("block") if n in numel)
+    block = [sum(numel[n] for n, _ in bmap.owned("block", j)) for j in range(4)]
+    alone, sharded = _summary(runs, "bsdp")["peak_memory_bytes"], _summary(runs, "bsdp-fsdp")["peak_memory_bytes"]
+    for rank in range(2):
+        held = np.flatnonzero(MASK[rank])
+        expected = shared / 2 + sum(block[j] / MASK[:, j].sum() for j in held)
+        assert sharded[rank]["persistent"]["parameters"] == 4 * expected
+        assert sum(sharded[rank]["persistent"].values()) < sum(alone[rank]["persistent"].values())
+
+
+@pytest.mark.slow
+def test_fsdp_comm_bytes_count_every_all_gather_and_reduce_scatter(runs):
+    bmap = block_map(LLAMA)
+    params = {n: int(np.prod(s)) for n, s in bmap.shapes.items() if n in bmap.parameter_names}
+    in_blocks = sum(params[n] for j in range(4) for n, _ in bmap.owned("block", j))
+    # all-gather every parameter in forward, the blocks again in backward, reduce-scatter every
+    # gradient, plus the [loss, grad-norm^2] all-reduce
+    expected = 4 * (2 * sum(params.values()) + in_blocks) + 8
+    assert {m["comm_bytes"] for m in _metrics(runs, "fsdp")} == {expected}
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_composes_with_sdp_and_fsdp_and_lowers_activations(runs):
+    plain = _summary(runs, "bsdp-fsdp")["peak_memory_bytes"]
+    ac = _summary(runs, "bsdp-fsdp-ac")["peak_memory_bytes"]
+    for before, after in zip(plain, ac):
+        assert after["activations"] < before["activations"]
+
+
+@pytest.mark.parametrize("mode", ["nsdp", "bbsdp", "ddp", "fsdp"])
+def test_fsdp_composition_outside_bsdp_is_refused_with_the_reason(mode):
+    with pytest.raises(ConfigError, match=f"composes with mode 'bsdp' only, got mode '{mode}'"):
+        TrainConfig(mode=mode, fsdp=True)
+
+
+def test_fsdp_without_a_process_group_is_refused(tmp_path):
+    prep = prepare(TrainConfig(mode="fsdp", workers=1, out=str(tmp_path)))
+    with pytest.raises(ConfigError, match="needs torch.distributed"):
+        Run(prep, DistInfo(0, 1, 0), torch.device("cpu"))
+
+
+def test_parallelism_memory_and_checkpoint_flags_reach_the_config_and_the_launched_ranks():
+    from sdp_train.cli import build_parser
+    from sdp_train.train_cli import _argv_of, config_from_args
+
+    argv = ["--mode", "bsdp", "--fsdp", "--ac", "--memory-steps", "1", "--checkpoint-every", "3", "--resume", "d"]
+    args = build_parser().parse_args(["train", *argv])
+    cfg = config_from_args(args)
+    assert (cfg.fsdp, cfg.activation_checkpointing, cfg.memory_steps, cfg.checkpoint_every, cfg.resume) == \
+        (True, True, 1, 3, "d")
+    relaunched = config_from_args(build_parser().parse_args(["train", *_argv_of(args)]))
+    assert relaunched == cfg
