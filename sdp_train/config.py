@@ -83,6 +83,15 @@ class TrainConfig:
     """Output directory (metrics.jsonl, summary.json, checkpoints/)."""
 
     def __post_init__(self) -> None:
+        for name in ("model", "construction", "data", "out"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
+        for name in ("mask", "resume"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a path string or null")
+        for name in ("heterogeneous", "activation_checkpointing", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.model_overrides, dict):
             raise ConfigError(f"model_overrides must be a mapping of config fields, got {self.model_overrides!r}")
         if self.mode not in MODES:

@@ -112,3 +112,14 @@ def test_sdp_train_launches_ranks_and_writes_metrics_and_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(summary)
     assert summary["mask"]["workers"] == 2 and summary["config"]["mode"] == "bsdp"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("model", 123, "model=123 must be a string"), ("out", None, "out=None must be a string"),
+     ("mask", 5, "mask=5 must be a path string or null"), ("fsdp", "yes", "fsdp='yes' must be true or false")],
+)
+def test_config_fields_of_the_wrong_type_are_refused_naming_the_field(field, value, message):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict({field: value})
+    assert message in str(err.value)
