@@ -1,0 +1,322 @@
+"""``sdp compare``: design → verify → train every system on the same data, seeds and budget → report.
+
+1. Design: every SDP run's mask is designed here (``sdp train``'s own `design_for_model`), saved to
+   ``DIR/masks/NAME.json`` and certified (`masklab.analyze`: coverage, connectivity, spectral gap)
+   and checked against the convergence conditions of docs/theory.md (every block held, connected
+   mixing graph, a finite bound ratio to DDP under unit constants). A mask that fails is reported
+   and its run is not started.
+2. Train: each system is one real ``sdp train --config DIR/runs/NAME/config.json`` (its own
+   torchrun-launched ranks) writing into ``DIR/runs/NAME``. A run whose ``summary.json`` records
+   exactly that config and mask is skipped, so an interrupted comparison resumes where it stopped.
+   Every run gets the preset's model, data, seed, learning rate, schedule, batch and steps;
+   nothing is tuned per system. The one exception is the FLOP-matched B-SDP run, which trains
+   ``ceil(steps * F_ddp / F_bsdp)`` steps, F being the training FLOPs per step per rank.
+3. Report: ``DIR/compare.json``, ``DIR/compare.md`` and PNG plots (`sdp_train.compare_report`).
+
+FLOPs are the usual dense estimate, per token: 2N forward, 2N backward through the activations and
+2N for the weight gradients, N being the parameters the worker runs (embeddings and attention
+scores are treated like any other parameter; activation checkpointing adds one forward). B-SDP
+and N-SDP workers run only their subnetwork; a Bb-SDP worker runs the full model forward and
+through the activations, and computes weight gradients for its held blocks only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdp_train.config import TrainConfig
+from sdp_train.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A named comparison: model, workers and the training budget every system shares."""
+
+    model: str
+    workers: int
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    warmup_steps: int
+    active: float = 0.5
+    """C of the SDP runs."""
+    sweep: tuple[float, ...] = ()
+    """Further B-SDP runs at these C (the paper's 0.375 / 0.69 / 1.0); a C whose designed mask
+    equals one already in the comparison is reported as such and not trained twice."""
+    heterogeneous: bool = False
+    """Also run DDP and B-SDP with each worker on its own part of the data (by file)."""
+    eval_every: int = 50
+    eval_batches: int = 4
+    max_data_bytes: int = 2_000_000
+    memory_steps: int = 1
+    data: str = "auto"
+
+
+PRESETS: dict[str, Preset] = {
+    # 4 CPU ranks of the byte-level stdlib LM: the whole comparison in under 10 min on 2 cores.
+    "cpu-small": Preset(model="llama-debug", workers=4, steps=200, batch_size=8, seq_len=64, lr=3e-3,
+                        warmup_steps=10, sweep=(0.375, 0.69, 1.0), heterogeneous=True, eval_every=50,
+                        eval_batches=8, max_data_bytes=1_000_000),
+    # GPU presets: the paper's LLaMA shapes on 4 GPUs (one per rank). The stdlib default data is
+    # small; for real pre-training data write uint16 token shards and edit `data` to "bin:DIR".
+    "gpu-134m": Preset(model="llama-134m", workers=4, steps=2000, batch_size=16, seq_len=1024, lr=6e-4,
+                       warmup_steps=100, sweep=(0.375, 0.69, 1.0), heterogeneous=True, eval_every=200,
+                       eval_batches=16, max_data_bytes=200_000_000),
+    "gpu-1b": Preset(model="llama-1b", workers=4, steps=2000, batch_size=8, seq_len=1024, lr=3e-4,
+                     warmup_steps=100, sweep=(0.375, 0.69, 1.0), eval_every=200, eval_batches=16,
+                     max_data_bytes=200_000_000),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One system of the comparison."""
+
+    name: str
+    mode: str
+    active: float | None = None
+    ac: bool = False
+    fsdp: bool = False
+    heterogeneous: bool = False
+    flop_matched: bool = False
+
+
+def run_specs(preset: Preset) -> list[RunSpec]:
+    """The systems of a preset, baselines first."""
+    c = preset.active
+    specs = [
+        RunSpec("ddp", "ddp"),
+        RunSpec("fsdp", "fsdp"),
+        RunSpec("fsdp+ac", "fsdp", ac=True),
+        RunSpec("bsdp", "bsdp", c),
+        RunSpec("nsdp", "nsdp", c),
+        RunSpec("bbsdp", "bbsdp", c),
+        RunSpec("bsdp+fsdp+ac", "bsdp", c, ac=True, fsdp=True),
+        RunSpec("bsdp-flop-matched", "bsdp", c, flop_matched=True),
+    ]
+    specs += [RunSpec(f"bsdp-C{a:g}", "bsdp", a) for a in preset.sweep if a != c]
+    if preset.heterogeneous:
+        specs += [RunSpec("ddp-hetero", "ddp", heterogeneous=True),
+                  RunSpec("bsdp-hetero", "bsdp", c, heterogeneous=True)]
+    return specs
+
+
+def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
+    """The TrainConfig of one system (mask still to be designed; steps before FLOP matching)."""
+    return TrainConfig(
+        model=preset.model, mode=spec.mode, active=spec.active, workers=preset.workers, steps=preset.steps,
+        batch_size=preset.batch_size, seq_len=preset.seq_len, lr=preset.lr, warmup_steps=preset.warmup_steps,
+        seed=0, data=preset.data, heterogeneous=spec.heterogeneous, max_data_bytes=preset.max_data_bytes,
+        eval_batches=preset.eval_batches, eval_every=preset.eval_every, activation_checkpointing=spec.ac,
+        fsdp=spec.fsdp, memory_steps=preset.memory_steps, out=str(out / "runs" / spec.name),
+    )
+
+
+# -- design and verification ---------------------------------------------------------------------
+def certify(mask, steps: int) -> dict[str, Any]:
+    """masklab's certificate of `mask` plus the convergence conditions it is checked against."""
+    from masklab import analyze
+    from theory.bounds import constants_from_totals, ddp_bound, optimal_step_size, sdp_bound
+
+    cert = analyze(mask).to_dict()
+    constants = constants_from_totals(mask, smoothness=1.0, sigma=1.0, zeta=1.0, suboptimality=1.0)
+    eta = optimal_step_size(mask, constants, steps=steps)
+    ddp_eta = optimal_step_size(mask.replace(matrix=np.ones_like(mask.matrix)), constants, steps=steps)
+    ratio = sdp_bound(mask, constants, eta=eta, steps=steps).total / ddp_bound(
+        mask, constants, eta=ddp_eta, steps=steps).total
+    conditions = {
+        "every block held (coverage >= 1)": cert["coverage_min"] >= 1,
+        "mixing graph connected (spectral gap > 0)": bool(cert["connected"]) and cert["spectral_gap"] > 0,
+        "finite bound (unit constants)": math.isfinite(ratio),
+    }
+    return {"certificate": cert, "conditions": conditions, "verified": all(conditions.values()),
+            "bound_vs_ddp": ratio}
+
+
+def flops_per_step(cfg: TrainConfig, mask) -> float:
+    """Training FLOPs per step per rank (mean over ranks), by the dense estimate of the module doc."""
+    from sdp_train.models import get_model_config, model_class, num_params, subnet_kwargs
+
+    model_config = get_model_config(cfg.model, **cfg.model_overrides)
+    tokens = cfg.batch_size * (cfg.seq_len if hasattr(model_config, "vocab_size") else 1)
+    full = num_params(model_config)
+    forwards = 2 if cfg.activation_checkpointing else 1
+    if mask is None:
+        return tokens * full * (2 * forwards + 4)
+    import torch
+
+    held = []
+    for row in mask.matrix.astype(bool):
+        with torch.device("meta"):
+            model = model_class(model_config)(model_config, **subnet_kwargs(model_config, row, cfg.level))
+        held.append(sum(p.numel() for p in model.parameters()))
+    mean_held = float(np.mean(held))
+    if cfg.mode == "bbsdp":
+        return tokens * (2 * forwards * full + 2 * full + 2 * mean_held)
+    return tokens * mean_held * (2 * forwards + 4)
+
+
+@dataclass
+class Planned:
+    spec: RunSpec
+    config: TrainConfig
+    mask: Any
+    flops_per_step: float
+    verification: dict[str, Any] | None
+    duplicate_of: str | None = None
+
+
+def plan_runs(preset: Preset, out: Path) -> list[Planned]:
+    """Design, certify and save every mask; fix every run's config (FLOP-matched steps included)."""
+    from masklab.io import save_mask
+    from sdp_train.train import prepare
+
+    planned: list[Planned] = []
+    (out / "masks").mkdir(parents=True, exist_ok=True)
+    for spec in run_specs(preset):
+        cfg = base_config(preset, spec, out)
+        mask = prepare(cfg).mask  # the mask `sdp train` would design, with every check it makes
+        verification = duplicate = None
+        if mask is not None:
+            mask_path = out / "masks" / f"{spec.name}.json"
+            if not mask_path.is_file() or mask_path.read_bytes() != _mask_bytes(mask):
+                save_mask(mask, mask_path)
+            cfg = replace(cfg, mask=str(mask_path), active=None)
+            verification = certify(mask, cfg.steps)
+            if spec.name.startswith("bsdp-C"):
+                duplicate = next((p.spec.name for p in planned if p.mask is not None and p.config.mode == "bsdp"
+                                  and not p.spec.heterogeneous and np.array_equal(p.mask.matrix, mask.matrix)), None)
+        planned.append(Planned(spec, cfg, mask, flops_per_step(cfg, mask), verification, duplicate))
+    by_name = {p.spec.name: p for p in planned}
+    for p in planned:
+        if p.spec.flop_matched:
+            ratio = by_name["ddp"].flops_per_step / p.flops_per_step
+            p.config = replace(p.config, steps=math.ceil(preset.steps * ratio))
+    return planned
+
+
+def _mask_bytes(mask) -> bytes:
+    import tempfile
+
+    from masklab.io import save_mask
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return save_mask(mask, Path(tmp) / "m.json").read_bytes()
+
+
+# -- training ------------------------------------------------------------------------------------
+def finished_summary(p: Planned) -> dict[str, Any] | None:
+    """The run's summary.json if it finished with exactly this config and mask, else None."""
+    from masklab.io import mask_to_dict
+
+    path = Path(p.config.out) / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    want_mask = None if p.mask is None else json.loads(json.dumps(mask_to_dict(p.mask)))
+    if summary.get("config") != json.loads(json.dumps(p.config.to_dict())) or summary.get("mask") != want_mask:
+        return None
+    return summary
+
+
+def compare(preset_name: str, out: Path, *, log=print) -> dict[str, Any]:
+    """Run (or resume) the comparison and write its report; returns the compare.json content."""
+    if preset_name not in PRESETS:
+        raise ConfigError(f"unknown preset {preset_name!r}; known presets: {sorted(PRESETS)}")
+    preset = PRESETS[preset_name]
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory")
+    started = time.monotonic()
+    planned = plan_runs(preset, out)
+    log(f"sdp compare --preset {preset_name}: {len(planned)} runs of {preset.model} on {preset.workers} workers, "
+        f"{preset.steps} steps each -> {out}")
+    for p in planned:
+        if p.verification is not None:
+            cert = p.verification["certificate"]
+            status = "verified" if p.verification["verified"] else "FAILED: " + ", ".join(
+                k for k, ok in p.verification["conditions"].items() if not ok)
+            log(f"  mask {p.spec.name}: C={cert['active_fraction']:.3f}, coverage {cert['coverage_min']}-"
+                f"{cert['coverage_max']}, spectral gap {cert['spectral_gap']:.3f}, bound x DDP "
+                f"{p.verification['bound_vs_ddp']:.2f}: {status}")
+    summaries: dict[str, dict[str, Any]] = {}
+    todo = [p for p in planned if p.duplicate_of is None and (p.verification is None or p.verification["verified"])]
+    for i, p in enumerate(todo, 1):
+        summary = finished_summary(p)
+        if summary is not None:
+            log(f"[{i}/{len(todo)}] {p.spec.name}: finished earlier, skipped")
+        else:
+            summary = _train(p, f"[{i}/{len(todo)}] {p.spec.name}", log)
+        summaries[p.spec.name] = summary
+    from sdp_train.compare_report import build_report, write_report
+
+    report = build_report(preset_name, preset, planned, summaries)
+    report["wall_time_s"] = time.monotonic() - started
+    write_report(report, out)
+    return report
+
+
+def _train(p: Planned, label: str, log) -> dict[str, Any]:
+    run_dir = Path(p.config.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    config_path = run_dir / "config.json"
+    config_path.write_text(json.dumps(p.config.to_dict(), indent=1), encoding="utf-8")
+    argv = [sys.executable, "-m", "sdp_train.cli", "train", "--config", str(config_path)]
+    log(f"{label}: training {p.config.steps} steps (log: {run_dir / 'log.txt'})")
+    t0 = time.monotonic()
+    with open(run_dir / "log.txt", "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            _watch(proc, run_dir / "metrics.jsonl", p.config.steps, label)
+        except BaseException:
+            proc.terminate()
+            proc.wait()
+            raise
+    if proc.returncode != 0:
+        tail = (run_dir / "log.txt").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError(f"run {p.spec.name} failed (exit {proc.returncode}); the end of {run_dir / 'log.txt'}:\n"
+                           + "\n".join(tail))
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    log(f"{label}: done in {time.monotonic() - t0:.0f} s, val loss {summary['final_val_loss']:.4f}")
+    return summary
+
+
+def _watch(proc: subprocess.Popen, metrics: Path, steps: int, label: str) -> None:
+    """Wait for `proc`, showing the step it reached (from metrics.jsonl) on a terminal."""
+    tty = sys.stdout.isatty()
+    while proc.poll() is None:
+        time.sleep(1.0)
+        if tty and metrics.is_file():
+            with open(metrics, "rb") as f:
+                done = sum(1 for _ in f)
+            print(f"\r{label}: step {done}/{steps}", end="", flush=True)
+    if tty:
+        print("\r", end="", flush=True)
+
+
+def machine() -> str:
+    return f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores, python {platform.python_version()}"
+
+
+def today() -> str:
+    return date.today().isoformat()
+
+
+def preset_dict(preset: Preset) -> dict[str, Any]:
+    return asdict(preset)

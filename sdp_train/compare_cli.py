@@ -1,0 +1,31 @@
+"""``sdp compare``: run (or resume) a named comparison of DDP, FSDP and the SDP variants."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from sdp_train.compare import PRESETS
+
+    p = subparsers.add_parser(
+        "compare", help="design, verify, train DDP/FSDP/SDP side by side and report",
+        description="Design and certify the masks, then train DDP, FSDP, FSDP+AC, B-SDP, N-SDP, Bb-SDP, "
+                    "B-SDP+FSDP+AC, a FLOP-matched B-SDP, a sweep of C and a heterogeneous-data pair on the "
+                    "same data, seeds and budget; write compare.json, compare.md and plots. "
+                    "Re-running skips the runs that finished.")
+    p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="(default cpu-small)")
+    p.add_argument("--out", default="runs/compare", metavar="DIR", help="(default runs/compare)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sdp_train.compare import compare
+
+    out = Path(args.out)
+    compare(args.preset, out)
+    print()
+    print((out / "compare.md").read_text(encoding="utf-8"))
+    print(f"report: {out / 'compare.json'}; plots: {out / 'compare_loss.png'}, {out / 'compare_cost.png'}")
+    return 0

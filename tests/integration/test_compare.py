@@ -1,0 +1,107 @@
+"""`sdp compare`: masks designed and certified first, every system trained for real, a report
+with ratios to DDP, FLOP matching, duplicate masks of a C sweep not retrained, and a re-run that
+skips what finished."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from sdp_train import compare as compare_mod
+from sdp_train.cli import main
+from sdp_train.compare import Preset, RunSpec, compare, flops_per_step, plan_runs
+from sdp_train.config import TrainConfig
+
+TINY = Preset(model="llama-debug", workers=3, steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1,
+              sweep=(0.375,), eval_every=2, eval_batches=1, max_data_bytes=100_000, memory_steps=1)
+SPECS = [RunSpec("ddp", "ddp"), RunSpec("bsdp", "bsdp", 0.5), RunSpec("bsdp-flop-matched", "bsdp", 0.5,
+         flop_matched=True), RunSpec("bsdp-C0.375", "bsdp", 0.375)]
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setitem(compare_mod.PRESETS, "tiny", TINY)
+    monkeypatch.setattr(compare_mod, "run_specs", lambda preset: list(SPECS))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_flops_per_step_follow_the_dense_estimate():
+    cfg = TrainConfig(model="llama-debug", mode="ddp", batch_size=2, seq_len=16)
+    from sdp_train.models import get_model_config, num_params
+
+    n = num_params(get_model_config("llama-debug"))
+    assert flops_per_step(cfg, None) == 6 * 32 * n
+    ac = TrainConfig(model="llama-debug", mode="ddp", batch_size=2, seq_len=16, activation_checkpointing=True)
+    assert flops_per_step(ac, None) == 8 * 32 * n
+
+
+def test_plan_certifies_every_mask_and_matches_flops(tmp_path, tiny):
+    four = Preset(**{**TINY.__dict__, "workers": 4})
+    specs = compare_mod.run_specs(TINY) + [RunSpec("bsdp-hetero", "bsdp", 0.5, heterogeneous=True)]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compare_mod, "run_specs", lambda preset: specs)
+        planned = {p.spec.name: p for p in plan_runs(four, tmp_path)}
+    assert planned["bsdp-hetero"].config.heterogeneous and not planned["bsdp"].config.heterogeneous
+    assert planned["bsdp-hetero"].config.mask != planned["bsdp"].config.mask  # each run its own file
+    assert planned["ddp"].mask is None and planned["ddp"].verification is None
+    bsdp = planned["bsdp"]
+    assert bsdp.verification["verified"] and bsdp.verification["certificate"]["spectral_gap"] > 0
+    assert TrainConfig(**json.loads(json.dumps(bsdp.config.to_dict()))).mask == str(tmp_path / "masks" / "bsdp.json")
+    ratio = planned["ddp"].flops_per_step / bsdp.flops_per_step
+    assert 1 < ratio < 2
+    assert planned["bsdp-flop-matched"].config.steps == math.ceil(TINY.steps * ratio)
+    # with K=4, C=0.375 designs the same mask as C=0.5: reported, not trained twice
+    assert planned["bsdp-C0.375"].duplicate_of == "bsdp"
+    # with K=3 it designs a disconnected mask: the certificate says so and the run is not started
+    bad = {p.spec.name: p for p in plan_runs(TINY, tmp_path / "k3")}["bsdp-C0.375"]
+    assert bad.duplicate_of is None and not bad.verification["verified"]
+    assert not bad.verification["conditions"]["mixing graph connected (spectral gap > 0)"]
+
+
+@pytest.mark.slow
+def test_compare_trains_reports_and_resumes(tmp_path, tiny, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--preset", "tiny", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mask bsdp: C=0.667" in printed and "verified" in printed
+    report = json.loads((out / "compare.json").read_text())
+    runs = report["runs"]
+    assert set(runs) == {"ddp", "bsdp", "bsdp-flop-matched"}
+    assert report["not_run"] == {"bsdp-C0.375": "its mask failed verification"}
+    assert "mask bsdp-C0.375: C=0.333" in printed and "FAILED: mixing graph connected" in printed
+    assert runs["ddp"]["final_val_loss_vs_ddp"] == 1.0 and runs["ddp"]["peak_memory_vs_ddp"] == 1.0
+    assert runs["bsdp"]["peak_memory_vs_ddp"] < 1.0 and runs["bsdp"]["comm_bytes_per_step_vs_ddp"] < 1.0
+    assert runs["bsdp-flop-matched"]["training_flops_vs_ddp"] == pytest.approx(1.0, rel=0.3)
+    assert runs["bsdp-flop-matched"]["steps"] > TINY.steps
+    for row in runs.values():
+        assert math.isfinite(row["final_val_loss"]) and row["val_history"][-1]["step"] == row["steps"] - 1
+    table = (out / "compare.md").read_text()
+    assert "| bsdp-flop-matched | 0.667 |" in table and "Not run: `bsdp-C0.375`" in table
+    assert table in printed
+    for png in ("compare_loss.png", "compare_cost.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+    # an interrupted comparison: one run lost its summary; a re-run trains only that one
+    (out / "runs" / "bsdp-flop-matched" / "summary.json").unlink()
+    before = (out / "runs" / "ddp" / "summary.json").stat().st_mtime_ns
+    lines: list[str] = []
+    again = compare("tiny", out, log=lines.append)
+    assert [line for line in lines if "skipped" in line] == [
+        "[1/3] ddp: finished earlier, skipped", "[2/3] bsdp: finished earlier, skipped"]
+    assert any(line.startswith("[3/3] bsdp-flop-matched: training") for line in lines)
+    assert (out / "runs" / "ddp" / "summary.json").stat().st_mtime_ns == before
+    assert again["runs"]["ddp"]["final_val_loss"] == runs["ddp"]["final_val_loss"]
+
+
+def test_unknown_preset_and_bad_out_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--preset", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert main(["compare", "--out", str(not_a_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"sdp compare: error: --out {not_a_dir} exists and is not a directory"]
