@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "masklab.cli",
     "theory.cli",
     "sdp_train.train_cli",
+    "sdp_train.compare_cli",
 )
 
 EXIT_USAGE = 2
