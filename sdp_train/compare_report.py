@@ -130,12 +130,13 @@ def plot(report: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = report["runs"]
+    colors = plt.get_cmap("tab20").colors
     fig, (ax_s, ax_f) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, (name, r) in enumerate(runs.items()):
         steps = np.array([v["step"] + 1 for v in r["val_history"]])
         loss = np.array([v["val_loss"] for v in r["val_history"]])
         style = "--" if r["mode"] in ("ddp", "fsdp") else "-"
-        kw = {"marker": "o", "ms": 3, "label": name, "color": f"C{i % 10}"}
+        kw = {"marker": "o", "ms": 3, "label": name, "color": colors[i % len(colors)]}
         ax_s.plot(steps, loss, style, **kw)
         ax_f.plot(steps * r["flops_per_step"], loss, style, **kw)
     ax_s.set_xlabel("optimizer steps")
