@@ -9,6 +9,7 @@ on stderr and a non-zero exit; it deliberately holds no command logic.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -20,14 +21,22 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "theory.cli",
     "sdp_train.train_cli",
     "sdp_train.compare_cli",
+    "sdp_train.plan_cli",
 )
 
 EXIT_USAGE = 2
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Errors that mean "the input is wrong": reported as one line, never as a traceback."""
-    return (ValueError, TypeError, FileNotFoundError, IsADirectoryError, PermissionError)
+def _is_user_error(exc: BaseException) -> bool:
+    """Errors that mean "the input is wrong": reported as one line, never as a traceback.
+
+    OSErrors count when they are about a path the user named (missing, a directory where a file is
+    needed or the reverse, already there, no permission, a name too long); others (disk full, ...)
+    keep their traceback.
+    """
+    path_errors = (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError)
+    return (isinstance(exc, (ValueError, TypeError, *path_errors))
+            or isinstance(exc, OSError) and exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EROFS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,14 +56,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except _user_error_types() as exc:
-        if os.environ.get("SDP_DEBUG"):
-            raise
-        print(f"sdp {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"sdp {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not _is_user_error(exc) or os.environ.get("SDP_DEBUG"):
+            raise
+        message = " ".join(str(exc).splitlines())  # one line even when a path or value holds a newline
+        print(f"sdp {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

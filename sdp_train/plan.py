@@ -1,0 +1,389 @@
+"""Predicted peak memory per rank of DDP, FSDP and the SDP modes, from the model's structure.
+
+`predict` builds each worker's model on the meta device (the same subnetwork ``sdp train`` builds
+from the same designed mask: `design_for_model`, seed 0) and adds up, in bytes:
+
+- persistent state: the parameters the worker holds, the gradients of those it trains, AdamW's two
+  moments of those plus a float32 step counter per tensor; under FSDP2 every tensor is a dim-0
+  shard, padded to ``ceil(rows / mesh size)`` rows;
+- communication buffers: DDP's reducer buckets (one gradient copy), the SDP sync engine's flat
+  buckets (one copy of the held gradients), Bb-SDP's broadcast buffers (every block not held by
+  all workers);
+- activations, from `sdp_train.plan_activations`;
+- FSDP2's transient state: the root's parameters stay unsharded from forward to the end of
+  backward and its head gradients are unsharded until then; a block is gathered for its backward
+  while the next one is prefetched (with holder-set meshes every held block stays unsharded until
+  its backward ends); the previous block's reduce-scatter input lives until the next
+  reduce-scatter; the block's first weight gradient is unsharded.
+
+The peak is the largest of these moments: the start of backward (every saved activation, the loss
+gradients), each block's backward peak (activations of the blocks below it, the block's own,
+its gradient temporaries and FSDP's buffers), each block's FSDP reduce-scatter, and the optimizer
+step (AdamW's foreach temporary of the largest parameter group). The CPU tracker
+(`sdp_train.memory`) counts the same tensors; `tests/distributed/test_plan_vs_measured.py` checks
+the totals against it, and docs/plan.md lists the formulas.
+
+Not here: the CUDA context, NCCL buffers, cuBLAS workspaces and allocator fragmentation (a GPU
+needs headroom beyond the prediction), mixed precision, and tuning anything to fit a budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from masklab import Mask, load_mask
+from sdp_train.config import LEVEL_OF_MODE, MODES, TrainConfig
+from sdp_train.errors import ConfigError
+from sdp_train.models import ModelConfig, block_map, get_model_config, model_class, subnet_kwargs
+from sdp_train.parallelize import residual_blocks
+from sdp_train.plan_activations import ActivationModel, activation_model
+from sdp_train.subnet import check_held
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STEP_BYTES = 4  # AdamW's per-tensor step counter (float32 scalar)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """A memory size: plain bytes, or a number with KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB.
+
+    >>> parse_bytes("24GiB"), parse_bytes("80GB"), parse_bytes("1.5 MiB"), parse_bytes(4096)
+    (25769803776, 80000000000, 1572864, 4096)
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ConfigError(f"memory size {text!r} is not a size: give bytes (e.g. 25769803776) or a number "
+                              "with a unit KB/MB/GB/TB or KiB/MiB/GiB/TiB (e.g. 24GiB, 80GB)")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"memory size {text!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class _Worker:
+    model: nn.Module  # on the meta device
+    trained: frozenset[str]
+    frozen_blocks: frozenset[str]
+    meshes: dict[str, int] | None  # FSDP: residual block -> mesh size (root: "")
+
+
+def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float | None = 0.5, ac: bool = False,
+            fsdp: bool = False, batch_size: int = 8, seq_len: int = 64, dtype: str = "float32",
+            mask: Mask | str | Path | None = None, model_overrides: Mapping[str, Any] | None = None,
+            image_size: int = 8, seed: int = 0) -> dict[str, Any]:
+    """Predicted peak memory of the largest rank, in bytes, with its breakdown.
+
+    Parameters
+    ----------
+    model : str or ModelConfig
+        A named model (``sdp_train.models``) or a config.
+    mode : {"ddp", "fsdp", "bsdp", "nsdp", "bbsdp"}
+    workers : int
+        K ranks.
+    active : float, optional
+        C of the designed mask (``sdp train --active``); ignored for ddp/fsdp or when `mask` is given.
+    ac, fsdp : bool
+        ``sdp train --ac`` / ``--fsdp`` (B-SDP only).
+    batch_size, seq_len : int
+        Per worker, as ``sdp train`` takes them.
+    dtype : {"float32", "bfloat16", "float16"}
+        Element type of parameters, gradients, optimizer state and activations (the runtime
+        trains float32; the others estimate pure low-precision training).
+    mask : Mask or path, optional
+        Use this mask instead of designing one.
+    model_overrides : mapping, optional
+        Config fields to change (``sdp train``'s ``model_overrides``).
+    image_size : int
+        Image side for vision models (8: the digits ``sdp train`` uses by default; 32: CIFAR).
+    seed : int
+        Seed of the mask design.
+
+    Returns
+    -------
+    dict
+        ``parameters``, ``gradients``, ``optimizer`` (at the peak; FSDP's unsharded parameters and
+        gradients included), ``activations`` (the largest set of saved activations, which may be
+        reached at another moment), ``other`` (communication buffers and backward temporaries at
+        the peak), ``total``, ``persistent`` (parameters / gradients / optimizer between steps),
+        ``peak_at``, ``rank`` (the largest rank) and ``per_rank`` totals.
+    """
+    config = _model_config(model, model_overrides, image_size)
+    if mode not in MODES:
+        raise ConfigError(f"mode {mode!r} is not one of {MODES}")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    # the same checks as `sdp train` (the mask itself is checked against the model below)
+    TrainConfig(model=config.name, mode=mode, workers=workers, active=active if mask is None else None,
+                mask=None if mask is None else "given", batch_size=batch_size, seq_len=seq_len, fsdp=fsdp,
+                activation_checkpointing=ac, seed=seed)
+    if hasattr(config, "max_seq_len") and seq_len > config.max_seq_len:
+        raise ConfigError(f"seq_len={seq_len} exceeds {config.name}'s max_seq_len={config.max_seq_len}")
+    matrix = None if mode in ("ddp", "fsdp") else _mask_matrix(config, mode, workers, active, mask, seed)
+    elem = DTYPE_BYTES[dtype]
+    results = [_predict_rank(_worker(config, mode, matrix, r, workers, fsdp), config, mode, matrix, workers, ac,
+                             elem, batch_size, seq_len, image_size)
+               for r in range(workers if matrix is not None else 1)]
+    rank = max(range(len(results)), key=lambda r: results[r]["total"])
+    totals = [r["total"] for r in results] if matrix is not None else [results[0]["total"]] * workers
+    return {**results[rank], "rank": rank, "per_rank": totals}
+
+
+DEFAULT_ACTIVE: tuple[float, ...] = (0.25, 0.375, 0.5, 0.69, 1.0)
+"""The paper's active fractions; `meaningful_actives` keeps those a K-worker mask can realise."""
+_SYSTEMS = (("B-SDP", "bsdp"), ("N-SDP", "nsdp"), ("Bb-SDP", "bbsdp"))
+
+
+def meaningful_actives(workers: int, candidates: tuple[float, ...] = DEFAULT_ACTIVE) -> list[float]:
+    """The distinct active fractions c/K that ``sdp train --active C`` realises for ``workers`` ranks.
+
+    A designed mask gives every block c = round(C K) holders, so C is realised as c/K; candidates
+    that round to the same c are one configuration.
+
+    >>> meaningful_actives(4), meaningful_actives(8)
+    ([0.25, 0.5, 0.75, 1.0], [0.25, 0.375, 0.5, 0.75, 1.0])
+    """
+    from masklab.design import coverage_from_active
+
+    return sorted({coverage_from_active(workers, c) / workers for c in candidates})
+
+
+def plan_systems(model: str | ModelConfig, *, workers: int, memory_per_device: int, ac: bool = False,
+                 fsdp: bool = False, actives: tuple[float, ...] = DEFAULT_ACTIVE, **kwargs: Any) -> list[dict[str, Any]]:
+    """One row per system: DDP, FSDP, then B-SDP / N-SDP / Bb-SDP (and B-SDP+FSDP with ``fsdp``) at
+    every meaningful C; each row is `predict`'s dict plus ``system``, ``active`` and ``fits``.
+
+    A system whose mask cannot be designed at some C (too few blocks or neuron groups for K) gets
+    a row with ``total`` None and the reason in ``error``.
+    """
+    from masklab import DesignError
+
+    suffix = "+AC" if ac else ""
+    specs = [("DDP", "ddp", None, False), ("FSDP", "fsdp", None, False)]
+    for c in meaningful_actives(workers, actives):
+        specs += [(label, mode, c, False) for label, mode in _SYSTEMS]
+        specs += [("B-SDP+FSDP", "bsdp", c, True)] if fsdp else []
+    rows = []
+    for label, mode, c, with_fsdp in specs:
+        row: dict[str, Any] = {"system": label + suffix, "mode": mode, "active": 1.0 if c is None else c}
+        try:
+            row |= predict(model, mode=mode, workers=workers, active=c, ac=ac, fsdp=with_fsdp, **kwargs)
+        except (ConfigError, DesignError) as exc:
+            if c is None:  # the baselines need no mask: the input itself is wrong
+                raise
+            rows.append(row | {"total": None, "fits": False, "error": str(exc)})
+            continue
+        rows.append(row | {"fits": row["total"] <= memory_per_device})
+    return rows
+
+
+def _model_config(model: str | ModelConfig, overrides: Mapping[str, Any] | None, image_size: int) -> ModelConfig:
+    """The config ``sdp train`` would run: vision models take 1 channel for the 8 x 8 digits, else 3."""
+    overrides = dict(overrides or {})
+    if isinstance(model, str):
+        config = get_model_config(model, **overrides)
+    elif overrides:
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(model)})
+        if unknown:
+            raise ConfigError(f"{model.name}: unknown config fields {unknown}")
+        config = dataclasses.replace(model, **overrides)
+    else:
+        config = model
+    if not hasattr(config, "vocab_size") and "in_channels" not in overrides:
+        config = dataclasses.replace(config, in_channels=1 if image_size == 8 else 3)
+    return config
+
+
+def _mask_matrix(config: ModelConfig, mode: str, workers: int, active: float | None, mask, seed: int) -> np.ndarray:
+    from sdp_train.train import design_for_model
+
+    level = LEVEL_OF_MODE[mode]
+    if mask is None:
+        cfg = TrainConfig(model=config.name, mode=mode, workers=workers, active=active, seed=seed)
+        with _no_init():
+            mask = design_for_model(cfg, config)
+    elif not isinstance(mask, Mask):
+        mask = load_mask(mask)
+    blocks = _block_map(config).num_blocks(level)
+    if mask.workers != workers or mask.blocks != blocks:
+        raise ConfigError(f"the mask is {mask.workers} x {mask.blocks} but {config.name} with {workers} workers "
+                          f"needs {workers} x {blocks} (level {level!r})")
+    return mask.matrix.astype(bool)
+
+
+def _worker(config: ModelConfig, mode: str, matrix: np.ndarray | None, rank: int, workers: int,
+            fsdp: bool) -> _Worker:
+    level = LEVEL_OF_MODE.get(mode)
+    bmap = _block_map(config)
+    forward_masked = mode in ("bsdp", "nsdp")
+    model = _meta_model(config, level if forward_masked else None, matrix[rank] if forward_masked else None)
+    trained, frozen_blocks = frozenset(n for n, _ in model.named_parameters()), frozenset()
+    if mode == "bbsdp":
+        names = bmap.block_names("block")
+        frozen_blocks = frozenset(n for n, held in zip(names, matrix[rank]) if not held)
+        trained = frozenset(n for n in trained if not any(n.startswith(b + ".") for b in frozen_blocks))
+    meshes = None
+    if mode == "fsdp":
+        meshes = {name: workers for name, _ in residual_blocks(model)} | {"": workers}
+    elif fsdp:
+        coverage = dict(zip(bmap.block_names("block"), matrix.sum(axis=0).tolist()))
+        meshes = {name: int(coverage.get(name, workers)) for name, _ in residual_blocks(model)} | {"": workers}
+    return _Worker(model, trained, frozen_blocks, meshes)
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """Skip torch.nn.init while building meta-device models: there is nothing to initialise, and
+    meta-device random init costs ~0.1 s per layer (llama-1b: 6 s per model instead of 0.04 s)."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    for n in names:
+        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+_CACHE: dict[tuple[str, Any], Any] = {}
+
+
+def _block_map(config: ModelConfig):
+    key = (repr(config), "block_map")
+    if key not in _CACHE:
+        with _no_init():
+            _CACHE[key] = block_map(config)
+    return _CACHE[key]
+
+
+def _meta_model(config: ModelConfig, level: str | None, row: np.ndarray | None) -> nn.Module:
+    """The full model (``level`` None) or the forward-masked subnetwork of mask row ``row``, on the
+    meta device; cached, since workers and systems share structures."""
+    key = (repr(config), level, None if level is None else row.tobytes())
+    if key not in _CACHE:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        with _no_init():
+            structure = {} if level is None else subnet_kwargs(config, check_held(config, row, level), level)
+            with torch.device("meta"):
+                _CACHE[key] = model_class(config)(config, **structure)
+    return _CACHE[key]
+
+
+def _sharded(shape: tuple[int, ...], mesh: int) -> tuple[int, int]:
+    """(local shard, padded unsharded) elements of a tensor under FSDP2 on ``mesh`` ranks."""
+    rest = math.prod(shape[1:])
+    rows = -(-shape[0] // mesh)
+    return rows * rest, rows * mesh * rest
+
+
+def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray | None, workers: int, ac: bool,
+                  elem: int, batch_size: int, seq_len: int, image_size: int) -> dict[str, Any]:
+    acts = activation_model(w.model, w.frozen_blocks, batch_size=batch_size, seq_len=seq_len,
+                            image_size=image_size, elem=elem)
+    block_of = {name: block for name, block in residual_blocks(w.model)}
+    unit_of = {}  # parameter -> FSDP unit ("" = root)
+    for pname, _ in w.model.named_parameters():
+        unit_of[pname] = next((b for b in block_of if pname.startswith(b + ".")), "")
+    local: dict[str, int] = {}
+    full: dict[str, int] = {}
+    for pname, p in w.model.named_parameters():
+        if w.meshes is None:
+            local[pname] = full[pname] = p.numel()
+        else:
+            local[pname], full[pname] = _sharded(tuple(p.shape), w.meshes[unit_of[pname]])
+    trained = [n for n in local if n in w.trained]
+    params_b = sum(local.values()) * elem
+    grads_b = sum(local[n] for n in trained) * elem
+    opt_b = 2 * grads_b + STEP_BYTES * len(trained)
+    buffers_b = sum(b.numel() * b.element_size() for b in w.model.buffers())
+    comm = buffers_b
+    if mode == "ddp" and workers > 1:
+        comm += grads_b  # the reducer's buckets (gradient_as_bucket_view=False)
+    elif mode in ("bsdp", "nsdp", "bbsdp") and w.meshes is None:
+        comm += grads_b  # the sync engine's flat buckets
+        if mode == "bbsdp" and workers > 1:
+            comm += _broadcast_bytes(config, matrix) * elem
+    decay = sum(local[n] for n in trained if len(w.model.get_parameter(n).shape) >= 2)
+    foreach = max(decay, sum(local[n] for n in trained) - decay) * elem
+
+    unit_full = {u: sum(full[n] for n in local if unit_of[n] == u) * elem for u in set(unit_of.values())}
+    head_grads = sum(full[n] for n in trained if unit_of[n] == "" and n.startswith(acts.head_prefixes)) * elem
+    moments = _moments(acts, ac, mode == "fsdp", unit_full if w.meshes is not None else None, w.meshes or {},
+                       head_grads, elem)
+    moments.append(_Moment("optimizer step", 0, foreach, 0, 0))
+    state = params_b + grads_b + opt_b + comm
+    peak = max(moments, key=lambda m: m.activations + m.temporaries + m.parameters + m.gradients)
+    total = state + peak.activations + peak.temporaries + peak.parameters + peak.gradients
+    optimizer = opt_b + (foreach if peak.label == "optimizer step" else 0)
+    parameters, gradients = params_b + peak.parameters, grads_b + peak.gradients
+    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
+            "activations": max(m.activations for m in moments),
+            "other": total - parameters - gradients - optimizer - peak.activations, "total": total,
+            "persistent": {"parameters": params_b, "gradients": grads_b, "optimizer": opt_b}, "peak_at": peak.label}
+
+
+@dataclass(frozen=True)
+class _Moment:
+    """Bytes live at one candidate peak, on top of the persistent state and communication buffers."""
+
+    label: str
+    activations: int
+    temporaries: int  # gradient temporaries, FSDP's prefetch / reduce-scatter buffers, foreach temporaries
+    parameters: int  # FSDP: unsharded parameters
+    gradients: int  # FSDP: unsharded gradients
+
+
+def _moments(acts: ActivationModel, ac: bool, reshard: bool, unit_full: dict[str, int] | None,
+             mesh_of: dict[str, int], head_grads: int, elem: int) -> list[_Moment]:
+    """The start of backward, then each block's backward peak, last block first."""
+    fsdp = unit_full is not None
+    units = [unit_full.get(b.name, 0) if fsdp else 0 for b in acts.blocks]
+    meshes = [mesh_of.get(b.name, 1) for b in acts.blocks]
+    root = unit_full.get("", 0) if fsdp else 0
+    out = [_Moment("backward start", acts.forward_bytes(ac), acts.loss_backward,
+                   root + (0 if reshard else sum(units)), 0)]
+    below = acts.stem + acts.constant  # activations of the blocks below block k
+    for k, block in enumerate(acts.blocks):
+        temps, unsharded, grads = block.backward, root, 0
+        if fsdp:
+            if reshard:  # block k gathered; the next one in backward order prefetched
+                unsharded += units[k]
+                temps += units[k - 1] if k > 0 else 0
+            else:  # holder-set meshes: blocks stay unsharded from forward to the end of their backward
+                unsharded += sum(units[: k + 1])
+            temps += units[k + 1] if k + 1 < len(units) else 0  # the previous block's reduce-scatter input
+            grads = head_grads + block.first_grad * elem
+        out.append(_Moment(f"backward of {block.name}", below + block.saved, temps, unsharded, grads))
+        if fsdp:  # its reduce-scatter: gradients copied into the input buffer; the shard out (gloo: a copy in)
+            unsharded = root + (units[k - 1] if reshard and k > 0 else 0) + (0 if reshard else sum(units[:k]))
+            temps = block.output + 2 * units[k] + (units[k] // meshes[k] if meshes[k] > 1 else 0)
+            out.append(_Moment(f"reduce-scatter of {block.name}", below, temps, unsharded, head_grads))
+        below += (0 if ac else block.saved) + block.output
+    return out
+
+
+def _broadcast_bytes(config: ModelConfig, matrix: np.ndarray) -> int:
+    """Elements of Bb-SDP's broadcast buffers: every block held by fewer than all workers."""
+    bmap = _block_map(config)
+    shapes = bmap.shapes
+    coverage = matrix.sum(axis=0)
+    return sum(math.prod(shapes[n]) for j, block in enumerate(bmap.blocks["block"]) if coverage[j] < matrix.shape[0]
+               for n, _ in block.tensors if n in bmap.parameter_names)

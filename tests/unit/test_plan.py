@@ -1,0 +1,258 @@
+"""`sdp plan`'s memory model: closed forms, invariants in C and K, the activation formulas against
+the tensors autograd really saves, size parsing and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from masklab import Mask, save_mask
+from sdp_train.cli import main
+from sdp_train.config import TrainConfig
+from sdp_train.errors import ConfigError
+from sdp_train.models import block_map, build_model, get_model_config, num_params
+from sdp_train.plan import meaningful_actives, parse_bytes, plan_systems, predict
+from sdp_train.plan_activations import activation_model
+from sdp_train.subnet import apply_backward_mask, build_worker_model
+from sdp_train.train import design_for_model
+
+LLAMA = dict(batch_size=8, seq_len=64)
+TINY_VIT = {"dim": 32, "n_heads": 2, "hidden_dim": 64, "n_layers": 4, "patch_size": 2, "in_channels": 1}
+TINY_RESNET = {"width_multiplier": 0.125, "in_channels": 1}
+
+
+def test_ddp_state_is_the_model_numel_times_four_plus_adamw_moments():
+    p = predict("llama-debug", mode="ddp", workers=4, **LLAMA)
+    numel = num_params(get_model_config("llama-debug"))
+    n_tensors = len(block_map(get_model_config("llama-debug")).parameter_names)
+    assert p["persistent"] == {"parameters": 4 * numel, "gradients": 4 * numel, "optimizer": 8 * numel + 4 * n_tensors}
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
+def test_sdp_at_c_1_predicts_exactly_ddp(mode):
+    ddp = predict("llama-debug", mode="ddp", workers=4, **LLAMA)
+    sdp = predict("llama-debug", mode=mode, workers=4, active=1.0, **LLAMA)
+    for key in ("total", "persistent", "activations", "parameters", "gradients", "optimizer"):
+        assert sdp[key] == ddp[key], key
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
+@pytest.mark.parametrize("ac", [False, True])
+def test_peak_is_monotone_in_the_active_fraction(mode, ac):
+    totals = [predict("llama-debug", mode=mode, workers=4, active=c, ac=ac, **LLAMA)["total"]
+              for c in meaningful_actives(4)]
+    assert totals == sorted(totals) and totals[0] < totals[-1], totals
+
+
+def test_fsdp_divides_the_state_by_the_workers_and_pads_uneven_rows():
+    ddp = predict("llama-debug", mode="ddp", workers=4, **LLAMA)["persistent"]
+    fsdp = predict("llama-debug", mode="fsdp", workers=4, **LLAMA)["persistent"]
+    assert fsdp["parameters"] == ddp["parameters"] // 4 and fsdp["gradients"] == ddp["gradients"] // 4
+    three = predict("llama-debug", mode="fsdp", workers=3, **LLAMA)["persistent"]
+    assert ddp["parameters"] / 3 < three["parameters"] < ddp["parameters"] / 3 * 1.02  # dim 0 padded to 3 | rows
+
+
+def test_sdp_with_fsdp_at_half_coverage_stores_what_fsdp_stores():
+    # every block on 2 of 4 workers, sharded between them: one block's worth per rank, as FSDP over 4
+    fsdp = predict("llama-debug", mode="fsdp", workers=4, **LLAMA)
+    both = predict("llama-debug", mode="bsdp", fsdp=True, workers=4, active=0.5, **LLAMA)
+    assert both["persistent"]["parameters"] == fsdp["persistent"]["parameters"]
+    assert both["total"] < fsdp["total"]
+
+
+def test_checkpointing_lowers_every_mode_and_sharding_lowers_sdp():
+    for mode in ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp"):
+        plain = predict("llama-debug", mode=mode, workers=4, **LLAMA)
+        ac = predict("llama-debug", mode=mode, workers=4, ac=True, **LLAMA)
+        assert ac["total"] < plain["total"] and ac["persistent"] == plain["persistent"], mode
+    assert (predict("llama-debug", mode="bsdp", fsdp=True, workers=4, **LLAMA)["total"]
+            < predict("llama-debug", mode="bsdp", workers=4, **LLAMA)["total"])
+
+
+def test_worker_holdings_are_those_of_the_mask_sdp_train_designs():
+    config = get_model_config("llama-debug")
+    for mode, level in (("bsdp", "block"), ("nsdp", "neuron")):
+        mask = design_for_model(TrainConfig(mode=mode, workers=4, active=0.5), config)
+        held = [sum(p.numel() for p in build_worker_model(config, mask.matrix[r], level, seed=0).parameters())
+                for r in range(4)]
+        assert predict(config, mode=mode, workers=4, active=0.5, **LLAMA)["persistent"]["parameters"] == 4 * max(held)
+
+
+def test_a_given_mask_replaces_the_design_and_the_largest_rank_is_reported(tmp_path):
+    mask = Mask(np.array([[1, 0, 0, 0], [1, 1, 1, 1]]))
+    p = predict("llama-debug", mode="bsdp", workers=2, mask=mask, **LLAMA)
+    assert p["rank"] == 1 and p["per_rank"][0] < p["per_rank"][1] == p["total"]
+    # rank 1 holds every block: its sync buckets cost what DDP's reducer buckets do
+    assert p["total"] == predict("llama-debug", mode="ddp", workers=2, **LLAMA)["total"]
+    assert predict("llama-debug", mode="bsdp", workers=2, mask=save_mask(mask, tmp_path / "m.json"),
+                   **LLAMA)["total"] == p["total"]
+    with pytest.raises(ConfigError, match=r"the mask is 2 x 4 but llama-debug with 3 workers needs 3 x 4"):
+        predict("llama-debug", mode="bsdp", workers=3, mask=mask, **LLAMA)
+
+
+def test_lower_precision_halves_the_state_and_the_activations():
+    f32 = predict("llama-debug", mode="bsdp", workers=4, **LLAMA)
+    bf16 = predict("llama-debug", mode="bsdp", workers=4, dtype="bfloat16", **LLAMA)
+    assert bf16["persistent"]["parameters"] * 2 == f32["persistent"]["parameters"]
+    assert bf16["activations"] < 0.51 * f32["activations"] + 50_000  # the int64 batch and float32 RoPE stay
+
+
+def _saved_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward (parameters and buffers excluded)."""
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(inputs)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return sum(seen.values())
+
+
+def _worker(config, kind: str, seed: int):
+    """A full, block-masked, neuron-masked or backward-masked (frozen) model and its frozen blocks."""
+    bmap = block_map(config)
+    rng = np.random.default_rng(seed)
+    if kind == "full":
+        return build_model(config, seed=0), frozenset()
+    if kind == "frozen":
+        row = np.resize([1, 0], bmap.num_blocks("block"))
+        model = build_model(config, seed=0)
+        apply_backward_mask(model, config, row)
+        return model, frozenset(n for n, h in zip(bmap.block_names("block"), row) if not h)
+    row = rng.integers(0, 2, bmap.num_blocks(kind))
+    row[0] = 1
+    if kind == "neuron":
+        row = row.reshape(-1, config.neuron_groups)
+        if hasattr(config, "channels"):  # a ResNet block keeps at least one channel group
+            row[:, 0] = 1
+        else:  # a LLaMA / ViT layer may lose its whole MLP
+            row[0, :], row[1, 0] = 0, 1
+        row = row.reshape(-1)
+    return build_worker_model(config, row, kind, seed=0), frozenset()
+
+
+@pytest.mark.parametrize("kind", ["full", "block", "neuron", "frozen"])
+@pytest.mark.parametrize(("name", "overrides", "side"),
+                         [("llama-debug", {}, None), ("vit-tiny", TINY_VIT, 8), ("resnet18-cifar", TINY_RESNET, 8),
+                          ("resnet18-cifar", {"width_multiplier": 0.125}, 32)])
+def test_activation_formulas_equal_the_bytes_autograd_saves(name, overrides, side, kind):
+    config = get_model_config(name, **overrides)
+    model, frozen = _worker(config, kind, seed=len(name) + len(kind))
+    batch = 4
+    if side is None:
+        seq_len = 32
+        inputs = torch.randint(0, config.vocab_size, (batch, seq_len))
+        targets = torch.randint(0, config.vocab_size, (batch, seq_len))
+    else:
+        seq_len = 1
+        inputs = torch.randn(batch, config.in_channels, side, side)
+        targets = torch.randint(0, config.num_classes, (batch,))
+    acts = activation_model(model, frozen, batch_size=batch, seq_len=seq_len, image_size=side or 8, elem=4)
+    # the formulas leave out the loss's 4-byte total weight
+    assert acts.forward_bytes(ac=False) == pytest.approx(_saved_bytes(model, inputs, targets), abs=8)
+
+
+def test_activation_bytes_scale_with_tokens():
+    small = predict("llama-134m", mode="ddp", workers=2, batch_size=1, seq_len=256)["activations"]
+    large = predict("llama-134m", mode="ddp", workers=2, batch_size=4, seq_len=256)["activations"]
+    assert 3.99 < large / small < 4.0
+
+
+def test_bad_inputs_are_refused_naming_the_value():
+    with pytest.raises(ConfigError, match="mode 'zero3'"):
+        predict("llama-debug", mode="zero3", workers=4)
+    with pytest.raises(ConfigError, match="gpt-9"):
+        predict("gpt-9", mode="ddp", workers=4)
+    with pytest.raises(ConfigError, match="dtype 'int8'"):
+        predict("llama-debug", mode="ddp", workers=4, dtype="int8")
+    with pytest.raises(ConfigError, match="seq_len=4096 exceeds"):
+        predict("llama-debug", mode="ddp", workers=4, seq_len=4096)
+    with pytest.raises(ConfigError, match="workers=0"):
+        predict("llama-debug", mode="ddp", workers=0)
+
+
+def test_meaningful_actives_are_the_coverages_k_realises():
+    assert meaningful_actives(4) == [0.25, 0.5, 0.75, 1.0]
+    assert meaningful_actives(2) == [0.5, 1.0]
+    assert meaningful_actives(16) == [0.25, 0.375, 0.5, 0.6875, 1.0]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("80gb", 80 * 10**9), ("1.5 MiB", 3 * 2**19), ("4096", 4096),
+    (4096, 4096), (" 512 KiB ", 512 * 1024), ("2TB", 2 * 10**12), ("100b", 100), ("1e9", 10**9),
+])
+def test_sizes_parse_in_si_and_binary_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "", "-5GB", "0", "12XB", "GiB", "1.2.3GB", True])
+def test_bad_sizes_are_refused_naming_the_value(text):
+    with pytest.raises(ConfigError) as err:
+        parse_bytes(text)
+    assert repr(text) in str(err.value)
+
+
+def test_plan_rows_list_every_system_and_which_fit():
+    rows = plan_systems("llama-debug", workers=4, memory_per_device=30 * 2**20, fsdp=True, **LLAMA)
+    systems = [(r["system"], r["active"]) for r in rows]
+    assert systems[:2] == [("DDP", 1.0), ("FSDP", 1.0)]
+    assert ("B-SDP+FSDP", 0.25) in systems and ("Bb-SDP", 0.75) in systems and len(systems) == 2 + 4 * 4
+    for r in rows:
+        assert r["fits"] == (r["total"] <= 30 * 2**20)
+    assert {r["system"] for r in rows if r["fits"]} >= {"B-SDP", "B-SDP+FSDP"}
+    assert not next(r for r in rows if r["system"] == "DDP")["fits"]
+
+
+def test_plan_marks_a_c_that_cannot_be_designed():
+    # 2 blocks, 4 workers, C = 0.25: one holder per block leaves two workers empty
+    rows = plan_systems("llama-debug", workers=4, memory_per_device=2**30, actives=(0.25,),
+                        model_overrides={"n_layers": 2}, **LLAMA)
+    bsdp = next(r for r in rows if r["system"] == "B-SDP")
+    assert bsdp["total"] is None and not bsdp["fits"] and bsdp["error"]
+
+
+def test_cli_prints_the_table_and_the_systems_that_fit(capsys):
+    assert main(["plan", "--model", "llama-debug", "--workers", "4", "--memory-per-device", "25MiB", "--ac"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "system" in lines[1] and "fits" in lines[1] and "activations" in lines[1]
+    assert any(line.startswith("DDP+AC") and line.rstrip().endswith("no") for line in lines)
+    assert any(line.startswith("B-SDP+AC") and line.rstrip().endswith("yes") for line in lines)
+    assert lines[-1].startswith("fit: ") and "B-SDP+AC (C=0.25)" in lines[-1]
+
+
+def test_cli_json_rows_match_predict(capsys):
+    assert main(["plan", "--model", "llama-debug", "--workers", "2", "--memory-per-device", "1GB", "--json",
+                 "--batch-size", "2", "--seq-len", "16", "--active", "0.5"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["system"] for r in rows] == ["DDP", "FSDP", "B-SDP", "N-SDP", "Bb-SDP"]
+    assert all(r["fits"] for r in rows)
+    assert rows[2]["total"] == predict("llama-debug", mode="bsdp", workers=2, active=0.5, batch_size=2,
+                                       seq_len=16)["total"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--memory-per-device", "lots"], "memory size 'lots' is not a size"),
+    (["--memory-per-device", "0GB"], "memory size '0GB' must be positive"),
+    (["--memory-per-device", "1GB", "--model", "gpt-9"], "unknown model 'gpt-9'"),
+    (["--memory-per-device", "1GB", "--active", "1.5"], "--active 1.5 must lie in (0, 1]"),
+    (["--memory-per-device", "1GB", "--batch-size", "0"], "batch_size=0"),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    base = ["plan", "--model", "llama-debug", "--workers", "4"]
+    args = base + argv
+    if "--model" in argv:
+        args = ["plan", "--workers", "4", *argv]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sdp plan: error:") and message in err[0], err
