@@ -4,18 +4,31 @@ A checkpoint is a directory ``step_N`` with one ``rank{r}.pt`` per rank and a ``
 A rank file holds plain tensors and dicts only (``torch.load(weights_only=True)`` reads it): the
 rank's held parameters and buffers (its local shards under FSDP), its optimizer state, its data
 stream position and its RNG state. The manifest holds what the run must match to resume (model
-config, mode, world size, mask matrix, FSDP) and the full TrainConfig. Every file is written to a
-temporary name, fsynced and renamed; the manifest is written last, after every rank's file, so
-its presence means the checkpoint is complete.
+config, mode, world size, mask matrix, FSDP), the full TrainConfig, and the size and sha256 of
+every rank file.
+
+Integrity: every file is written to a temporary name, fsynced, renamed, and the directory
+fsynced; the manifest is written last, after every rank's file, so its presence means the
+checkpoint is complete. `checkpoint_problem` says why a checkpoint cannot be used: no manifest
+(its write was interrupted), a rank file missing, shorter or longer than recorded (truncated) or
+with another sha256 (altered bytes). `find_checkpoint` on a ``checkpoints`` directory walks the
+``step_N`` from newest to oldest, warning on stderr about each one it skips; a ``step_N`` named
+explicitly must be valid. Validation reads every rank file, on every rank that resumes (they must
+all make the same choice before any process group exists).
+
+Rotation: with ``keep_checkpoints = N > 0``, rank 0 deletes, after each complete save, the older
+``step_N`` beyond the N newest complete ones (the one just written always stays).
 
 Not here: converting a checkpoint between masks or world sizes (refused), or assembling the
 full model (``Run.full_state`` does that).
 """
-
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sdp_train.dist import get_dist_info
 from sdp_train.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -45,35 +59,107 @@ def identity(cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> 
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """``path`` itself if it holds a manifest, else its latest complete ``step_N`` subdirectory."""
+    """The checkpoint to resume from: `path` itself if it is one, else its newest valid ``step_N``.
+
+    A ``step_N`` below `path` that is incomplete or damaged is skipped with a warning that names it
+    and the reason, and the next older one is tried. A checkpoint named explicitly (a ``step_N``
+    directory, or any directory holding a manifest or rank files) must itself be valid.
+    """
     path = Path(path)
-    if (path / MANIFEST).is_file():
+    if (path / MANIFEST).exists() or _step_of(path) is not None or any(path.glob("rank*.pt")):
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ConfigError(f"resume={str(path)!r}: cannot resume from this checkpoint: {problem}")
         return path
-    steps = sorted((int(p.name.removeprefix("step_")), p) for p in path.glob("step_*")
-                   if p.name.removeprefix("step_").isdigit() and (p / MANIFEST).is_file())
-    if not steps:
+    found = latest_valid_checkpoint(path)
+    if found is None:
         raise ConfigError(f"resume={str(path)!r}: no complete checkpoint ({MANIFEST}) in it or in a step_N below it")
-    return steps[-1][1]
+    return found
 
 
-def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> dict[str, Any]:
-    """The manifest of checkpoint ``path``; ConfigError naming every field that differs from this run."""
+def latest_valid_checkpoint(root: str | Path) -> Path | None:
+    """The newest ``root/step_N`` that `checkpoint_problem` accepts, warning about each newer one it skips."""
+    for _, candidate in sorted(_steps(Path(root)), reverse=True):
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            return candidate
+        _warn(f"checkpoint {candidate} skipped: {problem}; trying the previous one")
+    return None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint directory `path` cannot be used (incomplete, truncated, altered), or None if it is valid.
+
+    Reads every rank file once to compare its size and sha256 with the manifest's.
+    """
+    if not path.is_dir():
+        return "it does not exist or is not a directory"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"it has no {MANIFEST}, so its write was interrupted"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return f"its {MANIFEST} is not valid JSON (its bytes were altered)"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"its {MANIFEST} lists no rank files with checksums"
+    try:
+        ranks = {f"rank{r}.pt" for r in range(int(manifest["identity"]["world_size"]))}
+    except (KeyError, TypeError, ValueError):
+        return f"its {MANIFEST} has no identity.world_size"
+    if set(files) != ranks:
+        return f"its {MANIFEST} lists files {sorted(files)}, expected one per rank {sorted(ranks)}"
+    for name, expected in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        try:
+            size, sha256 = int(expected["size"]), str(expected["sha256"])
+        except (KeyError, TypeError, ValueError):
+            return f"its {MANIFEST} entry for {name} is malformed: {expected!r}"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size} (truncated or altered)"
+        with open(file, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != sha256:
+                return f"{name} does not match its sha256 checksum in the manifest (its bytes were altered)"
+    return None
+
+
+def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None, *,
+                    finished_ok: bool = False) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``; ConfigError naming every field that differs from this run.
+
+    A checkpoint at the run's last step is refused (nothing left to train) unless `finished_ok`:
+    a restarted attempt that failed after its final checkpoint only has to validate and summarise.
+    """
     manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     current = identity(cfg, model_config, mask)
     diffs = [f"{key}: checkpoint {manifest['identity'][key]!r}, this run {value!r}"
              for key, value in current.items() if manifest["identity"][key] != value]
     if diffs:
         raise ConfigError(f"cannot resume from {path}: it was written by a different run; " + "; ".join(diffs))
-    if manifest["step"] >= cfg.steps:
+    if manifest["step"] > cfg.steps or (manifest["step"] == cfg.steps and not finished_ok):
         raise ConfigError(f"cannot resume from {path}: it is at step {manifest['step']} and the run has "
                           f"steps={cfg.steps}; nothing is left to train")
     return manifest
 
 
-def save_checkpoint(run: Run, batches: Batches, step: int, root: Path) -> Path:
-    """Write every rank's state after ``step`` steps to ``root/step_{step}``; collective."""
+def save_checkpoint(run: Run, batches: Batches, step: int, root: Path, *, keep: int = 0) -> Path:
+    """Write every rank's state after ``step`` steps to ``root/step_{step}``; collective.
+
+    Rank files first (each rank sends rank 0 its file's size and sha256), then rank 0 writes the
+    manifest and, with ``keep > 0``, deletes older ``step_N`` beyond the `keep` newest complete ones.
+    A manifest left in ``step_{step}`` by an earlier attempt is removed before any rank file is
+    replaced, so a write interrupted now cannot pass for complete.
+    """
     path = root / f"step_{step}"
-    path.mkdir(parents=True, exist_ok=True)
+    name = f"rank{run.info.rank}.pt"
+    if run.info.is_main:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / MANIFEST).unlink(missing_ok=True)
+    _barrier()
+    for stale in path.glob(f".{name}.*"):  # temporary file of a write that a killed attempt left behind
+        stale.unlink(missing_ok=True)
     state = {
         "step": step,
         "model": {n: _local(t).detach().clone() for n, t in run.model.state_dict().items()},
@@ -81,16 +167,51 @@ def save_checkpoint(run: Run, batches: Batches, step: int, root: Path) -> Path:
         "data": batches.state_dict(),
         "rng": _rng_state(run.device),
     }
-    _write_atomic(path / f"rank{run.info.rank}.pt", lambda f: torch.save(state, f))
+    files = {name: _write_atomic(path / name, lambda f: torch.save(state, f))}
     if dist.is_initialized():
-        dist.barrier()
+        gathered: list[dict[str, Any]] = [{}] * dist.get_world_size()
+        dist.all_gather_object(gathered, files)
+        files = {k: v for part in gathered for k, v in part.items()}
     if run.info.is_main:
         manifest = {"step": step, "identity": identity(run.cfg, run.model_config, run.mask),
-                    "config": run.cfg.to_dict()}
+                    "config": run.cfg.to_dict(), "files": files}
         _write_atomic(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        if keep > 0:
+            _rotate(root, step, keep)
+    _barrier()
+    return path
+
+
+def _rotate(root: Path, newest: int, keep: int) -> None:
+    """Delete the ``step_N`` below `newest` beyond the ``keep - 1`` newest complete ones (incomplete ones too)."""
+    kept = 1
+    for step, path in sorted(_steps(root), reverse=True):
+        if step >= newest:
+            continue
+        if kept < keep and (path / MANIFEST).is_file():
+            kept += 1
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    return [(step, p) for p in root.glob("step_*") if (step := _step_of(p)) is not None and p.is_dir()]
+
+
+def _step_of(path: Path) -> int | None:
+    digits = path.name.removeprefix("step_")
+    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-    return path
+
+
+def _warn(message: str) -> None:
+    """A warning on stderr, once per job (rank 0 of a launched job, or the launching process)."""
+    if get_dist_info().is_main:
+        print(f"sdp: warning: {message}", file=sys.stderr, flush=True)
 
 
 def load_checkpoint(run: Run, batches: Batches, path: Path) -> int:
@@ -139,14 +260,47 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, write) -> dict[str, Any]:
+    """Write `path` through a temporary name, fsync and rename; return its size and sha256."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            hashing = _HashingWriter(f)
+            write(hashing)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return {"size": hashing.size, "sha256": hashing.sha256.hexdigest()}
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A write-only stream that hashes what passes through it (torch.save writes sequentially)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.size, self.sha256 = f, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()

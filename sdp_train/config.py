@@ -18,6 +18,8 @@ from sdp_train.errors import ConfigError
 MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
 LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron"}
+MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
+NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
 
 
 @dataclass(kw_only=True)
@@ -79,6 +81,16 @@ class TrainConfig:
     """Save a checkpoint every N steps and at the end (0: none), under ``out/checkpoints/step_N``."""
     resume: str | None = None
     """Checkpoint directory to continue from (a ``step_N`` directory, or ``checkpoints`` for the latest)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N complete checkpoints, deleting older ``step_N`` after each save (0: keep all)."""
+    max_restarts: int = 0
+    """Restarts of the whole worker group after a worker fails (``sdp train --workers N`` passes it to
+    torch's elastic agent). A restarted group resumes from the latest valid checkpoint under
+    ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
+    nonfinite: str = "stop"
+    """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
+    summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
+    `max_restarts`, a stop is a worker failure like any other and uses up a restart."""
     out: str = "runs/latest"
     """Output directory (metrics.jsonl, summary.json, checkpoints/)."""
 
@@ -92,13 +104,17 @@ class TrainConfig:
         for name in ("heterogeneous", "activation_checkpointing", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
-        if not isinstance(self.model_overrides, dict):
+        if not isinstance(self.model_overrides, dict) or not all(isinstance(k, str) for k in self.model_overrides):
             raise ConfigError(f"model_overrides must be a mapping of config fields, got {self.model_overrides!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
-        _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches")
-        _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every")
-        if self.active is not None and not (isinstance(self.active, (int, float)) and 0.0 < self.active <= 1.0):
+        _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
+        _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
+                          "keep_checkpoints", "max_restarts")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
+        if self.active is not None and (isinstance(self.active, bool) or not (
+                isinstance(self.active, (int, float)) and 0.0 < self.active <= 1.0)):
             raise ConfigError(f"active={self.active!r} must be in (0, 1]")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
             value = getattr(self, name)
@@ -116,6 +132,11 @@ class TrainConfig:
             raise ConfigError(f"mode {self.mode!r} needs --active C or --mask FILE")
         if self.max_data_bytes < 10_000:
             raise ConfigError(f"max_data_bytes={self.max_data_bytes} must be >= 10000")
+        if self.workers > MAX_WORKERS:
+            raise ConfigError(f"workers={self.workers} exceeds the supported maximum of {MAX_WORKERS} "
+                              "(mask design and its certificate use dense workers x workers matrices)")
+        if self.seed >= 2**63:
+            raise ConfigError(f"seed={self.seed} must be < 2**63 (torch seeds are 64-bit integers)")
 
     @property
     def level(self) -> str | None:
@@ -137,15 +158,25 @@ class TrainConfig:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a JSON config file into a dict of TrainConfig fields (validated when merged)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist or is not a file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist or is not a file")
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:  # unreadable, name too long, ...
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # bad JSON, NaN/Infinity, 4300+ digit ints, deep nesting
         raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name} is not allowed")
 
 
 def _positive_int(cfg: TrainConfig, *names: str) -> None:

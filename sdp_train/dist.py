@@ -3,8 +3,9 @@
 Tiny helpers in the style of nanochat's ``common.py``: `get_dist_info` reads torchrun's
 environment, `init_distributed` creates the default process group (gloo on CPU, nccl on GPU),
 `print0` prints on rank 0, `launch_local` starts N local ranks through torch's elastic launcher
-(`torch.distributed.run`) when ``sdp train --workers N`` is run outside torchrun. This module
-does not decide anything about SDP itself.
+(`torch.distributed.run`, restarts included) when ``sdp train --workers N`` is run outside
+torchrun, and `restart_attempt` says which restart of the group this process belongs to. This
+module does not decide anything about SDP itself.
 """
 
 from __future__ import annotations
@@ -70,15 +71,33 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def restart_attempt() -> int:
+    """How many times the elastic agent has restarted this worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def init_distributed(device: torch.device) -> DistInfo:
-    """Create the default process group if launched by torchrun (gloo on CPU, nccl on CUDA)."""
+    """Create the default process group if launched by torchrun (gloo on CPU, nccl on CUDA).
+
+    When the ranks share the elastic agent's store (torchrun's default), each restart attempt
+    rendezvouses under its own key prefix ``attempt{N}``: the store outlives a failed attempt, and a
+    plain ``env://`` init of a restarted gloo group can pick up the dead attempt's addresses
+    ("Gloo connectFullMesh failed").
+    """
     if not under_torchrun() or dist.is_initialized():
         return get_dist_info()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend=backend, timeout=collective_timeout(), **kwargs)
+    timeout = collective_timeout()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+        kwargs.update(store=dist.PrefixStore(f"attempt{restart_attempt()}", store), rank=rank,
+                      world_size=world_size)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return get_dist_info()
 
 
@@ -93,7 +112,12 @@ def print0(*args, **kwargs) -> None:
 
 
 def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 0) -> int:
-    """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks via torch's elastic launcher."""
+    """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks via torch's elastic launcher.
+
+    With ``max_restarts > 0`` the agent restarts the whole group when a worker fails (at most that
+    many times); the restarted ranks see ``TORCHELASTIC_RESTART_COUNT > 0`` (`restart_attempt`).
+    Returns 0, or 1 once the group has failed more often than allowed.
+    """
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(
@@ -109,6 +133,8 @@ def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 
     try:
         run(args)
     except Exception as exc:  # ChildFailedError: the rank's own error is already on stderr
-        print(f"sdp: a worker failed: {type(exc).__name__}", file=sys.stderr)
+        failures = getattr(exc, "failures", {})
+        which = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failures.items()))
+        print(f"sdp: worker failed: {which or type(exc).__name__}", file=sys.stderr)
         return 1
     return 0

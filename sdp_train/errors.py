@@ -13,3 +13,12 @@ class DataError(ValueError):
 
 class DataFileError(DataError):
     """A user data file is missing, truncated or not in the expected format."""
+
+
+class NonFiniteError(ArithmeticError):
+    """Training produced a non-finite loss or gradient norm and the policy (``nonfinite='stop'``) ends the run.
+
+    Raised on every rank in the same step (the check reads the all-reduced loss and gradient norm), so
+    no rank is left waiting in a collective. Not a ``ValueError``: the input was well-formed; the
+    optimisation diverged.
+    """

@@ -1,16 +1,29 @@
 """`train(config)`: the loop every rank runs, and the files rank 0 writes.
 
 ``DIR/metrics.jsonl`` gets one line per step (step, loss, lr, grad_norm, step_time_s,
-tokens_per_s, comm_bytes) as the run goes; ``DIR/summary.json`` is written last, atomically, so
+tokens_per_s, comm_bytes, skipped) as the run goes; a non-finite loss or gradient norm is written
+as ``null`` so every line stays strict JSON. ``DIR/summary.json`` is written last, atomically, so
 its presence means the run finished. It holds ``peak_memory_bytes``: per rank, the peak over the
-first ``memory_steps`` steps, with its breakdown (`sdp_train.memory`). Validation loss is that of
-the full assembled model. With ``checkpoint_every`` the loop writes ``DIR/checkpoints/step_N``
-(`sdp_train.checkpoint`); a resumed run keeps the metrics lines of the steps before it.
+first ``memory_steps`` steps, with its breakdown (`sdp_train.memory`); ``num_params_trained``:
+per rank, the parameter elements its optimizer updates (the held blocks and shared parameters
+under SDP, the whole model under DDP, the local shards under FSDP); ``skipped_steps`` and
+``num_skipped_steps``: the steps whose update ``nonfinite='skip'`` dropped; ``final_train_loss``:
+the loss of the last step not skipped. Validation loss is that of the full assembled model.
+
+Checkpoints and restarts: with ``checkpoint_every`` the loop writes ``DIR/checkpoints/step_N``
+(`sdp_train.checkpoint`, rotated to ``keep_checkpoints``). A resumed run keeps the metrics lines
+of the steps before its checkpoint. When torch's elastic agent restarts the worker group after a
+failure (``max_restarts``), the new attempt resumes by itself from the newest valid checkpoint
+under ``DIR/checkpoints`` (from the start, or from ``resume``, when there is none), so it ends
+with the same parameters and loss trajectory as an uninterrupted run. Under ``nonfinite='stop'``
+a non-finite step raises NonFiniteError on every rank and no summary.json is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -24,10 +37,11 @@ import torch
 import torch.distributed as dist
 
 from masklab.io import mask_to_dict
-from sdp_train.checkpoint import load_checkpoint, save_checkpoint
+from sdp_train.checkpoint import check_resumable, latest_valid_checkpoint, load_checkpoint, save_checkpoint
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
-from sdp_train.dist import default_device, destroy_distributed, get_dist_info, init_distributed, print0
+from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, init_distributed, print0,
+                             restart_attempt)
 from sdp_train.memory import MemoryMeter, format_bytes
 from sdp_train.models import build_model
 from sdp_train.train import Prepared, Run, loss_fn, prepare
@@ -35,7 +49,7 @@ from sdp_train.train import Prepared, Run, loss_fn, prepare
 
 def train(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run `cfg` on this rank; rank 0 returns the summary (other ranks None)."""
-    prep = prepare(cfg)  # every check before any process group exists
+    prep = _resume_after_restart(prepare(cfg))  # every check before any process group exists
     device = default_device()
     info = get_dist_info()
     if info.world_size != cfg.workers:
@@ -57,7 +71,7 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
     batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
     start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
     meter = MemoryMeter(run.model, run.optimizer, device, extra=run.comm_buffers)
-    metrics_file = _open_metrics(out, start) if info.is_main else None
+    metrics_file, history = _open_metrics(out, start) if info.is_main else (None, [])
     progress = _Progress(cfg.steps, enabled=info.is_main)
     records: list[dict[str, Any]] = []
     val_history: list[dict[str, float]] = []
@@ -73,28 +87,33 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
             tokens = targets.numel() * info.world_size
             record = {"step": step, "loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
                       "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-                      "comm_bytes": run.comm_bytes - bytes_before}
+                      "comm_bytes": run.comm_bytes - bytes_before, "skipped": stats["skipped"]}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 val_history.append({"step": step, "val_loss": evaluate(run, prep)})
                 record["val_loss"] = val_history[-1]["val_loss"]
-            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-                save_checkpoint(run, batches, step + 1, out / "checkpoints")
             records.append(record)
             if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.write(json.dumps(_json_safe(record)) + "\n")
                 metrics_file.flush()
+            # after the metrics line: a checkpoint at step + 1 implies the lines of every step before it
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
             progress.update(step, record, meter.peak.get("total"))
         val_loss = evaluate(run, prep)
-        peaks = _gather(meter.peak, info.world_size)
+        trained = sum(p.numel() for p in _optimizer_params(run))
+        per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
     finally:
         progress.close()
         if metrics_file is not None:
             metrics_file.close()
     if not info.is_main:
         return None
-    timed = records[1:] if len(records) > 1 else records  # step 0 pays one-off warm-up costs
+    history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
+    timed = records[1:] or records or history  # this attempt's first step pays one-off warm-up costs
+    skipped = [r["step"] for r in history if r.get("skipped")]
+    finite = [r["loss"] for r in history if not r.get("skipped")]
     summary = {
-        "final_train_loss": records[-1]["loss"],
+        "final_train_loss": finite[-1] if finite else None,
         "final_val_loss": val_loss,
         "val_history": val_history,
         "comm_bytes_per_step": statistics.median(r["comm_bytes"] for r in timed),
@@ -102,20 +121,42 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "world_size": info.world_size,
         "num_params_local": sum(p.numel() for p in run.model.parameters()),
-        "peak_memory_bytes": peaks,
+        "num_params_trained": [r["trained"] for r in per_rank],
+        "peak_memory_bytes": [r["peak"] for r in per_rank],
+        "num_skipped_steps": len(skipped),
+        "skipped_steps": skipped,
         "resumed_from_step": start,
+        "restart_attempt": restart_attempt(),
         "config": cfg.to_dict(),
         "mask": None if prep.mask is None else mask_to_dict(prep.mask),
     }
     _write_atomic(out / "summary.json", json.dumps(summary, indent=1))
-    print0(f"done: final train loss {summary['final_train_loss']:.4f}, val loss {val_loss:.4f}, "
+    final = summary["final_train_loss"]
+    print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
            f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB sent per step per rank, peak memory "
-           f"{format_bytes(max(p.get('total', 0) for p in peaks))} on the largest rank -> {out}")
+           f"{format_bytes(max(p.get('total', 0) for p in summary['peak_memory_bytes']))} on the largest rank"
+           f"{f', {len(skipped)} step(s) skipped (non-finite)' if skipped else ''} -> {out}")
     return summary
 
 
+def _resume_after_restart(prep: Prepared) -> Prepared:
+    """On a restarted attempt of the worker group, continue from the newest valid checkpoint of this run."""
+    cfg, attempt = prep.config, restart_attempt()
+    if attempt == 0 or not cfg.checkpoint_every:
+        return prep
+    found = latest_valid_checkpoint(Path(cfg.out) / "checkpoints")
+    if found is None:
+        start = "the start" if prep.resume_from is None else str(prep.resume_from)
+        print0(f"sdp train: restart {attempt}: no valid checkpoint under {Path(cfg.out) / 'checkpoints'}; "
+               f"starting again from {start}")
+        return prep
+    check_resumable(found, cfg, prep.model_config, prep.mask, finished_ok=True)
+    print0(f"sdp train: restart {attempt}: resuming from {found}")
+    return dataclasses.replace(prep, resume_from=found)
+
+
 def _open_metrics(out: Path, start: int):
-    """metrics.jsonl for writing: fresh, or (resuming) keeping the lines of the steps before `start`."""
+    """metrics.jsonl for writing, and the records it keeps: none (fresh), or (resuming) the steps before `start`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
     path = out / "metrics.jsonl"
@@ -124,16 +165,28 @@ def _open_metrics(out: Path, start: int):
         kept = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] < start]
     f = open(path, "w", encoding="utf-8")
     f.writelines(line + "\n" for line in kept)
-    return f
+    f.flush()
+    return f, [json.loads(line) for line in kept]
 
 
-def _gather(peak: dict[str, int], world_size: int) -> list[dict[str, int]]:
-    """Every rank's peak-memory breakdown, in rank order (a collective)."""
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with non-finite floats as None (``null``): strict JSON, unlike Python's ``NaN``."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def _optimizer_params(run: Run) -> list[torch.Tensor]:
+    """The tensors this rank's optimizer steps (local shards of FSDP parameters)."""
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def _gather(value: Any, world_size: int) -> list[Any]:
+    """Every rank's `value` (a picklable object), in rank order (a collective)."""
     if world_size == 1:
-        return [peak]
-    peaks: list[dict[str, int]] = [{}] * world_size
-    dist.all_gather_object(peaks, peak)
-    return peaks
+        return [value]
+    values: list[Any] = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
 
 
 @torch.no_grad()

@@ -13,6 +13,8 @@ process group exists.
 from __future__ import annotations
 
 import math
+import os
+import signal
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +32,8 @@ from masklab import Mask, design, load_mask
 from sdp_train.checkpoint import check_resumable, find_checkpoint
 from sdp_train.config import BASELINES, TrainConfig
 from sdp_train.data import DataConfig
-from sdp_train.dist import DistInfo
-from sdp_train.errors import ConfigError
+from sdp_train.dist import DistInfo, restart_attempt
+from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.parallelize import parallelize
@@ -235,13 +237,21 @@ class Run:
             total += self.fsdp_counter.comm_bytes
         return total
 
-    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-        """One optimizer step; returns the worker-mean loss and the averaged gradient's norm."""
+    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | bool]:
+        """One optimizer step; returns the worker-mean loss, the averaged gradient's norm and ``skipped``.
+
+        The loss and squared gradient norm travel in one all-reduce, so a non-finite value on any
+        rank (or in any held block's averaged gradient) is seen by every rank in the same step:
+        ``nonfinite='stop'`` raises NonFiniteError everywhere, ``'skip'`` drops this step's update
+        on every rank (the learning-rate schedule stays indexed by step).
+        """
         cfg = self.cfg
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         with self.fsdp_counter if self.fsdp_counter is not None else nullcontext():
             loss = loss_fn(self.train_model(inputs), targets)
+            if _test_fault("SDP_TEST_INJECT_NAN", step, self.info.rank):
+                loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()
         if self.engine is not None:
             sq_norm = self.engine.finish()
@@ -257,6 +267,16 @@ class Run:
             dist.all_reduce(stats)
             self.ddp_bytes += stats.numel() * stats.element_size()
         mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
+        if _test_fault("SDP_TEST_KILL_AT_STEP", step, self.info.rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
+            if cfg.nonfinite == "stop":
+                raise NonFiniteError(
+                    f"step {step}: non-finite training state (mean loss {mean_loss}, averaged gradient norm "
+                    f"{grad_norm}, over {self.info.world_size} rank(s)); nonfinite='stop' ends the run "
+                    f"(--nonfinite skip skips such steps; a lower --lr may avoid them)")
+            self.optimizer.zero_grad(set_to_none=False)
+            return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": True}
         if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
             coef = cfg.grad_clip / (grad_norm + 1e-6)
             for p in self.model.parameters():
@@ -266,7 +286,7 @@ class Run:
         self.optimizer.zero_grad(set_to_none=False)
         if self.broadcaster is not None:
             self.broadcaster.broadcast()
-        return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg)}
+        return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -296,6 +316,21 @@ class Run:
         for name in shapes:
             dist.all_reduce(full[name])
         return full
+
+
+def _test_fault(variable: str, step: int, rank: int) -> bool:
+    """Test-only fault injection: True when environment `variable` is ``"STEP:RANK"`` for this step and rank.
+
+    Fires on the first attempt of a job only (a restarted group runs clean). Unset, it costs one
+    dictionary lookup per step.
+    """
+    spec = os.environ.get(variable)
+    if spec is None or restart_attempt() != 0:
+        return False
+    at_step, _, at_rank = spec.partition(":")
+    if not (at_step.isdigit() and at_rank.isdigit()):
+        raise ValueError(f"{variable}={spec!r} must be STEP:RANK, two integers >= 0")
+    return (int(at_step), int(at_rank)) == (step, rank)
 
 
 class FSDPCollectiveBytes(TorchDispatchMode):

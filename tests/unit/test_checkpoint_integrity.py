@@ -1,0 +1,180 @@
+"""Checkpoint integrity on one process: a checkpoint whose write was interrupted or whose bytes changed
+is detected and the previous complete one is used (with a warning), rotation keeps exactly N, a
+restarted attempt resumes by itself, and a non-finite step is stopped or skipped as configured."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdp_train.checkpoint import (MANIFEST, checkpoint_problem, find_checkpoint, latest_valid_checkpoint,
+                                  load_checkpoint, save_checkpoint)
+from sdp_train.config import TrainConfig
+from sdp_train.data import build_batches
+from sdp_train.dist import DistInfo
+from sdp_train.errors import ConfigError, NonFiniteError
+from sdp_train.loop import _resume_after_restart
+from sdp_train.train import Run, prepare
+
+TINY = {"model": "llama-debug", "model_overrides": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},
+        "mode": "ddp", "workers": 1, "steps": 8, "batch_size": 2, "seq_len": 16, "max_data_bytes": 20_000,
+        "warmup_steps": 1, "memory_steps": 0, "eval_batches": 1, "checkpoint_every": 2}
+
+
+def _run(tmp_path: Path, **kw) -> tuple[Run, object]:
+    prep = prepare(TrainConfig(**{**TINY, **kw, "out": str(tmp_path)}))
+    run = Run(prep, DistInfo(0, 1, 0), torch.device("cpu"))
+    batches = build_batches(prep.data, split="train", seed=0, rank=0, world_size=1)
+    return run, batches
+
+
+def _train_steps(run: Run, batches, steps: range) -> list[dict]:
+    return [run.step(s, *next(batches)) for s in steps]
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path) -> Path:
+    """``tmp_path/checkpoints`` with complete checkpoints step_2 and step_4 of a tiny run."""
+    run, batches = _run(tmp_path)
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        _train_steps(run, batches, range(step - 2, step))
+        save_checkpoint(run, batches, step, root)
+    return root
+
+
+def _drop_manifest(path: Path) -> None:
+    (path / MANIFEST).unlink()
+
+
+def _truncate(path: Path) -> None:
+    data = (path / "rank0.pt").read_bytes()
+    (path / "rank0.pt").write_bytes(data[: len(data) // 2])
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray((path / "rank0.pt").read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    (path / "rank0.pt").write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "interrupted write": (_drop_manifest, "it has no manifest.json, so its write was interrupted"),
+    "truncated rank file": (_truncate, "(truncated or altered)"),
+    "altered byte": (_flip_byte, "does not match its sha256 checksum in the manifest (its bytes were altered)"),
+}
+
+
+def test_manifest_records_size_sha256_mask_model_config_and_world_size(two_checkpoints):
+    manifest = json.loads((two_checkpoints / "step_4" / MANIFEST).read_text())
+    entry = manifest["files"]["rank0.pt"]
+    assert entry["size"] == (two_checkpoints / "step_4" / "rank0.pt").stat().st_size
+    assert len(entry["sha256"]) == 64
+    assert {"model_config", "world_size", "mask"} <= set(manifest["identity"])
+    assert checkpoint_problem(two_checkpoints / "step_4") is None
+    assert not list(two_checkpoints.glob("step_*/.*"))  # no temporary files left behind
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(two_checkpoints, capsys, damage):
+    harm, reason = DAMAGE[damage]
+    harm(two_checkpoints / "step_4")
+    assert find_checkpoint(two_checkpoints) == two_checkpoints / "step_2"
+    err = capsys.readouterr().err
+    assert f"sdp: warning: checkpoint {two_checkpoints / 'step_4'} skipped: " in err and reason in err, err
+    assert "trying the previous one" in err
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_damaged_checkpoint_named_explicitly_is_an_error_naming_the_reason(two_checkpoints, damage):
+    harm, reason = DAMAGE[damage]
+    harm(two_checkpoints / "step_4")
+    with pytest.raises(ConfigError, match="step_4'?: cannot resume from this checkpoint: ") as err:
+        find_checkpoint(two_checkpoints / "step_4")
+    assert reason in str(err.value)
+
+
+def test_resume_after_fallback_restores_the_previous_checkpoint_exactly(two_checkpoints, tmp_path):
+    _flip_byte(two_checkpoints / "step_4")
+    prep = prepare(TrainConfig(**{**TINY, "resume": str(two_checkpoints), "out": str(tmp_path)}))
+    assert prep.resume_from == two_checkpoints / "step_2"
+    run, batches = _run(tmp_path)
+    assert load_checkpoint(run, batches, prep.resume_from) == 2
+    saved = torch.load(two_checkpoints / "step_2" / "rank0.pt", weights_only=True)
+    assert all(torch.equal(run.model.state_dict()[n], t) for n, t in saved["model"].items())
+
+
+def test_no_valid_checkpoint_is_an_error_or_none(two_checkpoints):
+    _drop_manifest(two_checkpoints / "step_2")
+    _truncate(two_checkpoints / "step_4")
+    assert latest_valid_checkpoint(two_checkpoints) is None
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        find_checkpoint(two_checkpoints)
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_rotation_keeps_exactly_the_newest_n_complete_checkpoints(tmp_path, keep):
+    run, batches = _run(tmp_path)
+    root = tmp_path / "checkpoints"
+    (root / "step_1").mkdir(parents=True)  # an interrupted write: rotation removes it too
+    for step in range(2, 7):
+        save_checkpoint(run, batches, step, root, keep=keep)
+    assert sorted(p.name for p in root.iterdir()) == [f"step_{s}" for s in range(7 - keep, 7)]
+
+
+def test_keep_zero_keeps_every_checkpoint(tmp_path):
+    run, batches = _run(tmp_path)
+    for step in range(1, 4):
+        save_checkpoint(run, batches, step, tmp_path / "checkpoints", keep=0)
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 3
+
+
+def test_restarted_attempt_resumes_from_the_newest_valid_checkpoint(two_checkpoints, tmp_path, monkeypatch, capsys):
+    prep = prepare(TrainConfig(**{**TINY, "out": str(tmp_path)}))
+    assert _resume_after_restart(prep).resume_from is None  # first attempt: no automatic resume
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    (two_checkpoints / "step_6").mkdir()  # the failed attempt was writing this one
+    assert _resume_after_restart(prep).resume_from == two_checkpoints / "step_4"
+    assert "step_6 skipped: it has no manifest.json" in capsys.readouterr().err
+    done = prepare(TrainConfig(**{**TINY, "steps": 4, "out": str(tmp_path)}))  # failed after its last checkpoint
+    assert _resume_after_restart(done).resume_from == two_checkpoints / "step_4"
+    no_ckpt = prepare(TrainConfig(**{**TINY, "checkpoint_every": 0, "out": str(tmp_path)}))
+    assert _resume_after_restart(no_ckpt).resume_from is None
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("nonfinite", "ignore", "nonfinite='ignore' is not one of ('stop', 'skip')"),
+    ("keep_checkpoints", -1, "keep_checkpoints=-1 must be an integer >= 0"),
+    ("max_restarts", 1.5, "max_restarts=1.5 must be an integer >= 0"),
+])
+def test_reliability_fields_are_validated_naming_the_value(field, value, message):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**{field: value})
+    assert message in str(err.value)
+
+
+def test_nonfinite_stop_raises_a_report_naming_step_loss_and_gradient_norm(tmp_path, monkeypatch):
+    run, batches = _run(tmp_path, nonfinite="stop")
+    monkeypatch.setenv("SDP_TEST_INJECT_NAN", "1:0")
+    _train_steps(run, batches, range(1))
+    with pytest.raises(NonFiniteError, match=r"step 1: non-finite .*mean loss nan, averaged gradient norm nan"):
+        _train_steps(run, batches, range(1, 2))
+
+
+def test_nonfinite_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path, monkeypatch):
+    run, batches = _run(tmp_path, nonfinite="skip")
+    monkeypatch.setenv("SDP_TEST_INJECT_NAN", "1:0")
+    _train_steps(run, batches, range(1))
+    params = {n: t.clone() for n, t in run.model.state_dict().items()}
+    optim = [{k: v.clone() for k, v in s.items()} for s in run.optimizer.state.values()]
+    (skipped,) = _train_steps(run, batches, range(1, 2))
+    assert skipped["skipped"] and math.isnan(skipped["loss"]) and math.isnan(skipped["grad_norm"])
+    assert all(torch.equal(run.model.state_dict()[n], t) for n, t in params.items())
+    assert all(torch.equal(s[k], v) for s, saved in zip(run.optimizer.state.values(), optim) for k, v in saved.items())
+    assert all(not p.grad.any() for p in run.model.parameters())  # the NaN gradients are gone
+    (after,) = _train_steps(run, batches, range(2, 3))
+    assert not after["skipped"] and math.isfinite(after["loss"]) and math.isfinite(after["grad_norm"])
