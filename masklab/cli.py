@@ -14,6 +14,9 @@ from masklab.errors import DesignError
 from masklab.mask import SCHEDULE_KINDS, Mask, Schedule
 from masklab.report import analyze
 
+MAX_WORKERS = 4096  # the certificate needs dense K x K matrices; beyond this `sdp design` would not finish
+MAX_ENTRIES = 2**22  # K * B: a 1024 x 4096 mask
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -52,14 +55,19 @@ def run_design(args: argparse.Namespace) -> int:
 
     if args.active is not None and not 0.0 < args.active <= 1.0:
         raise DesignError(f"--active {args.active} must be in (0, 1]")
+    if args.workers > MAX_WORKERS or max(args.workers, 0) * max(args.blocks, 0) > MAX_ENTRIES:
+        raise DesignError(f"-K {args.workers} -B {args.blocks}: sdp design supports at most {MAX_WORKERS} workers "
+                          f"and {MAX_ENTRIES} mask entries (K x B)")
     mask = design(args.workers, args.blocks, active=args.active, coverage=args.coverage,
                   construction=args.construction, seed=args.seed)
     if args.schedule != "static" or args.every != 1:
         mask = mask.replace(schedule=Schedule(args.schedule, args.every))
+    from masklab.io import check_destination, save_mask
+
+    if args.out:
+        check_destination(args.out)  # a bad --out fails before the plot is written
     _emit(mask, args)
     if args.out:
-        from masklab.io import save_mask
-
         save_mask(mask, args.out)
     return 0
 

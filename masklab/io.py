@@ -84,12 +84,8 @@ def save_mask(mask: Mask, path: str | os.PathLike[str]) -> Path:
     """Write `mask` to `path` atomically; returns the path."""
     if not isinstance(mask, Mask):
         raise TypeError(f"save_mask expects a masklab.Mask, got {type(mask).__name__}")
-    path = Path(path)
-    if path.is_dir():
-        raise MaskFileError(f"{path}: is a directory; give a file name such as {path / 'mask.json'}")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise MaskFileError(f"{path}: directory {parent} does not exist")
+    path = check_destination(path)
+    parent = path.parent
     text = json.dumps(mask_to_dict(mask), indent=1)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     try:
@@ -104,6 +100,22 @@ def save_mask(mask: Mask, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def check_destination(path: str | os.PathLike[str]) -> Path:
+    """`path` as a Path if a mask file can be saved there (not a directory, its directory exists).
+
+    Lets a command refuse a bad ``--out`` before it writes anything else.
+    """
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise MaskFileError(f"{path}: is a directory; give a file name such as {path / 'mask.json'}")
+        if not path.parent.is_dir():
+            raise MaskFileError(f"{path}: directory {path.parent} does not exist")
+    except OSError as exc:  # name too long, ...
+        raise MaskFileError(f"{path}: cannot be written: {exc.strerror or exc}") from None
+    return path
+
+
 def load_mask(path: str | os.PathLike[str]) -> Mask:
     """Read a mask file written by `save_mask`.
 
@@ -114,11 +126,13 @@ def load_mask(path: str | os.PathLike[str]) -> Mask:
         unknown version, or holds an invalid mask; the message names the file and the problem.
     """
     path = Path(path)
-    if not path.exists():
-        raise MaskFileError(f"{path}: no such mask file")
-    if path.is_dir():
-        raise MaskFileError(f"{path}: is a directory, not a mask file")
     try:
+        if not path.exists():
+            raise MaskFileError(f"{path}: no such mask file")
+        if path.is_dir():
+            raise MaskFileError(f"{path}: is a directory, not a mask file")
+        if not path.is_file():  # a FIFO or device would block or never end
+            raise MaskFileError(f"{path}: not a regular file")
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise MaskFileError(f"{path}: not a text (UTF-8) file: byte {exc.start} cannot be decoded") from None
@@ -134,7 +148,7 @@ def load_mask(path: str | os.PathLike[str]) -> Mask:
         raise MaskFileError(
             f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}{hint}"
         ) from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # NaN/Infinity, 4300+ digit integers, deep nesting
         raise MaskFileError(f"{path}: {exc}") from None
     return mask_from_dict(data, source=str(path))
 

@@ -6,6 +6,7 @@ matplotlib is imported inside the function (Agg backend), so importing masklab s
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,8 @@ def plot_mask(mask: Mask, path: str | os.PathLike[str], *, seed: int = 0) -> Pat
         raise MaskError(f"plot file {path} must end in .png")
     if not (path.parent if str(path.parent) else Path(".")).is_dir():
         raise MaskError(f"plot file {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise MaskError(f"plot file {path} is a directory")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,6 +75,15 @@ def plot_mask(mask: Mask, path: str | os.PathLike[str], *, seed: int = 0) -> Pat
     ax_g.set_axis_off()
     fig.suptitle(f"{mask.construction or 'mask'} ({mask.schedule.kind})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # written beside `path` and renamed, so a failed save never leaves a truncated PNG at `path`
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return path

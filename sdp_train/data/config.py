@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ import torch
 from sdp_train.data.batches import Batches
 from sdp_train.data.images import ImageBatches, digits_split, load_cifar_batches, normalize
 from sdp_train.data.text import TokenBatches, load_token_shard, stdlib_corpus
-from sdp_train.errors import ConfigError
+from sdp_train.errors import ConfigError, DataError, DataFileError
 
 DATASETS: tuple[str, ...] = ("stdlib-bytes", "digits", "token-bin", "cifar")
 
@@ -48,9 +49,9 @@ class DataConfig:
             raise ConfigError(f"unknown dataset {self.dataset!r}; known datasets: {', '.join(DATASETS)}")
         for field in ("batch_size", "seq_len", "max_bytes"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{field} must be a positive int, got {value!r}")
-        if not isinstance(self.val_every, int) or self.val_every < 2:
+        if isinstance(self.val_every, bool) or not isinstance(self.val_every, int) or self.val_every < 2:
             raise ConfigError(f"val_every must be an int >= 2, got {self.val_every!r}")
         self.train_files, self.val_files = tuple(map(str, self.train_files)), tuple(map(str, self.val_files))
         if self.dataset in ("token-bin", "cifar") and not self.train_files:
@@ -67,9 +68,20 @@ def build_batches(config: DataConfig, *, split: str, seed: int, rank: int, world
         raise ConfigError(f"split must be 'train' or 'val', got {split!r}")
     if split == "val" and config.dataset in ("token-bin", "cifar") and not config.val_files:
         raise ConfigError(f"dataset {config.dataset!r} has no val_files")
+    files = config.train_files if split == "train" else config.val_files
+    try:
+        return _build(config, split, files, seed=seed, rank=rank, world_size=world_size)
+    except DataError as exc:
+        if isinstance(exc, DataFileError):  # already names its file
+            raise
+        where = f" in {', '.join(sorted({str(Path(f).parent) for f in files}))}" if files else ""
+        raise DataError(f"{config.dataset} {split} split{where}: {exc}") from None
+
+
+def _build(config: DataConfig, split: str, files: tuple[str, ...], *, seed: int, rank: int,
+           world_size: int) -> Batches:
     stream = {"seed": seed, "rank": rank, "world_size": world_size, "heterogeneous": config.heterogeneous,
               "shuffle": split == "train", "batch_size": config.batch_size}
-    files = config.train_files if split == "train" else config.val_files
     if config.dataset == "stdlib-bytes":
         segments = stdlib_corpus(split=split, max_bytes=config.max_bytes, val_every=config.val_every)
         return TokenBatches(segments, seq_len=config.seq_len, **stream)

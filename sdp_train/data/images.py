@@ -91,25 +91,32 @@ def load_cifar_batches(paths: Sequence[str | Path]) -> tuple[np.ndarray, np.ndar
     Raises
     ------
     DataFileError
-        A path does not exist, does not unpickle, or holds the wrong keys, dtypes or shapes.
+        A path does not exist, does not unpickle, or holds the wrong keys, dtypes, shapes or negative labels.
     """
     if not paths:
         raise ConfigError("load_cifar_batches needs at least one path")
     images, labels = [], []
     for path in map(Path, paths):
-        if not path.is_file():
-            raise DataFileError(f"CIFAR batch {path} does not exist or is not a file")
         try:
+            if not path.is_file():
+                raise DataFileError(f"CIFAR batch {path} does not exist or is not a file")
             with path.open("rb") as f:
                 batch = RestrictedUnpickler(f, encoding="bytes").load()
         except RefusedGlobalError as exc:
             raise DataFileError(f"CIFAR batch {path}: {exc}") from None
+        except DataFileError:
+            raise
+        except OSError as exc:
+            raise DataFileError(f"CIFAR batch {path} cannot be read: {exc.strerror or exc}") from None
         except Exception as exc:  # unpickling a file of another format can raise almost anything
             raise DataFileError(f"CIFAR batch {path} is not a python pickle: {exc}") from exc
         if not isinstance(batch, dict) or b"data" not in batch:
             raise DataFileError(f"CIFAR batch {path} must be a dict with b'data' and b'labels'")
         label_key = b"labels" if b"labels" in batch else b"fine_labels"
-        data, label = np.asarray(batch[b"data"]), np.asarray(batch.get(label_key, []))
+        try:
+            data, label = np.asarray(batch[b"data"]), np.asarray(batch.get(label_key, []))
+        except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, unconvertible objects
+            raise DataFileError(f"CIFAR batch {path}: b'data' and labels must be arrays: {exc}") from None
         if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != CIFAR_CHANNELS * CIFAR_SIDE**2:
             raise DataFileError(
                 f"CIFAR batch {path}: b'data' must be uint8 of shape (n, 3072), got {data.dtype} {data.shape}"
@@ -118,6 +125,9 @@ def load_cifar_batches(paths: Sequence[str | Path]) -> tuple[np.ndarray, np.ndar
             raise DataFileError(
                 f"CIFAR batch {path}: labels must be {data.shape[0]} integers, got {label.dtype} {label.shape}"
             )
+        if label.size and (label.min() < 0 or label.max() > np.iinfo(np.int64).max):
+            raise DataFileError(f"CIFAR batch {path}: labels must be class indices in [0, 2**63), "
+                                f"got {label.min()}..{label.max()}")
         images.append(data.reshape(-1, CIFAR_CHANNELS, CIFAR_SIDE, CIFAR_SIDE))
         labels.append(label.astype(np.int64))
     return np.concatenate(images), np.concatenate(labels)

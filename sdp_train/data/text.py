@@ -70,12 +70,15 @@ def load_token_shard(path: str | Path) -> np.ndarray:
         The path does not exist, is not a file, is empty or has an odd number of bytes.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataFileError(f"token shard {path} does not exist or is not a file")
-    size = path.stat().st_size
-    if size == 0 or size % 2:
-        raise DataFileError(f"token shard {path} has {size} bytes; a uint16 shard needs a positive even size")
-    return np.memmap(path, dtype="<u2", mode="r")
+    try:
+        if not path.is_file():
+            raise DataFileError(f"token shard {path} does not exist or is not a file")
+        size = path.stat().st_size
+        if size == 0 or size % 2:
+            raise DataFileError(f"token shard {path} has {size} bytes; a uint16 shard needs a positive even size")
+        return np.memmap(path, dtype="<u2", mode="r")
+    except OSError as exc:  # unreadable, name too long, ...
+        raise DataFileError(f"token shard {path} cannot be read: {exc.strerror or exc}") from None
 
 
 class TokenBatches(Batches):
@@ -113,7 +116,8 @@ class TokenBatches(Batches):
             raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
         counts = [max(0, (len(seg) - 1) // seq_len) for seg in segments]
         seg_of_window = np.repeat(np.arange(len(segments)), counts)
-        start_of_window = np.concatenate([np.arange(n) * seq_len for n in counts] or [np.zeros(0, np.int64)])
+        # only segments with windows: for the others seq_len may exceed int64 (a huge --seq-len)
+        start_of_window = np.concatenate([np.arange(n) * seq_len for n in counts if n] or [np.zeros(0, np.int64)])
         mine = shard_items(len(seg_of_window), rank, world_size, contiguous=heterogeneous)
         self.segments, self.seq_len = list(segments), seq_len
         self.window_segment, self.window_start = seg_of_window[mine], start_of_window[mine]  # (N_rank,)

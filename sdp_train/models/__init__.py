@@ -51,7 +51,7 @@ def model_names() -> tuple[str, ...]:
     return tuple(sorted(_named_configs()))
 
 
-def get_model_config(name: str, **overrides: Any) -> ModelConfig:
+def get_model_config(name: str, /, **overrides: Any) -> ModelConfig:
     """The named config with ``overrides`` applied (validated again).
 
     Raises
@@ -63,7 +63,7 @@ def get_model_config(name: str, **overrides: Any) -> ModelConfig:
     if name not in configs:
         raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(configs))}")
     base = configs[name]
-    fields = {f.name for f in dataclasses.fields(base)}
+    fields = {f.name for f in dataclasses.fields(base)} - {"name"}  # the name says which shape it is
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ConfigError(f"{name}: unknown config fields {unknown}; fields are {sorted(fields)}")

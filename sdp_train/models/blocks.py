@@ -13,7 +13,8 @@ from a mask row is `sdp_train.subnet`, moving gradients is the sync engine's job
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +24,48 @@ from torch import nn
 from sdp_train.errors import ConfigError
 
 LEVELS: tuple[str, ...] = ("block", "neuron")
+MAX_PARAMS = 2**36
+"""Largest model accepted (~68.7e9 parameters): every rank assembles the full model to validate it,
+so a larger one cannot run anywhere, and refusing it early avoids asking for terabytes."""
+MAX_LAYERS = 256
+"""Most residual blocks (transformer layers / BasicBlocks) a model may have."""
+MAX_NEURON_BLOCKS = 2**14
+"""Most neuron-level blocks (layers x neuron_groups), i.e. mask columns of N-SDP."""
+
+
+def check_config_fields(config: object, *, ints: Sequence[str] = (), numbers: Sequence[str] = ()) -> None:
+    """Raise `ConfigError` unless ``config.name`` is a string, each of ``ints`` a positive int and
+    each of ``numbers`` a finite positive number (booleans are refused for both)."""
+    name = config.name  # type: ignore[attr-defined]
+    if not isinstance(name, str):
+        raise ConfigError(f"model config name must be a string, got {name!r}")
+    for field in ints:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}: {field} must be a positive int, got {value!r}")
+    for field in numbers:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"{name}: {field} must be a finite number > 0, got {value!r}")
+
+
+def check_model_size(name: str, *, params: int = 0, layers: int = 0, neuron_blocks: int = 0) -> None:
+    """Raise `ConfigError` when a model is larger than `MAX_PARAMS` / `MAX_LAYERS` / `MAX_NEURON_BLOCKS`."""
+    for what, value, limit in (("parameters", params, MAX_PARAMS), ("residual blocks", layers, MAX_LAYERS),
+                               ("neuron blocks (layers x neuron_groups)", neuron_blocks, MAX_NEURON_BLOCKS)):
+        if value > limit:
+            raise ConfigError(f"{name}: {value} {what} exceed the supported maximum of {limit}")
+
+
+def names_by_prefix(names: Iterable[str], depth: int = 2) -> dict[str, list[str]]:
+    """State-dict names grouped by their first ``depth`` dotted parts (``"layers.3"``), in order.
+
+    One pass over the names, so block maps of deep models cost time linear in the model size.
+    """
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(".".join(n.split(".")[:depth]), []).append(n)
+    return groups
 
 
 def check_level(level: str) -> None:

@@ -24,8 +24,11 @@ from sdp_train.models.blocks import (
     Block,
     BlockMap,
     SliceSpec,
+    check_config_fields,
     check_level,
+    check_model_size,
     init_from_seed,
+    names_by_prefix,
     state_shapes,
 )
 
@@ -59,10 +62,8 @@ class LlamaConfig:
     """N-SDP neuron groups per layer; must divide ``hidden_dim``."""
 
     def __post_init__(self) -> None:
-        for field in ("dim", "n_layers", "n_heads", "hidden_dim", "vocab_size", "max_seq_len", "neuron_groups"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{self.name}: {field} must be a positive int, got {value!r}")
+        check_config_fields(self, ints=("dim", "n_layers", "n_heads", "hidden_dim", "vocab_size", "max_seq_len",
+                                        "neuron_groups"), numbers=("rope_theta", "norm_eps"))
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ConfigError(
                 f"{self.name}: dim / n_heads must be an even integer, got dim={self.dim}, n_heads={self.n_heads}"
@@ -72,10 +73,8 @@ class LlamaConfig:
                 f"{self.name}: neuron_groups must divide hidden_dim, got hidden_dim={self.hidden_dim}, "
                 f"neuron_groups={self.neuron_groups}"
             )
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ConfigError(
-                f"{self.name}: rope_theta and norm_eps must be > 0, got {self.rope_theta}, {self.norm_eps}"
-            )
+        check_model_size(self.name, params=num_params(self), layers=self.n_layers,
+                         neuron_blocks=self.n_layers * self.neuron_groups)
 
     @property
     def head_dim(self) -> int:
@@ -287,9 +286,9 @@ def block_map(config: LlamaConfig) -> BlockMap:
     """Blocks: ``layers.i`` (block level); ``layers.i.mlp.g{g}`` = rows of w_gate/w_up, columns of w_down."""
     with torch.device("meta"):
         shapes, params = state_shapes(Llama(config))
+    by_layer = names_by_prefix(shapes)
     layer_blocks = tuple(
-        Block(f"layers.{i}", tuple((n, WHOLE) for n in shapes if n.startswith(f"layers.{i}.")))
-        for i in range(config.n_layers)
+        Block(f"layers.{i}", tuple((n, WHOLE) for n in by_layer[f"layers.{i}"])) for i in range(config.n_layers)
     )
     neuron_blocks = []
     for i in range(config.n_layers):

@@ -25,8 +25,11 @@ from sdp_train.models.blocks import (
     Block,
     BlockMap,
     SliceSpec,
+    check_config_fields,
     check_level,
+    check_model_size,
     init_from_seed,
+    names_by_prefix,
     state_shapes,
 )
 
@@ -54,16 +57,14 @@ class ResNetConfig:
     """N-SDP channel groups per maskable BasicBlock; must divide the width of every stage."""
 
     def __post_init__(self) -> None:
-        for field in ("in_channels", "num_classes", "neuron_groups"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{self.name}: {field} must be a positive int, got {value!r}")
-        if not self.width_multiplier > 0:
-            raise ConfigError(f"{self.name}: width_multiplier must be > 0, got {self.width_multiplier}")
+        check_config_fields(self, ints=("in_channels", "num_classes", "neuron_groups"), numbers=("width_multiplier",))
+        if not isinstance(self.blocks_per_stage, (list, tuple)):
+            raise ConfigError(f"{self.name}: blocks_per_stage must be a list of ints, got {self.blocks_per_stage!r}")
         self.blocks_per_stage = tuple(self.blocks_per_stage)
-        if not 1 <= len(self.blocks_per_stage) <= len(BASE_CHANNELS) or min(self.blocks_per_stage) < 1:
+        if (not 1 <= len(self.blocks_per_stage) <= len(BASE_CHANNELS)
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.blocks_per_stage)):
             raise ConfigError(
-                f"{self.name}: blocks_per_stage needs 1 to {len(BASE_CHANNELS)} positive entries, "
+                f"{self.name}: blocks_per_stage needs 1 to {len(BASE_CHANNELS)} positive int entries, "
                 f"got {self.blocks_per_stage}"
             )
         bad = [c for c in self.channels if c % self.neuron_groups]
@@ -72,6 +73,9 @@ class ResNetConfig:
                 f"{self.name}: neuron_groups={self.neuron_groups} must divide every stage width, "
                 f"widths are {self.channels}"
             )
+        check_model_size(self.name, layers=sum(self.blocks_per_stage))  # before anything walks the blocks
+        check_model_size(self.name, params=num_params(self),
+                         neuron_blocks=len(maskable_blocks(self)) * self.neuron_groups)
 
     @property
     def channels(self) -> tuple[int, ...]:
@@ -233,9 +237,8 @@ def block_map(config: ResNetConfig) -> BlockMap:
         shapes, params = state_shapes(ResNet(config))
     maskable = maskable_blocks(config)
     widths = {name: cout for name, _, cout, _ in block_layout(config)}
-    whole_blocks = tuple(
-        Block(name, tuple((n, WHOLE) for n in shapes if n.startswith(f"{name}."))) for name in maskable
-    )
+    by_block = names_by_prefix(shapes)
+    whole_blocks = tuple(Block(name, tuple((n, WHOLE) for n in by_block[name])) for name in maskable)
     neuron_blocks = []
     for name in maskable:
         for g in range(config.neuron_groups):

@@ -19,7 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import WHOLE, Block, BlockMap, SliceSpec, check_level, init_from_seed, state_shapes
+from sdp_train.models.blocks import (
+    WHOLE,
+    Block,
+    BlockMap,
+    SliceSpec,
+    check_config_fields,
+    check_level,
+    check_model_size,
+    init_from_seed,
+    names_by_prefix,
+    state_shapes,
+)
 
 MLP_ROWS: tuple[str, ...] = ("mlp.fc1.weight", "mlp.fc1.bias")
 MLP_COLS: tuple[str, ...] = ("mlp.fc2.weight",)
@@ -49,17 +60,16 @@ class ViTConfig:
     """N-SDP neuron groups per layer; must divide ``hidden_dim``."""
 
     def __post_init__(self) -> None:
-        for field in ("in_channels", "num_classes", "patch_size", "dim", "n_layers", "n_heads", "hidden_dim",
-                      "neuron_groups"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{self.name}: {field} must be a positive int, got {value!r}")
+        check_config_fields(self, ints=("in_channels", "num_classes", "patch_size", "dim", "n_layers", "n_heads",
+                                        "hidden_dim", "neuron_groups"))
         if self.dim % self.n_heads or self.dim % 4:
             raise ConfigError(f"{self.name}: dim must be divisible by n_heads and by 4 (2-D sin-cos positions), "
                               f"got dim={self.dim}, n_heads={self.n_heads}")
         if self.hidden_dim % self.neuron_groups:
             raise ConfigError(f"{self.name}: neuron_groups must divide hidden_dim, got hidden_dim={self.hidden_dim}, "
                               f"neuron_groups={self.neuron_groups}")
+        check_model_size(self.name, params=num_params(self), layers=self.n_layers,
+                         neuron_blocks=self.n_layers * self.neuron_groups)
 
 
 def vit_configs() -> dict[str, ViTConfig]:
@@ -185,7 +195,8 @@ def block_map(config: ViTConfig) -> BlockMap:
     """Blocks: ``layers.i`` (block level); ``layers.i.mlp.g{g}`` = rows of fc1, columns of fc2 (neuron level)."""
     with torch.device("meta"):
         shapes, params = state_shapes(ViT(config))
-    layer_blocks = tuple(Block(f"layers.{i}", tuple((n, WHOLE) for n in shapes if n.startswith(f"layers.{i}.")))
+    by_layer = names_by_prefix(shapes)
+    layer_blocks = tuple(Block(f"layers.{i}", tuple((n, WHOLE) for n in by_layer[f"layers.{i}"]))
                          for i in range(config.n_layers))
     neuron_blocks = []
     for i in range(config.n_layers):

@@ -7,6 +7,7 @@ JSON, mutated valid files, NaN/inf and huge or negative sizes.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -107,3 +108,13 @@ def test_directories_and_missing_paths_are_refused_by_every_loader(tmp_path):
             load_mask(path)
         with pytest.raises(DataFileError):
             load_token_shard(path)
+
+
+def test_mask_paths_that_block_or_overflow_the_parser_give_mask_file_error(tmp_path):
+    fifo, deep, long_name = tmp_path / "fifo.json", tmp_path / "deep.json", tmp_path / ("m" * 5000)
+    os.mkfifo(fifo)  # reading it would block forever
+    deep.write_text("[" * 100_000 + "]" * 100_000)  # json recursion limit
+    for path in (fifo, deep, long_name):
+        with pytest.raises(MaskFileError) as err:
+            load_mask(path)
+        assert str(path) in str(err.value)
