@@ -191,13 +191,18 @@ def _gather(value: Any, world_size: int) -> list[Any]:
 
 @torch.no_grad()
 def evaluate(run: Run, prep: Prepared) -> float:
-    """Mean validation loss of the full assembled model; every rank evaluates its own val shard."""
+    """Mean validation loss of the full assembled model; every rank evaluates its own val shard.
+
+    The validation split is always interleaved (iid) across ranks, also when training data is
+    heterogeneous, so that runs with and without ``heterogeneous`` are scored on the same batches.
+    """
     cfg, info = prep.config, run.info
     full = run.full_state()
     model = build_model(prep.model_config, seed=cfg.seed, device=run.device)
     model.load_state_dict(full)
     model.eval()
-    val = build_batches(prep.data, split="val", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
+    val_data = dataclasses.replace(prep.data, heterogeneous=False)
+    val = build_batches(val_data, split="val", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
     total = torch.zeros(2, dtype=torch.float64, device=run.device)
     for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
         total[0] += loss_fn(model(inputs.to(run.device)), targets.to(run.device)).double()
@@ -209,11 +214,15 @@ def evaluate(run: Run, prep: Prepared) -> float:
 
 def _write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class _Progress:

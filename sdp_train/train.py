@@ -65,12 +65,38 @@ def prepare(cfg: TrainConfig) -> Prepared:
                                                        "in_channels": 1 if data.dataset == "digits" else 3})
     if is_lm and cfg.seq_len > model_config.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model}'s max_seq_len={model_config.max_seq_len}")
+    _check_model_fits_data(cfg, model_config, data)
     mask = None if cfg.mode in BASELINES else _mask_for_model(cfg, model_config)
     resume_from = None
     if cfg.resume is not None:
         resume_from = find_checkpoint(cfg.resume)
         check_resumable(resume_from, cfg, model_config, mask)
     return Prepared(cfg, model_config, mask, data, resume_from)
+
+
+_IMAGE_SHAPE = {"digits": (1, 8), "cifar": (3, 32)}  # dataset -> (channels, side)
+
+
+def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: DataConfig) -> None:
+    """Refuse a model whose inputs or outputs cannot match the data (else a crash at step 0 on every rank).
+
+    Token-bin shards are uint16 of an unknown tokenizer: their ids are not scanned here.
+    """
+    if data.dataset == "stdlib-bytes" and model_config.vocab_size < 256:
+        raise ConfigError(f"model {cfg.model!r} has vocab_size={model_config.vocab_size}; the stdlib byte data "
+                          "needs at least 256 (one id per byte)")
+    if data.dataset in _IMAGE_SHAPE:
+        channels, side = _IMAGE_SHAPE[data.dataset]
+        if model_config.num_classes < 10:
+            raise ConfigError(f"model {cfg.model!r} has num_classes={model_config.num_classes}; "
+                              f"{data.dataset} has 10 classes")
+        if model_config.in_channels != channels:
+            raise ConfigError(f"model {cfg.model!r} has in_channels={model_config.in_channels}; "
+                              f"{data.dataset} images have {channels}")
+        patch = getattr(model_config, "patch_size", None)
+        if patch is not None and side % patch:
+            raise ConfigError(f"model {cfg.model!r} has patch_size={patch}, which does not divide "
+                              f"the {side} x {side} {data.dataset} images")
 
 
 def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
@@ -132,6 +158,9 @@ def _data_config(cfg: TrainConfig, is_lm: bool) -> DataConfig:
         kind = "token-bin" if kind == "bin" else "cifar"
         if not files:
             raise ConfigError(f"data {cfg.data!r}: no training files ({pattern}) in {root}")
+        if not val:
+            raise ConfigError(f"data {cfg.data!r}: no validation files "
+                              f"({'val*.bin' if kind == 'token-bin' else 'test_batch'}) in {root}")
     if (kind in ("stdlib-bytes", "token-bin")) != is_lm:
         raise ConfigError(f"data {cfg.data!r} does not fit model {cfg.model!r}")
     return DataConfig(dataset=kind, batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_bytes=cfg.max_data_bytes,

@@ -95,7 +95,7 @@ def test_bad_token_bin_directories_are_one_clear_error(tmp_path, kind):
     cfg = TrainConfig(mode="ddp", workers=1, data=f"bin:{root}", seq_len=8, batch_size=2)
     with pytest.raises((ConfigError, DataError)) as err:
         build_batches(prepare(cfg).data, split="val" if kind == "no-val" else "train", seed=0, rank=0, world_size=1)
-    assert ("has no val_files" if kind == "no-val" else str(root)) in str(err.value)
+    assert ("no validation files (val*.bin)" if kind == "no-val" else str(root)) in str(err.value)
 
 
 def _array(n: int, shape: tuple[int, ...], dtype, fill) -> np.ndarray:

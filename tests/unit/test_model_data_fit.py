@@ -1,0 +1,38 @@
+"""`prepare` refuses a model whose inputs or outputs cannot match the data, before any rank starts
+(otherwise every rank crashes at step 0 with an index or shape error from torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sdp_train.config import TrainConfig
+from sdp_train.errors import ConfigError
+from sdp_train.train import prepare
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides", "message"),
+    [
+        ("llama-debug", {"vocab_size": 100}, "vocab_size=100; the stdlib byte data needs at least 256"),
+        ("resnet18-cifar", {"num_classes": 5}, "num_classes=5; digits has 10 classes"),
+        ("resnet18-cifar", {"in_channels": 3}, "in_channels=3; digits images have 1"),
+        ("vit-tiny", {"patch_size": 3}, "patch_size=3, which does not divide the 8 x 8 digits images"),
+    ],
+)
+def test_model_that_cannot_fit_the_data_is_refused(model, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        prepare(TrainConfig(model=model, mode="ddp", model_overrides=overrides))
+
+
+def test_models_that_fit_their_data_pass():
+    for model in ("llama-debug", "resnet18-cifar", "vit-tiny"):
+        assert prepare(TrainConfig(model=model, mode="ddp")).model_config is not None
+
+
+def test_token_shards_without_validation_files_are_refused_before_training(tmp_path):
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train_000.bin")
+    with pytest.raises(ConfigError, match=r"no validation files \(val\*\.bin\)"):
+        prepare(TrainConfig(mode="ddp", data=f"bin:{tmp_path}"))
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "val_000.bin")
+    assert prepare(TrainConfig(mode="ddp", data=f"bin:{tmp_path}")).data.val_files
