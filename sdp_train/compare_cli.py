@@ -17,6 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Re-running skips the runs that finished.")
     p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="(default cpu-small)")
     p.add_argument("--out", default="runs/compare", metavar="DIR", help="(default runs/compare)")
+    p.add_argument("--data", default=None, metavar="SOURCE",
+                   help="data of every run, as in sdp train --data (default: the preset's, stdlib bytes)")
     p.set_defaults(func=run)
 
 
@@ -24,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from sdp_train.compare import compare
 
     out = Path(args.out)
-    compare(args.preset, out)
+    compare(args.preset, out, data=args.data)
     print()
     print((out / "compare.md").read_text(encoding="utf-8"))
     print(f"report: {out / 'compare.json'}; plots: {out / 'compare_loss.png'}, {out / 'compare_cost.png'}")

@@ -69,7 +69,9 @@ def build_report(preset_name: str, preset: Preset, planned: list[Planned],
         runs[name] = row
     masks = {p.spec.name: p.verification for p in planned if p.verification is not None}
     return {"preset": preset_name, "settings": preset_dict(preset), "date": today(), "machine": machine(),
-            "command": f"sdp compare --preset {preset_name}", "masks": masks, "runs": runs, "not_run": skipped}
+            "command": f"sdp compare --preset {preset_name}" + (f" --data {preset.data}" if preset.data != "auto" else ""),
+            "masks": masks, "runs": runs, "not_run": skipped,
+            "notes": list(preset.notes)}
 
 
 def _ddp_flops(planned: list[Planned], ddp_summary: dict[str, Any]) -> float:
@@ -119,6 +121,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         )
     for name, why in report.get("not_run", {}).items():
         lines.append(f"\nNot run: `{name}`: {why}.")
+    for note in report.get("notes", []):
+        lines.append(f"\n{note}")
     return "\n".join(lines) + "\n"
 
 
