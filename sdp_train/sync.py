@@ -130,9 +130,8 @@ def _segment(atom: Atom, local: SliceSpec) -> tuple[str, tuple[int, ...]]:
         return "whole", ()
     if atom.dim not in (0, 1):
         raise ConfigError(f"tensor {atom.name!r} is sliced along dim {atom.dim}; the kernels pack rows (0) or columns (1)")
-    position = range(len(local.index)) if local.is_whole else {full: i for i, full in enumerate(local.index)}
-    kind = "rows" if atom.dim == 0 else "cols"
-    return kind, tuple(position[i] for i in atom.index)
+    # a rank holding the whole tensor (every neuron group of the layer) packs the same positions
+    return ("rows" if atom.dim == 0 else "cols"), local.local_positions(atom.index)
 
 
 def create_groups(plans: Sequence[BucketPlan], world_size: int) -> dict[tuple[int, ...], dist.ProcessGroup | None]:

@@ -330,16 +330,14 @@ class Run:
             dtypes = {n: t.dtype for n, t in model_class(self.model_config)(self.model_config).state_dict().items()}
         full = {n: torch.zeros(shapes[n], dtype=dtypes[n], device=self.device) for n in shapes}
         for name, value in local.items():
-            owned = owned_positions(name, self.held_by_rank, self.info.rank)
+            owned = owned_slices(name, index[name], self.held_by_rank, self.info.rank)
             if owned is None:
                 continue
-            dim, full_positions = owned
+            dim, full_positions, local_positions = owned
             if dim is None:
                 full[name].copy_(value)
                 continue
-            spec = index[name]
-            local_of = {f: i for i, f in enumerate(range(spec.full_size) if spec.is_whole else spec.index)}
-            local_pos = torch.tensor([local_of[f] for f in full_positions], dtype=torch.int64, device=self.device)
+            local_pos = torch.tensor(local_positions, dtype=torch.int64, device=self.device)
             full_pos = torch.tensor(full_positions, dtype=torch.int64, device=self.device)
             full[name].index_copy_(dim, full_pos, value.index_select(dim, local_pos))
         for name in shapes:
@@ -418,3 +416,19 @@ def owned_positions(name: str, held_by_rank, rank: int) -> tuple[int | None, tup
             owner.setdefault(i, r)
     mine = tuple(i for i in sorted(owner) if owner[i] == rank)
     return (dim, mine) if mine else None
+
+
+def owned_slices(name: str, local: SliceSpec, held_by_rank, rank: int
+                 ) -> tuple[int | None, tuple[int, ...], tuple[int, ...]] | None:
+    """`owned_positions` with the matching positions in `rank`'s local tensor (described by `local`).
+
+    Returns None (no part), ``(None, (), ())`` (the whole tensor) or ``(dim, full positions, local
+    positions)``; a rank that holds the whole tensor has local positions equal to full ones.
+    """
+    owned = owned_positions(name, held_by_rank, rank)
+    if owned is None:
+        return None
+    dim, full_positions = owned
+    if dim is None:
+        return None, (), ()
+    return dim, full_positions, local.local_positions(full_positions)

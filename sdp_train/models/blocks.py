@@ -115,6 +115,23 @@ class SliceSpec:
             shape[self.dim] = self.full_size
         return tuple(shape)
 
+    def local_positions(self, full_positions: Sequence[int]) -> tuple[int, ...]:
+        """Local positions along ``dim`` of the given full positions (themselves, for a whole tensor).
+
+        Raises
+        ------
+        ConfigError
+            A position is not part of this spec.
+        """
+        if self.dim is None:
+            return tuple(full_positions)
+        local_of = {full: i for i, full in enumerate(self.index)}
+        missing = [i for i in full_positions if i not in local_of]
+        if missing:
+            raise ConfigError(f"full position {missing[0]} is not held by this part (dim {self.dim}, "
+                              f"{len(self.index)} of {self.full_size} positions held)")
+        return tuple(local_of[i] for i in full_positions)
+
     def index_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """``index`` as an int64 tensor (for ``index_select`` / ``index_copy_`` / kernels)."""
         return torch.tensor(self.index, dtype=torch.int64, device=device)
