@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from sdp_train.config import TrainConfig
+from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError
-from sdp_train.train import prepare
+from sdp_train.models import build_model
+from sdp_train.train import loss_fn, prepare
 
 
 @pytest.mark.parametrize(
@@ -25,9 +28,15 @@ def test_model_that_cannot_fit_the_data_is_refused(model, overrides, message):
         prepare(TrainConfig(model=model, mode="ddp", model_overrides=overrides))
 
 
-def test_models_that_fit_their_data_pass():
-    for model in ("llama-debug", "resnet18-cifar", "vit-tiny"):
-        assert prepare(TrainConfig(model=model, mode="ddp")).model_config is not None
+@pytest.mark.parametrize("model", ["llama-debug", "resnet18-cifar", "vit-tiny"])
+def test_models_that_fit_their_data_run_a_forward_pass_on_it(model):
+    prep = prepare(TrainConfig(model=model, mode="ddp", batch_size=2, seq_len=16, max_data_bytes=50_000))
+    inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=0, world_size=1))
+    logits = build_model(prep.model_config, seed=0)(inputs)
+    classes = getattr(prep.model_config, "vocab_size", None) or prep.model_config.num_classes
+    assert logits.shape == (*targets.shape, classes)
+    assert int(targets.max()) < classes
+    assert torch.isfinite(loss_fn(logits, targets))
 
 
 def test_token_shards_without_validation_files_are_refused_before_training(tmp_path):
