@@ -5,6 +5,7 @@
 ``grads``: for each (model, mode, mask) in SPEC, one forward/backward on this rank's batch, the
 sync engine's averaged gradients saved with the batch (full-model names, this rank's local
 tensors and their full-model index) for the test to compare with a single-process reference.
+``steps``: a few optimizer steps of each (model, mode, mask) case; every rank saves its state dict.
 ``train``: the training loop for each config in SPEC, one after another in one process group.
 """
 
@@ -43,6 +44,21 @@ def grads_case(spec: dict, info, device, out: Path) -> None:
         }, out / f"grads{i}_rank{info.rank}.pt")
 
 
+def steps_case(spec: dict, info, device, out: Path) -> None:
+    """`spec["steps"]` optimizer steps of each case; every rank saves its full state dict after them."""
+    for i, case in enumerate(spec["cases"]):
+        cfg = TrainConfig(model=case["model"], mode=case["mode"], workers=info.world_size, batch_size=2,
+                          seq_len=16, active=None, mask=case["mask"], out=str(out), warmup_steps=1)
+        prep = prepare(cfg)
+        run = Run(prep, info, device)
+        initial = {n: t.clone() for n, t in run.model.state_dict().items()}
+        batches = build_batches(prep.data, split="train", seed=0, rank=info.rank, world_size=info.world_size)
+        for step in range(spec["steps"]):
+            inputs, targets = next(batches)
+            run.step(step, inputs, targets)
+        torch.save({"initial": initial, "final": run.model.state_dict()}, out / f"steps{i}_rank{info.rank}.pt")
+
+
 def train_case(spec: dict, info, device, out: Path) -> None:
     for cfg_dict in spec["configs"]:
         _train(prepare(TrainConfig(**cfg_dict)), info, device)
@@ -56,7 +72,7 @@ def main() -> None:
     device = default_device()
     info = init_distributed(device)
     try:
-        {"grads": grads_case, "train": train_case}[case](spec, info, device, out)
+        {"grads": grads_case, "steps": steps_case, "train": train_case}[case](spec, info, device, out)
     finally:
         destroy_distributed()
 

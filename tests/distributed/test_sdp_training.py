@@ -133,6 +133,21 @@ def test_comm_bytes_are_the_held_blocks_with_several_holders(grad_runs, case):
         assert result["comm_bytes"] == 4 * (shared + sum(block_numel[j] for j in held)), f"rank {r}"
 
 
+def test_bbsdp_every_rank_has_bit_identical_full_parameters_after_steps(tmp_path):
+    """Bb-SDP broadcasts each block's new values from a holder: after a step, all full models agree."""
+    mask = _masks()["block"]
+    path = save_mask(Mask(mask), tmp_path / "bbsdp.json")
+    run_rank_script(K, "steps", {"steps": 2, "cases": [{"model": "llama-debug", "mode": "bbsdp", "mask": str(path)}]},
+                    tmp_path)
+    ranks = [torch.load(tmp_path / f"steps0_rank{r}.pt", weights_only=True) for r in range(K)]
+    names = set(block_map(LLAMA).parameter_names)
+    assert set(ranks[0]["final"]) >= names
+    for name in sorted(names):
+        assert not torch.equal(ranks[0]["final"][name], ranks[0]["initial"][name]), f"{name} was not trained"
+        for r in range(1, K):
+            assert torch.equal(ranks[r]["final"][name], ranks[0]["final"][name]), f"rank {r} differs in {name}"
+
+
 def _train_cfg(out: Path, **kw) -> dict:
     base = {"model": "llama-debug", "workers": 2, "steps": 6, "batch_size": 4, "seq_len": 32,
             "warmup_steps": 2, "lr": 3e-3, "eval_batches": 2, "max_data_bytes": 200_000, "seed": 1}
