@@ -2,7 +2,8 @@
 
 Plan (once per mask, identical on every rank): every parameter slice a worker holds is an *atom*
 (a whole tensor at block level; a set of rows/columns at neuron level); atoms with the same holder
-set form one `BucketPlan`. Buckets are ordered once, globally, by when backward finishes them
+set from a bounded range of layers (one by default, and at most `DEFAULT_BUCKET_CAP_MB` MiB, as
+DDP's ``bucket_cap_mb``) form one `BucketPlan`. Buckets are ordered once, globally, by when backward finishes them
 (the latest-in-forward parameter first) and that order is the order of every collective on every
 rank, so collectives on overlapping holder groups can never be issued in different orders
 (NCCL requires it; gloo would deadlock otherwise).
@@ -19,6 +20,7 @@ Not here: building models (`sdp_train.subnet`), the optimizer and the loop (`sdp
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,15 +50,29 @@ class Atom:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """Atoms with one holder set, in buffer order."""
+    """Atoms with one holder set (from a bounded layer range), in buffer order."""
 
     holders: tuple[int, ...]
     atoms: tuple[Atom, ...]
     order_key: tuple[int, tuple[int, ...]]  # (-first parameter position, holders): launch order
 
 
-def plan_buckets(held_by_rank: Sequence[Mapping[str, SliceSpec]], parameter_names: Sequence[str]) -> list[BucketPlan]:
-    """Group every held parameter slice by holder set, in the global launch order.
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""Largest bucket, in MiB of float32 gradients, as DDP's ``bucket_cap_mb`` default."""
+
+
+def plan_buckets(held_by_rank: Sequence[Mapping[str, SliceSpec]], parameter_names: Sequence[str], *,
+                 layers_per_bucket: int = 1, shapes: Mapping[str, Sequence[int]] | None = None,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list[BucketPlan]:
+    """Group every held parameter slice by holder set and layer range, in the global launch order.
+
+    A bucket holds atoms of one holder set from at most `layers_per_bucket` consecutive layers
+    (a layer is a numbered module such as ``layers.3`` or ``layer1.0``; parameters outside
+    numbered modules belong to the layer before them, or to the one before the first), and at
+    most `bucket_cap_mb` MiB of float32 gradients when `shapes` is given (a single atom larger
+    than the cap gets a bucket of its own). Bounding buckets by layer lets the last layers'
+    averages start while backward still runs through the first ones; keying them by holder set
+    alone would make most buckets span every layer, complete only when backward ends.
 
     Parameters
     ----------
@@ -64,19 +80,62 @@ def plan_buckets(held_by_rank: Sequence[Mapping[str, SliceSpec]], parameter_name
         For each rank, full-model tensor name -> the part it holds (``subnet.held_tensors``).
     parameter_names : sequence of str
         The full model's parameter names in forward (registration) order; buffers are excluded.
+    layers_per_bucket : int
+        Most consecutive layers one bucket spans (>= 1).
+    shapes : mapping of str to shape, optional
+        Full-model shapes of the parameters; needed for the size cap.
+    bucket_cap_mb : float
+        Size cap of a bucket in MiB (float32), used with `shapes`.
     """
+    if isinstance(layers_per_bucket, bool) or not isinstance(layers_per_bucket, int) or layers_per_bucket < 1:
+        raise ConfigError(f"layers_per_bucket must be an int >= 1, got {layers_per_bucket!r}")
+    if not bucket_cap_mb > 0:
+        raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     position = {name: i for i, name in enumerate(parameter_names)}
-    groups: dict[tuple[int, ...], list[Atom]] = defaultdict(list)
-    for name in parameter_names:
+    layer = layer_of(parameter_names)
+    cap = None if shapes is None else bucket_cap_mb * 2**20 / 4
+    open_bucket: dict[tuple[int, ...], list] = {}  # holders -> [atoms (backward order), first layer, numel]
+    buckets: list[tuple[tuple[int, ...], list[Atom]]] = []
+    for name in reversed(parameter_names):  # backward order: the order gradients become ready
         specs = {r: held[name] for r, held in enumerate(held_by_rank) if name in held}
         for holders, atom in _atoms(name, specs):
-            groups[holders].append(atom)
+            numel = 0 if shapes is None else _atom_numel(atom, shapes[name])
+            current = open_bucket.get(holders)
+            if (current is None or current[1] - layer[name] >= layers_per_bucket
+                    or (cap is not None and current[2] and current[2] + numel > cap)):
+                current = open_bucket[holders] = [[], layer[name], 0]
+                buckets.append((holders, current[0]))
+            current[0].append(atom)
+            current[2] += numel
     plans = [
-        BucketPlan(holders, tuple(atoms), (-min(position[a.name] for a in atoms), holders))
-        for holders, atoms in groups.items()
+        BucketPlan(holders, tuple(reversed(atoms)), (-min(position[a.name] for a in atoms), holders))
+        for holders, atoms in buckets
     ]
     # The latest-in-forward parameter gets its gradient first: launch those buckets first.
     return sorted(plans, key=lambda p: p.order_key)
+
+
+def layer_of(parameter_names: Sequence[str]) -> dict[str, int]:
+    """Parameter name -> index of its layer: the numbered module (``layers.3``, ``layer1.0``) it is in.
+
+    Parameters outside numbered modules (embeddings, final norm, head) take the index of the
+    last layer before them (-1 before the first).
+    """
+    layers: dict[str, int] = {}
+    out: dict[str, int] = {}
+    current = -1
+    for name in parameter_names:
+        parts = name.split(".")
+        numbered = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        if numbered is not None:
+            current = layers.setdefault(".".join(parts[: numbered + 1]), len(layers))
+        out[name] = current
+    return out
+
+
+def _atom_numel(atom: Atom, shape: Sequence[int]) -> int:
+    numel = math.prod(shape)
+    return numel if atom.dim is None else numel // shape[atom.dim] * len(atom.index)
 
 
 def _atoms(name: str, specs: Mapping[int, SliceSpec]) -> list[tuple[tuple[int, ...], Atom]]:

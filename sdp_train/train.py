@@ -219,7 +219,7 @@ class Run:
             parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
                         block_meshes=block_meshes, root_mesh=world_mesh)
             if not cfg.fsdp:  # with FSDP, each block's reduce-scatter over its holders is the average
-                plans = plan_buckets(self.held_by_rank, self.param_names)
+                plans = plan_buckets(self.held_by_rank, self.param_names, shapes=block_map(mc).shapes)
                 groups = (create_groups(plans, info.world_size) if info.world_size > 1
                           else {p.holders: None for p in plans})
                 self.engine = SyncEngine(self.model, plans, self.model.full_index(), groups, info.rank)

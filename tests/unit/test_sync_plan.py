@@ -11,12 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sdp_train import sync
+from sdp_train.config import TrainConfig
 from sdp_train.models import block_map, get_model_config
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.subnet import build_worker_model, held_tensors
-from sdp_train.sync import SyncEngine, plan_buckets
-from sdp_train.train import owned_positions, owned_slices
+from sdp_train.sync import SyncEngine, layer_of, plan_buckets
+from sdp_train.train import design_for_model, loss_fn, owned_positions, owned_slices
 
 LLAMA = get_model_config("llama-debug")
 GROUPS = LLAMA.neuron_groups
@@ -140,3 +144,84 @@ def test_owned_positions_partition_every_held_tensor_among_its_holders():
             lower = [q for q in range(r) if name in held[q]]
             for q in lower:  # a lower-ranked holder of a position would own it instead
                 assert held[q][name].dim is not None and not set(idx) & set(held[q][name].index), (name, r, q)
+
+
+def random_masks(workers: int, blocks: int):
+    """Masks with every column covered and every row non-empty."""
+    return (st.lists(st.lists(st.booleans(), min_size=workers, max_size=workers).filter(any),
+                     min_size=blocks, max_size=blocks)
+            .map(lambda cols: np.array(cols, dtype=np.uint8).T)
+            .filter(lambda m: m.any(axis=1).all()))
+
+
+@settings(max_examples=15, deadline=None)
+@given(mask=random_masks(3, LLAMA.n_layers * GROUPS), span=st.integers(1, 3), cap_mb=st.sampled_from([0.05, 0.3, 25.0]))
+def test_buckets_partition_every_held_slice_within_one_holder_set_layer_span_and_cap(mask, span, cap_mb):
+    held = held_by_rank(mask)
+    names = parameter_names()
+    shapes = block_map(LLAMA).shapes
+    plans = plan_buckets(held, names, layers_per_bucket=span, shapes=shapes, bucket_cap_mb=cap_mb)
+    layer = layer_of(names)
+    covered: dict[tuple[str, int], tuple[int, ...]] = {}
+    for plan in plans:
+        layers = [layer[a.name] for a in plan.atoms]
+        assert max(layers) - min(layers) < span
+        numel = sum(int(np.prod(shapes[a.name])) // (1 if a.dim is None else shapes[a.name][a.dim])
+                    * (1 if a.dim is None else len(a.index)) for a in plan.atoms)
+        assert len(plan.atoms) == 1 or numel * 4 <= cap_mb * 2**20
+        for atom in plan.atoms:
+            positions = range(shapes[atom.name][0]) if atom.dim is None else atom.index
+            for i in positions:
+                key = (atom.name, i)
+                assert key not in covered, key  # each slice in exactly one bucket
+                covered[key] = plan.holders
+    for name in names:  # ... which is averaged among exactly the ranks holding it
+        holders = [r for r in range(len(held)) if name in held[r]]
+        sliced = [held[r][name].dim for r in holders if not held[r][name].is_whole]
+        for i in range(shapes[name][sliced[0] if sliced else 0]):
+            expected = tuple(r for r in holders if held[r][name].is_whole or i in held[r][name].index)
+            if expected:
+                assert covered[(name, i)] == expected, (name, i)
+    keys = [p.order_key for p in plans]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)  # one strict global launch order
+
+
+def test_layer_of_numbers_layers_and_attaches_outside_parameters_to_the_previous_one():
+    names = ["tok.weight", "layers.0.a.weight", "layers.0.b.weight", "layers.1.a.weight", "norm.weight",
+             "out.weight"]
+    assert layer_of(names) == {"tok.weight": -1, "layers.0.a.weight": 0, "layers.0.b.weight": 0,
+                               "layers.1.a.weight": 1, "norm.weight": 1, "out.weight": 1}
+    assert layer_of(["conv1.weight", "layer1.0.conv1.weight", "layer2.0.conv1.weight", "fc.bias"])["fc.bias"] == 1
+
+
+@pytest.mark.parametrize(("mode", "level"), [("nsdp", "neuron"), ("bsdp", "block")])
+def test_first_collective_starts_before_the_last_gradient_is_ready(monkeypatch, mode, level):
+    """The events of one backward on rank 0 of a designed mask: some holder-group all_reduce is
+    launched while backward still produces gradients (it overlaps backward)."""
+    cfg = TrainConfig(model="llama-debug", mode=mode, workers=2, active=0.5)
+    mask = design_for_model(cfg, LLAMA).matrix
+    held = [held_tensors(LLAMA, mask[k], level) for k in range(2)]
+    plans = plan_buckets(held, parameter_names(), shapes=block_map(LLAMA).shapes)
+    events: list[str] = []
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def fake_all_reduce(buffer, group=None, async_op=False):
+        events.append("launch")
+        return Done()
+
+    monkeypatch.setattr(sync.dist, "all_reduce", fake_all_reduce)
+    model = build_worker_model(LLAMA, mask[0], level, seed=0)
+    for name, p in model.named_parameters():  # registered before the engine's hooks: runs before them
+        p.register_post_accumulate_grad_hook(lambda _, name=name: events.append(f"grad {name}"))
+    groups = {p.holders: (object() if len(p.holders) > 1 else None) for p in plans}
+    engine = SyncEngine(model, plans, model.full_index(), groups, 0, backend="reference")
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    engine.finish()
+    engine.remove_hooks()
+    assert "launch" in events
+    last_grad = max(i for i, e in enumerate(events) if e.startswith("grad"))
+    assert events.index("launch") < last_grad, events
