@@ -1,0 +1,337 @@
+"""SDP for any ``nn.Module``, used as one uses ``DistributedDataParallel``: docs/api.md.
+
+>>> # under torchrun, one process per worker
+>>> # model = SubnetworkDataParallel(MyModel(), active=0.5)   # blocks found, mask designed
+>>> # optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+>>> # loss_fn(model(x), y).backward(); model.clip_grad_norm_(1.0); optimizer.step()
+
+`SubnetworkDataParallel` builds, in one numbered order: the blocks and the mask, this worker's
+subnetwork (non-held blocks replaced by pass-throughs, MLPs cut to the held neurons, or frozen
+blocks for backward masking), its initial values (identical among each block's holders), then
+activation checkpointing and either FSDP2 over each block's holders or the `SyncEngine`, whose
+holder-set all-reduces run during backward and are complete when ``backward()`` returns. The
+user keeps their optimizer, LR schedule, data and loss; nothing here sets a learning rate.
+
+Not here: finding blocks (`sdp_train.sdp_blocks`), cutting models (`sdp_train.sdp_masking`),
+assembling the full model (`sdp_train.sdp_export`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from masklab import Mask
+from sdp_train.errors import ConfigError
+from sdp_train.models.blocks import WHOLE, SliceSpec
+from sdp_train.sdp_blocks import MLPSpec, find_blocks
+from sdp_train.sdp_export import assemble, save_safetensors
+from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
+from sdp_train.sdp_parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
+from sdp_train.sync import ParamBroadcaster, SyncEngine, create_groups, plan_buckets
+
+MASKINGS = ("forward", "backward")
+
+
+class SubnetworkDataParallel(nn.Module):
+    """Wrap ``module`` so that this rank trains its subnetwork and averages each block among its holders.
+
+    Every rank constructs it with the same arguments (the mask's row ``rank`` is this worker's).
+
+    Parameters
+    ----------
+    module : nn.Module
+        The full model, on CPU/GPU or on the meta device (then nothing is allocated for non-held
+        blocks; pass ``init_state`` or ``init``).
+    mask : masklab.Mask, str or os.PathLike, optional
+        The K x B mask (K = world size), or a mask file. Exactly one of ``mask`` / ``active``.
+    active : float, optional
+        Active fraction C: design the mask with ``masklab.design`` (one design per block's neuron
+        groups at level ``"neuron"``, so every worker keeps some neurons of every MLP).
+    blocks : str or sequence, optional
+        The maskable residual blocks: a pattern (``"model.layers.*"``), names or submodules;
+        found automatically when omitted.
+    level : {"block", "neuron"}
+        B-SDP (a mask column per block) or N-SDP (per block and neuron group of its MLP).
+    masking : {"forward", "backward"}
+        Forward masking removes what a worker does not hold; backward masking (block level) keeps
+        the full model, trains held blocks only and sends their new values to the others after
+        each optimizer step (call `register_optimizer`).
+    neuron_groups : int
+        Neuron groups per MLP at level ``"neuron"``.
+    mlp : MLPSpec, optional
+        The MLP's projections, relative to each block, when not found automatically.
+    seed : int
+        Seed of the mask design.
+    init_state : mapping of str to Tensor, optional
+        A full-model state dict each worker takes its part from (e.g. a pretrained checkpoint).
+    init : callable, optional
+        ``init(module)`` initialises a model materialised from the meta device (parameters and buffers).
+    device : torch.device or str, optional
+        Where a meta-device model is materialised (default: CUDA if available, else CPU).
+    activation_checkpointing : bool
+        Recompute every held block's activations in backward.
+    fsdp : bool
+        Shard each held block among its holders with FSDP2 (block level, forward masking); FSDP's
+        reduce-scatter then computes the holder average.
+    autocast_dtype : torch.dtype, optional
+        Run the forward pass under ``torch.autocast`` in this dtype (e.g. ``torch.bfloat16``);
+        parameters, gradients and optimizer state stay in their own dtype (fp32 master weights).
+    comm_dtype : torch.dtype, optional
+        Dtype of the gradient buffers sent among holders (e.g. ``torch.bfloat16``: half the bytes).
+    """
+
+    def __init__(self, module: nn.Module, *, mask: Mask | str | os.PathLike | None = None,
+                 active: float | None = None, blocks: str | Sequence[str | nn.Module] | None = None,
+                 level: str = "block", masking: str = "forward", neuron_groups: int = 4,
+                 mlp: MLPSpec | None = None, seed: int = 0, init_state: Mapping[str, torch.Tensor] | None = None,
+                 init=None, device: torch.device | str | None = None, activation_checkpointing: bool = False,
+                 fsdp: bool = False, autocast_dtype: torch.dtype | None = None,
+                 comm_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        _check_options(level, masking, fsdp, comm_dtype)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.level, self.masking, self.autocast_dtype, self.comm_dtype = level, masking, autocast_dtype, comm_dtype
+        # 1. blocks, the full model's layout and the mask (identical on every rank)
+        block_names = find_blocks(module, blocks)
+        self.layout: ModelLayout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
+        self.mask: Mask = resolve_mask(mask, active, self.world_size, self.layout, seed=seed)
+        self.held_by_rank = [self.layout.held(self.mask.matrix[r]) for r in range(self.world_size)]
+        row = self.mask.matrix[self.rank]
+        # 2. this worker's subnetwork (state-dict names stay the full model's)
+        if masking == "backward":
+            freeze_blocks(module, self.layout, row)
+            self.local_index: dict[str, SliceSpec] = {n: WHOLE for n in self.layout.tensors}
+        else:
+            if level == "block":
+                drop_blocks(module, block_names, row)
+            else:
+                slice_neurons(module, self.layout, row)
+            self.local_index = dict(self.held_by_rank[self.rank])
+        self.module = module
+        # 3. values: materialise a meta model, take the part of init_state, agree among holders
+        self.device = _materialise(module, device, init, init_state is not None)
+        if init_state is not None:
+            self.load_full_state_dict(init_state)
+        self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names)
+        self.groups = (create_groups(self.plans, self.world_size) if self.world_size > 1
+                       else {p.holders: None for p in self.plans})
+        if init_state is None and self.world_size > 1:
+            broadcast_from_holders(module, self.plans, self.local_index, self.groups, self.rank)
+        # 4. activation checkpointing, inside each held block
+        self.held_blocks = tuple(b for b, keep in zip(block_names, self._held_block_flags()) if keep)
+        if activation_checkpointing:
+            apply_checkpointing([module.get_submodule(b) for b in self.held_blocks])
+        # 5. gradient averaging among holders: FSDP2 over holder meshes, or the sync engine
+        self.engine: SyncEngine | None = None
+        self.broadcaster: ParamBroadcaster | None = None
+        self.optimizers_registered = 0
+        self._bytes_of_old_engines = 0
+        self._sync_enabled = True
+        self._sq_norm: torch.Tensor | None = None
+        self._finish_queued = False
+        if fsdp:
+            apply_holder_fsdp(module, self.mask, block_names, self.rank, self.device)
+        else:
+            self.engine = self._new_engine()
+            if masking == "backward" and self.world_size > 1:
+                self.broadcaster = ParamBroadcaster(module, self.plans, self.world_size)
+                self.broadcaster.broadcast()  # non-holders' frozen copies start from the holders' values
+        self.fsdp = fsdp
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in module.parameters() if p.requires_grad]
+
+    # -- construction helpers ------------------------------------------------------------------
+    def _held_block_flags(self) -> list[bool]:
+        row = self.mask.matrix[self.rank].astype(bool)
+        if self.level == "neuron":
+            return [True] * len(self.layout.blocks)
+        return list(row)
+
+    def _new_engine(self) -> SyncEngine:
+        engine = SyncEngine(self.module, self.plans, self.local_index, self.groups, self.rank)
+        if self.comm_dtype is not None:
+            for bucket in engine.buckets:  # pack casts into the buffer's dtype, unpack casts back
+                bucket.buffer = torch.empty_like(bucket.buffer, dtype=self.comm_dtype)
+        return engine
+
+    # -- the training step ---------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.masking == "backward" and self.training and self.world_size > 1 and not self.optimizers_registered:
+            raise ConfigError("backward masking sends each block's new values after the optimizer step: call "
+                              "model.register_optimizer(optimizer) before training")
+        if self.autocast_dtype is None:
+            return self.module(*args, **kwargs)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.module(*args, **kwargs)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._sync_enabled and self.engine is not None and not self._finish_queued:
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_sync)
+
+    def _finish_sync(self) -> None:
+        self._finish_queued = False
+        self._sq_norm = self.engine.finish()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients only; the next one outside averages the sum.
+
+        As with DDP: N-1 micro-batches under ``no_sync()``, the last outside, give the holder
+        average of the N summed gradients.
+        """
+        if not self._sync_enabled:
+            yield
+            return
+        self._sync_enabled = False
+        if self.fsdp:
+            self.module.set_requires_gradient_sync(False)
+        else:
+            self._bytes_of_old_engines += self.engine.comm_bytes
+            self.engine.remove_hooks()
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+            if self.fsdp:
+                self.module.set_requires_gradient_sync(True)
+            else:
+                self.engine = self._new_engine()
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Backward masking: after each ``optimizer.step()``, send held blocks' new values to the others."""
+        if self.broadcaster is not None:
+            optimizer.register_step_post_hook(lambda *_: self.broadcaster.broadcast())
+        self.optimizers_registered += 1
+
+    def grad_norm(self) -> torch.Tensor:
+        """2-norm of the whole averaged gradient (every block counted once); a collective."""
+        if self.fsdp:
+            sq = sum((_local(p.grad).float().pow(2).sum() for p in self.module.parameters() if p.grad is not None),
+                     torch.zeros((), device=self.device))
+        else:
+            if self._sq_norm is None:
+                raise ConfigError("grad_norm/clip_grad_norm_ need the averaged gradient: call them after a "
+                                  "backward() outside no_sync()")
+            sq = self._sq_norm.clone()
+        if self.world_size > 1:
+            dist.all_reduce(sq)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the averaged gradients so their global 2-norm is at most ``max_norm``; returns the norm.
+
+        The norm counts every block once across ranks and every rank applies the same factor, so
+        holders stay identical (``torch.nn.utils.clip_grad_norm_`` on one rank's subnetwork would
+        use a different norm on every rank). Every rank must call it.
+        """
+        if norm_type != 2.0:
+            raise ConfigError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")
+        if not max_norm > 0:
+            raise ConfigError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm!r}")
+        total = self.grad_norm()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else coef.item())
+        return total
+
+    # -- the full model ------------------------------------------------------------------------
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The full model's state dict (CPU tensors), assembled from every worker. Every rank must call it.
+
+        With ``rank0_only`` rank 0 receives it and the others get ``{}``.
+        """
+        return assemble(self.module.state_dict(), self.local_index, self.layout.tensors, self.held_by_rank,
+                        self.rank, rank0_only=rank0_only, device=self.device)
+
+    def save_full(self, path: str | os.PathLike) -> None:
+        """Write the full model as safetensors (a ``.safetensors`` file, or a directory with its
+        ``config.json`` for a Hugging Face model). Every rank must call it; rank 0 writes."""
+        state = self.full_state_dict(rank0_only=True)
+        if self.rank == 0:
+            save_safetensors(state, path, config=getattr(self.module, "config", None))
+        if self.world_size > 1:
+            dist.barrier()
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take this worker's part of every tensor of a full-model state dict."""
+        missing = [n for n in self.layout.tensors if n not in state]
+        if missing:
+            raise ConfigError(f"the full state dict lacks {len(missing)} tensor(s) of the model: {missing[:5]}")
+        for name, local in self.module.state_dict(keep_vars=True).items():
+            shape = self.layout.tensors[name][0]
+            if tuple(state[name].shape) != shape:
+                raise ConfigError(f"tensor {name!r}: the full state dict has shape {tuple(state[name].shape)}, "
+                                  f"the model {shape}")
+            local.copy_(self.local_index[name].take(state[name].to(local.device)))
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes this rank passed to gradient collectives (and backward masking's broadcasts) so far."""
+        total = self._bytes_of_old_engines
+        if self.engine is not None:
+            total += self.engine.comm_bytes
+        if self.broadcaster is not None:
+            total += self.broadcaster.comm_bytes
+        return total
+
+
+SDP = SubnetworkDataParallel
+"""Short name of `SubnetworkDataParallel`."""
+
+
+def _check_options(level: str, masking: str, fsdp: bool, comm_dtype) -> None:
+    if level not in ("block", "neuron"):
+        raise ConfigError(f"level must be 'block' or 'neuron', got {level!r}")
+    if masking not in MASKINGS:
+        raise ConfigError(f"masking must be one of {MASKINGS}, got {masking!r}")
+    if masking == "backward" and level != "block":
+        raise ConfigError(f"backward masking works at level 'block' only, got level={level!r}")
+    if fsdp and (level != "block" or masking != "forward"):
+        raise ConfigError(f"fsdp=True needs level='block' and masking='forward', got {level!r}, {masking!r}")
+    if comm_dtype is not None and comm_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ConfigError(f"comm_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {comm_dtype!r}")
+    if comm_dtype is not None and fsdp:
+        raise ConfigError("comm_dtype applies to the sync engine; with fsdp=True FSDP's own buffers are used")
+
+
+def _materialise(module: nn.Module, device, init, has_init_state: bool) -> torch.device:
+    tensors = list(module.parameters()) + list(module.buffers())
+    on_meta = any(t.is_meta for t in tensors)
+    if device is None:
+        if on_meta or not tensors:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        else:
+            device = tensors[0].device
+    device = torch.device(device)
+    if on_meta:
+        if init is None and not has_init_state:
+            raise ConfigError("the model is on the meta device: pass init_state= (a full state dict) or init= "
+                              "(a function that initialises its parameters and buffers)")
+        module.to_empty(device=device)
+        if init is not None:
+            init(module)
+    else:
+        module.to(device)
+        if init is not None:
+            init(module)
+    return device
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+__all__ = ["MLPSpec", "SDP", "SubnetworkDataParallel", "find_blocks"]
