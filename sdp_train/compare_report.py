@@ -7,8 +7,8 @@ predict a language model's loss. Validation loss is that of the full assembled m
 held-out batches for every run.
 
 Plots: ``compare_loss.png`` (validation loss against steps and against training FLOPs per rank)
-and ``compare_cost.png`` (peak memory per rank stacked by category, bytes sent per step per rank,
-median step time).
+and ``compare_cost.png`` (peak memory per rank stacked by category, buffer and wire bytes per step
+per rank, median step time).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def build_report(preset_name: str, preset: Preset, planned: list[Planned],
             "flop_matched": p.spec.flop_matched, "steps": s["config"]["steps"],
             "final_train_loss": s["final_train_loss"], "final_val_loss": s["final_val_loss"],
             "peak_memory_bytes": peak, "comm_bytes_per_step": s["comm_bytes_per_step"],
+            "wire_bytes_per_step": s.get("wire_bytes_per_step"),
             "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"],
             "flops_per_step": p.flops_per_step, "training_flops": p.flops_per_step * s["config"]["steps"],
             "val_history": [*s.get("val_history", []), {"step": s["config"]["steps"] - 1,
@@ -61,12 +62,13 @@ def build_report(preset_name: str, preset: Preset, planned: list[Planned],
         }
         if ddp is not None:
             ref = {"peak_memory": max(q.get("total", 0) for q in ddp["peak_memory_bytes"]),
-                   "comm_bytes_per_step": ddp["comm_bytes_per_step"], "step_time_s": ddp["step_time_s"],
+                   "comm_bytes_per_step": ddp["comm_bytes_per_step"],
+                   "wire_bytes_per_step": ddp.get("wire_bytes_per_step"), "step_time_s": ddp["step_time_s"],
                    "final_val_loss": ddp["final_val_loss"],
                    "training_flops": _ddp_flops(planned, ddp)}
             values = {"peak_memory": peak.get("total", 0), **{k: row[k] for k in ref if k != "peak_memory"}}
             for key, base in ref.items():
-                row[f"{key}_vs_ddp"] = values[key] / base if base else None
+                row[f"{key}_vs_ddp"] = values[key] / base if base and values[key] is not None else None
         runs[name] = row
     masks = {p.spec.name: p.verification for p in planned if p.verification is not None}
     return {"preset": preset_name, "settings": preset_dict(preset), "date": today(), "machine": machine(),
@@ -103,11 +105,13 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"`{report['command']}`: {s['model']}, {s['workers']} workers, {s['batch_size']} x {s['seq_len']} tokens "
         f"per worker per step, lr {s['lr']}, seed 0; {report['machine']}, {report['date']}. "
         "Ratios (x) are to DDP in the same comparison. Memory is the measured peak of the largest rank "
-        "(MiB: parameters / gradients / optimizer / activations).",
+        "(MiB: parameters / gradients / optimizer / activations). Buffer MiB/step: the sizes of the buffers "
+        "passed to collectives per rank; wire MiB/step: what one rank sends under the ring model "
+        "(all-reduce 2(c-1)/c of its buffer, all-gather / reduce-scatter / broadcast (c-1)/c; docs/design.md).",
         "",
-        "| run | C | steps | val loss | x | train FLOPs x | peak MiB | x | P / G / O / A | sent MiB/step | x "
-        "| step s | x | bound x |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| run | C | steps | val loss | x | train FLOPs x | peak MiB | x | P / G / O / A | buffer MiB/step | x "
+        "| wire MiB/step | x | step s | x | bound x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in report["runs"].items():
         p = r["peak_memory_bytes"]
@@ -117,7 +121,9 @@ def markdown_table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {active} | {r['steps']} | {r['final_val_loss']:.4f} | {_ratio(r, 'final_val_loss', 3)} "
             f"| {_ratio(r, 'training_flops')} | {_mib(p.get('total', 0))} | {_ratio(r, 'peak_memory')} | {parts} "
-            f"| {_mib(r['comm_bytes_per_step'])} | {_ratio(r, 'comm_bytes_per_step')} | {r['step_time_s']:.3f} "
+            f"| {_mib(r['comm_bytes_per_step'])} | {_ratio(r, 'comm_bytes_per_step')} "
+            f"| {'-' if r.get('wire_bytes_per_step') is None else _mib(r['wire_bytes_per_step'])} "
+            f"| {_ratio(r, 'wire_bytes_per_step')} | {r['step_time_s']:.3f} "
             f"| {_ratio(r, 'step_time_s')} | {bound} |"
         )
     for name, why in report.get("not_run", {}).items():
@@ -165,8 +171,11 @@ def plot(report: dict[str, Any], out: Path) -> None:
         bottom += vals
     ax_m.set_ylabel("peak memory of the largest rank (MiB)")
     ax_m.legend(fontsize=7)
-    ax_c.bar(x, [runs[n]["comm_bytes_per_step"] / 2**20 for n in names], color="C4")
-    ax_c.set_ylabel("bytes sent per step per rank (MiB)")
+    ax_c.bar(x - 0.2, [runs[n]["comm_bytes_per_step"] / 2**20 for n in names], width=0.4, color="C4", label="buffer")
+    ax_c.bar(x + 0.2, [(runs[n].get("wire_bytes_per_step") or 0) / 2**20 for n in names], width=0.4, color="C6",
+             label="wire (ring model)")
+    ax_c.set_ylabel("bytes per step per rank (MiB)")
+    ax_c.legend(fontsize=7)
     ax_t.bar(x, [runs[n]["step_time_s"] for n in names], color="C5")
     ax_t.set_ylabel("median step time (s)")
     for ax in (ax_m, ax_c, ax_t):

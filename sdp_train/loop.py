@@ -1,14 +1,17 @@
 """`train(config)`: the loop every rank runs, and the files rank 0 writes.
 
 ``DIR/metrics.jsonl`` gets one line per step (step, loss, lr, grad_norm, step_time_s,
-tokens_per_s, comm_bytes, skipped) as the run goes; a non-finite loss or gradient norm is written
+tokens_per_s, comm_bytes: buffer bytes, wire_bytes: bytes sent under ``wire_model``, skipped) as
+the run goes (`sdp_train.wire` states both); a non-finite loss or gradient norm is written
 as ``null`` so every line stays strict JSON. ``DIR/summary.json`` is written last, atomically, so
 its presence means the run finished. It holds ``peak_memory_bytes``: per rank, the peak over the
 first ``memory_steps`` steps, with its breakdown (`sdp_train.memory`); ``num_params_trained``:
 per rank, the parameter elements its optimizer updates (the held blocks and shared parameters
 under SDP, the whole model under DDP, the local shards under FSDP); ``skipped_steps`` and
 ``num_skipped_steps``: the steps whose update ``nonfinite='skip'`` dropped; ``final_train_loss``:
-the loss of the last step not skipped. Validation loss is that of the full assembled model.
+the loss of the last step not skipped; ``comm_bytes_per_step`` (buffer bytes) and
+``wire_bytes_per_step`` (bytes sent under ``wire_model``), medians per rank. Validation loss is
+that of the full assembled model.
 
 Checkpoints and restarts: with ``checkpoint_every`` the loop writes ``DIR/checkpoints/step_N``
 (`sdp_train.checkpoint`, rotated to ``keep_checkpoints``). A resumed run keeps the metrics lines
@@ -22,6 +25,7 @@ a non-finite step raises NonFiniteError on every rank and no summary.json is wri
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -45,6 +49,7 @@ from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, 
 from sdp_train.memory import MemoryMeter, format_bytes
 from sdp_train.models import build_model
 from sdp_train.train import Prepared, Run, loss_fn, prepare
+from sdp_train.wire import WIRE_MODEL
 
 
 def train(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -61,6 +66,10 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     try:
         return _train(prep, info, device)
     finally:
+        # The run's modules, hooks and meshes form reference cycles that still hold process
+        # groups: free them now, so that destroying the groups joins their gloo threads here and
+        # not during interpreter shutdown (where such a thread aborts the process).
+        gc.collect()
         destroy_distributed()
 
 
@@ -78,7 +87,7 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
     try:
         for step in range(start, cfg.steps):
             inputs, targets = (t.to(device) for t in next(batches))
-            bytes_before = run.comm_bytes
+            bytes_before, wire_before = run.comm_bytes, run.wire_bytes
             measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
             t0 = time.perf_counter()
             with measured:
@@ -87,7 +96,8 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
             tokens = targets.numel() * info.world_size
             record = {"step": step, "loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
                       "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-                      "comm_bytes": run.comm_bytes - bytes_before, "skipped": stats["skipped"]}
+                      "comm_bytes": run.comm_bytes - bytes_before, "wire_bytes": run.wire_bytes - wire_before,
+                      "skipped": stats["skipped"]}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 val_history.append({"step": step, "val_loss": evaluate(run, prep)})
                 record["val_loss"] = val_history[-1]["val_loss"]
@@ -117,6 +127,9 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
         "final_val_loss": val_loss,
         "val_history": val_history,
         "comm_bytes_per_step": statistics.median(r["comm_bytes"] for r in timed),
+        "wire_bytes_per_step": statistics.median(w) if (w := [r["wire_bytes"] for r in timed if "wire_bytes" in r])
+        else None,
+        "wire_model": WIRE_MODEL,
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "world_size": info.world_size,

@@ -13,7 +13,8 @@ complete and every bucket before it has been launched, `kernels.pack` scales its
 1/c_j into one flat buffer and one asynchronous ``all_reduce`` among the holders starts, so
 communication overlaps the rest of backward (as in DDP). `SyncEngine.finish` launches what is
 left, waits, and `kernels.unpack` writes the averages back. Buckets held by a single worker need
-no communication. Bytes are counted from the buffers actually passed to collectives.
+no communication. Bytes are counted from the buffers actually passed to collectives, as buffer
+bytes and as wire bytes under the ring model of `sdp_train.wire`.
 
 Not here: building models (`sdp_train.subnet`), the optimizer and the loop (`sdp_train.train`).
 """
@@ -21,8 +22,9 @@ Not here: building models (`sdp_train.subnet`), the optimizer and the loop (`sdp
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,7 @@ import kernels
 from sdp_train.dist import collective_timeout
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
+from sdp_train.wire import ByteCount
 
 
 class CollectiveError(RuntimeError):
@@ -210,6 +213,17 @@ def create_groups(plans: Sequence[BucketPlan], world_size: int) -> dict[tuple[in
     return groups
 
 
+def _weak_grad_hook(engine: weakref.ref) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that forwards to the engine while it exists, and does nothing after."""
+
+    def hook(param: torch.Tensor) -> None:
+        alive = engine()
+        if alive is not None:
+            alive._on_grad(param)
+
+    return hook
+
+
 class SyncEngine:
     """Holder-set gradient averaging for one rank's (sub)model, overlapped with backward.
 
@@ -240,8 +254,11 @@ class SyncEngine:
             for p in bucket.params:
                 self._of_param[p].append(bucket)
         self._next = 0
-        self.comm_bytes = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._of_param]
+        self.bytes = ByteCount()
+        # The hooks live in C++, out of the garbage collector's sight: they hold the engine weakly,
+        # so that an engine nobody references (and its process groups) is freed, not kept to exit.
+        hook = _weak_grad_hook(weakref.ref(self))
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self._of_param]
         self._reset()
 
     def _reset(self) -> None:
@@ -263,7 +280,7 @@ class SyncEngine:
                      backend=self.backend)
         if bucket.communicates:
             bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
-            self.comm_bytes += bucket.buffer.numel() * bucket.buffer.element_size()
+            self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(), len(bucket.plan.holders))
         bucket.launched = True
         self._next += 1
 
@@ -300,6 +317,11 @@ class SyncEngine:
                 f"complete: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from exc
 
+    @property
+    def comm_bytes(self) -> int:
+        """Buffer bytes of every all_reduce this rank launched (``self.bytes.wire``: on the wire)."""
+        return self.bytes.buffer
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
@@ -316,7 +338,8 @@ class ParamBroadcaster:
         params = dict(model.named_parameters())
         full = {name: SliceSpec() for name in params}
         self.backend = backend
-        self.comm_bytes = 0
+        self.world_size = world_size
+        self.bytes = ByteCount()
         self.buckets = [_Bucket(p, params, full, dist.group.WORLD, next(iter(params.values())).device)
                         for p in plans if len(p.holders) < world_size]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -329,6 +352,11 @@ class ParamBroadcaster:
             if self.rank == src:
                 kernels.pack(values, bucket.layout, bucket.buffer, backend=self.backend)
             dist.broadcast(bucket.buffer, src=src)
-            self.comm_bytes += bucket.buffer.numel() * bucket.buffer.element_size()
+            self.bytes.add("broadcast", bucket.buffer.numel() * bucket.buffer.element_size(), self.world_size)
             if self.rank not in bucket.plan.holders:
                 kernels.unpack(bucket.buffer, values, bucket.layout, mode="copy", backend=self.backend)
+
+    @property
+    def comm_bytes(self) -> int:
+        """Buffer bytes of every broadcast so far (``self.bytes.wire``: on the wire)."""
+        return self.bytes.buffer

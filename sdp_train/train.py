@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from sdp_train.models.blocks import SliceSpec
 from sdp_train.parallelize import parallelize
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
 from sdp_train.sync import ParamBroadcaster, SyncEngine, create_groups, plan_buckets
+from sdp_train.wire import ByteCount
 
 
 @dataclass(frozen=True)
@@ -189,13 +191,13 @@ class Run:
         self.mask = prep.mask
         self.engine: SyncEngine | None = None
         self.broadcaster: ParamBroadcaster | None = None
-        self.ddp_bytes = 0
+        self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
         self.param_names = [n for n in block_map(mc).shapes if n in block_map(mc).parameter_names]
         if self.uses_fsdp and not dist.is_initialized():
             raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
                               f"or with --workers >= 2 (got workers={cfg.workers})")
         world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if self.uses_fsdp else None
-        self.fsdp_counter = FSDPCollectiveBytes() if self.uses_fsdp else None
+        self.fsdp_step_bytes: ByteCount | None = None  # FSDP: counted on the first step, equal on every step
         if cfg.mode in BASELINES:
             self.model = build_model(mc, seed=cfg.seed, device=device)
             self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * info.world_size
@@ -238,13 +240,31 @@ class Run:
 
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if self.device.type == "cpu" else [self.device])
 
+        # The reducer (C++) keeps the hook alive and the garbage collector cannot see through it:
+        # a hook that referenced this Run strongly would keep the Run, the DDP module and the
+        # process group alive past destroy_process_group (see `Run.close`).
+        run = weakref.ref(self)
+
         def counting_allreduce(state, bucket):
             buf = bucket.buffer()
-            self.ddp_bytes += buf.numel() * buf.element_size()
+            run().run_bytes.add("all_reduce", buf.numel() * buf.element_size(), run().info.world_size)
             return allreduce_hook(state, bucket)
 
         ddp.register_comm_hook(None, counting_allreduce)
         return ddp
+
+    def close(self) -> None:
+        """Release the hooks, buffers and process-group references this rank's run holds.
+
+        Gradient hooks live in C++ and hold the sync engine, its buffers and its process groups;
+        until they are removed, none of it can be freed, so the groups' gloo threads would outlive
+        ``destroy_process_group`` and abort the process at interpreter exit. Call once, after the
+        last collective (`sdp_train.loop.train` does).
+        """
+        if self.engine is not None:
+            self.engine.remove_hooks()
+        self.engine = self.broadcaster = None
+        self.model = self.train_model = self.optimizer = None
 
     @property
     def uses_fsdp(self) -> bool:
@@ -256,15 +276,24 @@ class Run:
         return [b.buffer for b in self.engine.buckets] if self.engine is not None else []
 
     @property
-    def comm_bytes(self) -> int:
-        total = self.ddp_bytes
-        if self.engine is not None:
-            total += self.engine.comm_bytes
-        if self.broadcaster is not None:
-            total += self.broadcaster.comm_bytes
-        if self.fsdp_counter is not None:
-            total += self.fsdp_counter.comm_bytes
+    def bytes(self) -> ByteCount:
+        """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.wire`)."""
+        total = ByteCount()
+        total += self.run_bytes
+        for counter in (self.engine, self.broadcaster):
+            if counter is not None:
+                total += counter.bytes
         return total
+
+    @property
+    def comm_bytes(self) -> int:
+        """Buffer bytes so far: the sizes of the buffers passed to collectives."""
+        return self.bytes.buffer
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sent so far under the ring model of `sdp_train.wire`."""
+        return self.bytes.wire
 
     def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | bool]:
         """One optimizer step; returns the worker-mean loss, the averaged gradient's norm and ``skipped``.
@@ -277,11 +306,17 @@ class Run:
         cfg = self.cfg
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        with self.fsdp_counter if self.fsdp_counter is not None else nullcontext():
+        # FSDP's collectives are the same on every step: intercept the first step's, then add those
+        counter = FSDPCollectiveBytes() if self.uses_fsdp and self.fsdp_step_bytes is None else None
+        with counter if counter is not None else nullcontext():
             loss = loss_fn(self.train_model(inputs), targets)
             if _test_fault("SDP_TEST_INJECT_NAN", step, self.info.rank):
                 loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()
+        if counter is not None:
+            self.fsdp_step_bytes = counter.bytes
+        if self.fsdp_step_bytes is not None:
+            self.run_bytes += self.fsdp_step_bytes
         if self.engine is not None:
             sq_norm = self.engine.finish()
         elif self.uses_fsdp:  # every gradient entry lives in exactly one rank's shard
@@ -294,7 +329,7 @@ class Run:
         stats = torch.stack([loss.detach().float(), sq_norm.float()])
         if self.info.world_size > 1:
             dist.all_reduce(stats)
-            self.ddp_bytes += stats.numel() * stats.element_size()
+            self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
         mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
         if _test_fault("SDP_TEST_KILL_AT_STEP", step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -363,19 +398,25 @@ def _test_fault(variable: str, step: int, rank: int) -> bool:
 class FSDPCollectiveBytes(TorchDispatchMode):
     """Counts the bytes of FSDP2's all-gathers and reduce-scatters as they are dispatched.
 
-    Each collective counts its full (unsharded) buffer, as an all-reduce counts its buffer.
+    Each collective counts its full (unsharded) buffer as buffer bytes, as an all-reduce counts
+    its buffer; its group size is the ratio of the full buffer to the shard (FSDP2 pads shards to
+    equal size). `Run` uses it for the first step only: intercepting every op costs step time.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.comm_bytes = 0
+        self.bytes = ByteCount()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.c10d._allgather_base_.default:
-            self.comm_bytes += args[0].numel() * args[0].element_size()  # (output, input shard, ...)
-        elif func is torch.ops.c10d._reduce_scatter_base_.default:
-            self.comm_bytes += args[1].numel() * args[1].element_size()  # (output shard, input, ...)
+        if func is torch.ops.c10d._allgather_base_.default:  # (output, input shard, ...)
+            self._count("all_gather", full=args[0], shard=args[1])
+        elif func is torch.ops.c10d._reduce_scatter_base_.default:  # (output shard, input, ...)
+            self._count("reduce_scatter", full=args[1], shard=args[0])
         return func(*args, **(kwargs or {}))
+
+    def _count(self, collective: str, *, full: torch.Tensor, shard: torch.Tensor) -> None:
+        ranks = full.numel() // shard.numel() if shard.numel() else 1
+        self.bytes.add(collective, full.numel() * full.element_size(), ranks)
 
 
 def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: str) -> dict[str, DeviceMesh]:

@@ -6,6 +6,7 @@
 sync engine's averaged gradients saved with the batch (full-model names, this rank's local
 tensors and their full-model index) for the test to compare with a single-process reference.
 ``steps``: a few optimizer steps of each (model, mode, mask) case; every rank saves its state dict.
+``fsdp_bytes``: a few FSDP steps, saving each step's buffer and wire bytes and intercepted ops.
 ``train``: the training loop for each config in SPEC, one after another in one process group.
 """
 
@@ -33,14 +34,15 @@ def grads_case(spec: dict, info, device, out: Path) -> None:
         run = Run(prep, info, device)
         inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
                                              world_size=info.world_size))
-        before = run.comm_bytes
+        before, wire_before = run.comm_bytes, run.wire_bytes
         loss_fn(run.train_model(inputs), targets).backward()
         sq_norm = run.engine.finish()
         torch.save({
             "inputs": inputs, "targets": targets, "sq_norm": sq_norm,
             "grads": {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None},
             "index": {n: (s.dim, list(s.index), s.full_size) for n, s in run.model.full_index().items()},
-            "comm_bytes": run.comm_bytes - before,
+            "comm_bytes": run.comm_bytes - before, "wire_bytes": run.wire_bytes - wire_before,
+            "buckets": [(list(b.plan.holders), b.buffer.numel() * b.buffer.element_size()) for b in run.engine.buckets],
         }, out / f"grads{i}_rank{info.rank}.pt")
 
 
@@ -59,6 +61,33 @@ def steps_case(spec: dict, info, device, out: Path) -> None:
         torch.save({"initial": initial, "final": run.model.state_dict()}, out / f"steps{i}_rank{info.rank}.pt")
 
 
+def fsdp_bytes_case(spec: dict, info, device, out: Path) -> None:
+    """A few FSDP steps; per step: buffer and wire bytes, and how many ops the byte counter intercepted."""
+    import sdp_train.train as train_module
+
+    calls = [0]
+    original = train_module.FSDPCollectiveBytes.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        calls[0] += 1
+        return original(self, func, types, args, kwargs)
+
+    train_module.FSDPCollectiveBytes.__torch_dispatch__ = counted
+    cfg = TrainConfig(model="llama-debug", mode="fsdp", workers=info.world_size, batch_size=2, seq_len=16,
+                      out=str(out), warmup_steps=1)
+    prep = prepare(cfg)
+    run = Run(prep, info, device)
+    batches = build_batches(prep.data, split="train", seed=0, rank=info.rank, world_size=info.world_size)
+    steps = []
+    for step in range(spec["steps"]):
+        inputs, targets = next(batches)
+        before = (run.comm_bytes, run.wire_bytes, calls[0])
+        run.step(step, inputs, targets)
+        steps.append({"comm_bytes": run.comm_bytes - before[0], "wire_bytes": run.wire_bytes - before[1],
+                      "intercepted": calls[0] - before[2]})
+    (out / f"fsdp_bytes_rank{info.rank}.json").write_text(json.dumps(steps))
+
+
 def train_case(spec: dict, info, device, out: Path) -> None:
     for cfg_dict in spec["configs"]:
         _train(prepare(TrainConfig(**cfg_dict)), info, device)
@@ -72,7 +101,7 @@ def main() -> None:
     device = default_device()
     info = init_distributed(device)
     try:
-        {"grads": grads_case, "steps": steps_case, "train": train_case}[case](spec, info, device, out)
+        {"grads": grads_case, "steps": steps_case, "fsdp_bytes": fsdp_bytes_case, "train": train_case}[case](spec, info, device, out)
     finally:
         destroy_distributed()
 

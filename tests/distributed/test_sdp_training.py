@@ -131,6 +131,24 @@ def test_comm_bytes_are_the_held_blocks_with_several_holders(grad_runs, case):
         result = torch.load(out / f"grads{case}_rank{r}.pt", weights_only=True)
         held = [j for j in range(mask.shape[1]) if mask[r, j] and mask[:, j].sum() > 1]
         assert result["comm_bytes"] == 4 * (shared + sum(block_numel[j] for j in held)), f"rank {r}"
+        # ring all-reduce among c holders: 2 (c - 1) / c of each bucket per rank
+        expected_wire = sum(2 * (len(h) - 1) / len(h) * n for h, n in result["buckets"])
+        assert result["wire_bytes"] == pytest.approx(expected_wire), f"rank {r}"
+        assert expected_wire < result["comm_bytes"] * 2 * (K - 1) / K  # some buckets have fewer than K holders
+
+
+def test_fsdp_bytes_are_counted_on_the_first_step_only_and_wire_is_the_ring_share(tmp_path):
+    """FSDP's dispatch-mode byte counter must not tax later steps; K = 2: all-gather and
+    reduce-scatter send (c - 1) / c = 1/2 of their buffers, the stats all-reduce 2 (c - 1) / c = 1."""
+    run_rank_script(2, "fsdp_bytes", {"steps": 3}, tmp_path)
+    for r in range(2):
+        steps = json.loads((tmp_path / f"fsdp_bytes_rank{r}.json").read_text())
+        assert steps[0]["intercepted"] > 0
+        assert [s["intercepted"] for s in steps[1:]] == [0, 0]
+        assert len({s["comm_bytes"] for s in steps}) == 1
+        stats = 8
+        for s in steps:
+            assert s["wire_bytes"] == pytest.approx((s["comm_bytes"] - stats) / 2 + stats)
 
 
 def test_bbsdp_every_rank_has_bit_identical_full_parameters_after_steps(tmp_path):
