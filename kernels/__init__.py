@@ -13,8 +13,10 @@ from kernels.dispatch import BACKENDS, select_backend
 from kernels.errors import BackendUnavailableError, KernelInputError, KernelLimitError, LayoutError
 from kernels.layout import SEGMENT_KINDS, BucketLayout, Segment, SegmentSpec
 from kernels.ops import overlap_average, pack, unpack
+from kernels.worklist import ALIGN_ELEMENTS
 
 __all__ = [
+    "ALIGN_ELEMENTS",
     "BACKENDS",
     "SEGMENT_KINDS",
     "BackendUnavailableError",

@@ -1,8 +1,9 @@
 """Backend choice: the fused Triton kernels where they can run, the PyTorch reference elsewhere.
 
-``backend="auto"`` picks Triton for CUDA tensors, Triton for CPU tensors when the kernels were
-built under TRITON_INTERPRET=1 (so CPU-only CI exercises the Triton code itself), and the
-reference otherwise (CPU without the interpreter, other devices, no triton installed).
+``backend="auto"`` picks Triton for CUDA tensors when the kernels are compiled, Triton for CPU
+tensors when the kernels were built under TRITON_INTERPRET=1 (so CPU-only CI exercises the Triton
+code itself), and the reference otherwise (CPU without the interpreter, CUDA tensors with
+interpreted kernels, other devices, no triton installed).
 ``"triton"`` and ``"reference"`` force one, and "triton" fails loudly where it cannot run.
 This module imports triton only when Triton is a candidate.
 """
@@ -30,15 +31,16 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on `device`, or None if they can."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    if device.type == "cuda":
-        return None
-    if device.type != "cpu":
+    if device.type not in ("cuda", "cpu"):
         return f"the Triton kernels support cuda and cpu (interpreted) tensors, not {device.type}"
-    if not _interpret_requested():
+    if device.type == "cpu" and not _interpret_requested():
         return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
     from kernels import triton_ops
 
-    if not triton_ops.INTERPRETED:
+    if device.type == "cuda" and triton_ops.INTERPRETED:
+        # The interpreter would run every program on the host, copying the tensors back and forth.
+        return "kernels.triton_ops was imported under TRITON_INTERPRET=1, so its kernels are interpreted, not compiled for the GPU"
+    if device.type == "cpu" and not triton_ops.INTERPRETED:
         return "kernels.triton_ops was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled for the GPU"
     return None
 

@@ -2,9 +2,11 @@
 
 A `BucketLayout` is built once per mask (not per step) from the shapes of a bucket's tensors and a
 list of `SegmentSpec` (which tensor, which part of it, with what coverage). It validates the specs,
-assigns every segment an int64 offset in the flat buffer, and precomputes, on the bucket's device,
-the metadata tensors the fused Triton launch reads (segment table, index values, tile work-list)
-plus the per-segment scale 1/c_j. Packing and unpacking every step then allocate nothing.
+assigns every segment an int64 offset in the flat buffer (a multiple of `kernels.ALIGN_ELEMENTS`, so that
+every segment starts 16-byte aligned; the few padding elements between segments are zeros after
+`pack`), and precomputes, on the bucket's device, the work list the fused Triton launch reads
+(`kernels.worklist`) plus the per-segment scale 1/c_j. Packing and unpacking every step then
+allocate nothing.
 
 This module only describes placements; moving data is `kernels.reference` / `kernels.triton_ops`.
 """
@@ -16,17 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from kernels.errors import KernelLimitError, LayoutError
+from kernels.errors import LayoutError
+from kernels.worklist import aligned_offset, build_work_list
 
 SEGMENT_KINDS = ("whole", "rows", "cols")
 DEFAULT_BLOCK_SIZE = 1024
-# Columns of `BucketLayout.segment_table`, one row per segment (read by the Triton kernels).
-TABLE_TENSOR, TABLE_OFFSET, TABLE_NUMEL, TABLE_INDEX_START = 0, 1, 2, 3
-TABLE_INDEX_LEN, TABLE_EXTENT, TABLE_INNER, TABLE_IS_WHOLE = 4, 5, 6, 7
-TABLE_WIDTH = 8
-MAX_GRID_TILES = 2**31 - 1  # CUDA limit on grid dimension x
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,8 @@ class Segment:
     The source tensor is viewed as (outer, extent, inner) and the segment is
     ``t.view(outer, extent, inner)[:, index, :]`` flattened: ``whole`` is (1, 1, numel) with index
     (0,), ``rows`` is (1, shape[0], prod(shape[1:])), ``cols`` is (shape[0], shape[1],
-    prod(shape[2:])). It occupies ``buffer[offset : offset + numel]``.
+    prod(shape[2:])). It occupies ``buffer[offset : offset + numel]``; a non-empty segment's
+    offset is a multiple of `kernels.ALIGN_ELEMENTS`.
     """
 
     tensor_index: int
@@ -164,22 +164,32 @@ class BucketLayout:
     ----------
     segments : tuple of Segment
     total_numel : int
-        Elements of the flat buffer that the segments fill.
+        Elements of the flat buffer: the end of the last non-empty segment. Allocate buffers of
+        this size; it includes the padding that aligns each segment (`gaps`).
+    gaps : tuple of (int, int)
+        (start, length) of each run of padding elements in the buffer; `pack` writes zeros there.
     inverse_coverage : torch.Tensor
         (n_segments,) float32 on `device`: 1/c_j, the `scale` that averages over holders.
-    segment_table : torch.Tensor
-        (n_segments, 8) int64 on `device`, columns TABLE_*.
     index_values : torch.Tensor
         (sum of index lengths,) int64 on `device`: all rows/cols indices, concatenated.
-    tile_segment, tile_start : torch.Tensor
-        (n_tiles,) int32 and int64 on `device`: the work-list, one entry per Triton program.
+    index_tensors : tuple of (torch.Tensor or None)
+        Per segment, its view of `index_values` (None for whole tensors).
+    descriptors : torch.Tensor
+        (n_tiles, DESC_WIDTH) int64 on `device`: the work list, one row per Triton program (see
+        `kernels.worklist`); the zero tiles that clear `gaps` come last.
+    column_offsets : torch.Tensor
+        int32 on `device`: the tensor-side column offsets the gather tiles read.
+    run_cols, gather_cols : int
+        Width of the run and gather tiles (powers of two, chosen to minimise the tile count).
+    num_data_tiles : int
+        Tiles that move data (all but the zero tiles): the grid of `unpack`.
 
     Examples
     --------
     >>> layout = BucketLayout([(4, 3), (3, 4)], [SegmentSpec(0, "rows", (0, 2), coverage=2),
     ...                                         SegmentSpec(1, "cols", (0, 2), coverage=2)])
-    >>> [(s.offset, s.numel) for s in layout.segments], layout.total_numel
-    ([(0, 6), (6, 6)], 12)
+    >>> [(s.offset, s.numel) for s in layout.segments], layout.total_numel, layout.gaps
+    ([(0, 6), (8, 6)], 14, ((6, 2),))
     """
 
     def __init__(
@@ -197,59 +207,46 @@ class BucketLayout:
             raise LayoutError(f"block_size={block_size!r} must be a power of two in [16, 65536]")
         self.block_size = block_size
         self.device = _normalize_device(device)
-        segments, offset = [], 0
+        segments, gaps, offset = [], [], 0
         for j, spec in enumerate(specs):
             if not isinstance(spec, SegmentSpec):
                 raise LayoutError(f"spec {j} is a {type(spec).__name__}, expected SegmentSpec")
             if spec.tensor_index >= len(self.shapes):
                 raise LayoutError(f"spec {j} names tensor_index {spec.tensor_index}, but the bucket has {len(self.shapes)} tensors")
             segment = _place(spec, self.shapes[spec.tensor_index], offset)
+            if segment.numel and aligned_offset(offset) > offset:
+                gaps.append((offset, aligned_offset(offset) - offset))
+                segment = _place(spec, self.shapes[spec.tensor_index], aligned_offset(offset))
             segments.append(segment)
-            offset += segment.numel
+            offset = segment.offset + segment.numel
         _check_disjoint(segments)
         self.segments = tuple(segments)
+        self.gaps = tuple(gaps)
         self.total_numel = offset
         self._build_metadata()
         self._pointer_key: tuple[int, ...] | None = None
         self._pointer_table = torch.empty(0, dtype=torch.int64, device=self.device)
 
     def _build_metadata(self) -> None:
-        rows, index_values, start = [], [], 0
-        for seg in self.segments:
-            is_whole = seg.kind == "whole"
-            rows.append([seg.tensor_index, seg.offset, seg.numel, start, len(seg.index), seg.extent, seg.inner, int(is_whole)])
-            if not is_whole:
-                index_values.extend(seg.index)
-                start += len(seg.index)
-        cpu = dict(dtype=torch.int64)
-        table = torch.tensor(rows, **cpu).reshape(len(rows), TABLE_WIDTH)
-        numels = table[:, TABLE_NUMEL]
-        tiles_per_segment = (numels + self.block_size - 1) // self.block_size  # (S,)
-        n_tiles = int(tiles_per_segment.sum())
-        if n_tiles > MAX_GRID_TILES:
-            raise KernelLimitError(
-                f"bucket needs {n_tiles} tiles of block_size={self.block_size}, above the grid limit {MAX_GRID_TILES}; "
-                "raise block_size or split the bucket"
-            )
-        segment_ids = torch.arange(len(rows), **cpu)
-        tile_segment = torch.repeat_interleave(segment_ids, tiles_per_segment)  # (T,)
-        first_tile = torch.cumsum(tiles_per_segment, 0) - tiles_per_segment  # (S,)
-        tile_start = (torch.arange(n_tiles, **cpu) - first_tile[tile_segment]) * self.block_size  # (T,)
+        work = build_work_list(self.segments, self.gaps, self.block_size)
+        index_values = [i for seg in self.segments if seg.kind != "whole" for i in seg.index]
+        self.descriptors = torch.from_numpy(work.descriptors).to(self.device)
+        # Never empty: the kernels take its address even when no tile gathers.
+        self.column_offsets = torch.from_numpy(work.columns if len(work.columns) else np.zeros(1, dtype=np.int32)).to(self.device)
+        self.run_cols, self.gather_cols, self.num_data_tiles = work.run_cols, work.gather_cols, work.num_data_tiles
+        self.index_values = torch.tensor(index_values, dtype=torch.int64).to(self.device)
         coverage = torch.tensor([float(s.coverage) for s in self.segments], dtype=torch.float32)
-        self.segment_table = table.to(self.device)
-        self.index_values = torch.tensor(index_values, **cpu).to(self.device)
-        self.tile_segment = tile_segment.to(torch.int32).to(self.device)
-        self.tile_start = tile_start.to(self.device)
         self.inverse_coverage = (1.0 / coverage).to(self.device)
+        starts = np.cumsum([0] + [len(s.index) if s.kind != "whole" else 0 for s in self.segments])
         self.index_tensors = tuple(
-            None if seg.kind == "whole" else self.index_values.narrow(0, int(table[j, TABLE_INDEX_START]), len(seg.index))
+            None if seg.kind == "whole" else self.index_values.narrow(0, int(starts[j]), len(seg.index))
             for j, seg in enumerate(self.segments)
         )
 
     @property
     def num_tiles(self) -> int:
-        """Programs in one fused launch (one per `block_size` elements of each segment)."""
-        return self.tile_start.numel()
+        """Programs of one fused pack launch (unpack runs the first `num_data_tiles` of them)."""
+        return self.descriptors.shape[0]
 
     def pointer_table(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """(n_tensors,) int64 on `device`: each tensor's data_ptr(), as the Triton kernels read them.

@@ -30,11 +30,13 @@ def pack(
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Gather the held slices of `tensors` into ``out[:layout.total_numel]``, times ``scale[j]``.
+    """Gather the held slices of `tensors` into ``out[:layout.total_numel]``, times ``scale[j]``; zero its gaps.
 
     See `kernels.pack` for the parameters.
     """
     out = prepare_pack_out(out, tensors, layout, scale, out_dtype)
+    for start, length in layout.gaps:
+        out.narrow(0, start, length).zero_()
     for j, seg in enumerate(layout.segments):
         if seg.numel == 0:
             continue

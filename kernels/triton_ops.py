@@ -1,13 +1,19 @@
 """Fused Triton kernels for pack / unpack / overlap_average: one launch per bucket and direction.
 
-Work-list design: `BucketLayout` precomputes one tile (`block_size` elements of one segment) per
-Triton program, so the 1-D grid covers every segment of the bucket in a single launch, whatever the
-mix of whole tensors and row/column index sets. Tensors are reached through a device table of
-their data_ptr()s (int64 addresses cast with ``.to(tl.pointer_type(dtype))``), which works on the
-GPU and under TRITON_INTERPRET=1 alike. All offset arithmetic is int64, so buffers and tensors
-past 2**31 elements address correctly. Every output element is written by exactly one program
-(the layout rejects overlapping segments), so accumulate mode needs no atomics — which also keeps
-it inside the interpreter's limits (no bf16 atomics, programs run one after another).
+Each program reads one descriptor row of the layout's work list (`kernels.worklist`: its fields
+are independent loads, then one load of the tensor's address) and moves one 2-D tile with no
+division: a contiguous run (128-bit accesses when aligned), a gather whose int32 column offsets
+it loads once and reuses for every row, or (pack only) a run of zeros over the padding between
+segments. Tensors are reached through a device table of their data_ptr()s (int64 addresses cast
+with ``.to(tl.pointer_type(dtype))``), which works on the GPU and under TRITON_INTERPRET=1
+alike. Tile starts are int64, so buffers and tensors past 2**31 elements address correctly;
+in-tile offsets are int32 (the host keeps them below 2**31). Every output element has exactly one
+writer (the layout rejects overlapping segments), so accumulate mode needs no atomics.
+
+Compiled launches fix FP fusion off (``enable_fp_fusion=False``): a scaled accumulate is a float32
+multiply then add, rounded as in `kernels.reference`, whatever Triton's default. Aligned runs
+take the vector branch only when every tensor and the buffer are 16-byte aligned (checked on the
+host each launch; otherwise every run takes the scalar branch).
 
 Whether the kernels run interpreted is fixed when this module is imported (Triton reads
 TRITON_INTERPRET when `@triton.jit` decorates), see `INTERPRETED`. Not handled here: input checks
@@ -17,6 +23,7 @@ TRITON_INTERPRET when `@triton.jit` decorates), see `INTERPRETED`. Not handled h
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton
@@ -24,54 +31,49 @@ import triton.language as tl
 
 from kernels.checks import average_scales, check_unpack, prepare_pack_out
 from kernels.layout import BucketLayout
+from kernels.worklist import DESC_WIDTH, KIND_GATHER, KIND_RUN_ALIGNED, KIND_ZERO
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
-NUM_WARPS = 4
+ELEMENTS_PER_THREAD = 8  # num_warps follows the block size: 8 elements (two or one 128-bit accesses) a thread
+MAX_WARPS = 16
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_DESC: tl.constexpr = tl.constexpr(DESC_WIDTH)
+_RUN_ALIGNED: tl.constexpr = tl.constexpr(KIND_RUN_ALIGNED)
+_GATHER: tl.constexpr = tl.constexpr(KIND_GATHER)
+_ZERO: tl.constexpr = tl.constexpr(KIND_ZERO)
+_ALIGN: tl.constexpr = tl.constexpr(8)  # kernels.worklist.ALIGN_ELEMENTS
+
+
+def num_warps_for(block_size: int) -> int:
+    """Warps per program for a tile of `block_size` elements: ELEMENTS_PER_THREAD each, 1 to MAX_WARPS."""
+    return max(1, min(MAX_WARPS, block_size // (32 * ELEMENTS_PER_THREAD)))
 
 
 @triton.jit
-def _segment_offsets(segment_table, index_values, tile_segment, tile_start, tile, BLOCK: tl.constexpr):
-    """For program `tile`: (tensor index, element offsets into the tensor, into the buffer, in-range mask).
-
-    All returned offsets are int64; segment element e maps to tensor element
-    ``(a * extent + index[j]) * inner + c`` with e = (a * len(index) + j) * inner + c.
-    """
-    seg = tl.load(tile_segment + tile).to(tl.int64)
-    row = segment_table + seg * 8  # columns: see kernels.layout.TABLE_*
-    tensor_index = tl.load(row + 0)
-    offset = tl.load(row + 1)
-    numel = tl.load(row + 2)
-    index_start = tl.load(row + 3)
-    index_len = tl.load(row + 4)
-    extent = tl.load(row + 5)
-    inner = tl.load(row + 6)
-    is_whole = tl.load(row + 7)
-    e = tl.load(tile_start + tile) + tl.arange(0, BLOCK).to(tl.int64)  # (BLOCK,) int64
-    in_range = e < numel
-    if is_whole != 0:
-        src = e
-    else:
-        held_per_outer = index_len * inner
-        a = e // held_per_outer
-        rest = e - a * held_per_outer
-        j = rest // inner
-        c = rest - j * inner
-        picked = tl.load(index_values + index_start + j, mask=in_range, other=0)
-        src = (a * extent + picked) * inner + c
-    return seg, tensor_index, src, offset + e, in_range
+def _descriptor(descriptors, tile):
+    """The tile's descriptor row, unpacked (see kernels.worklist.DESC_*)."""
+    row = descriptors + tile.to(tl.int64) * _DESC
+    tensor_start = tl.load(row + 0)
+    buffer_start = tl.load(row + 1)
+    strides = tl.load(row + 2)
+    shape = tl.load(row + 3)
+    ids = tl.load(row + 4)
+    kind = tl.load(row + 5).to(tl.int32)
+    col_start = tl.load(row + 6)
+    return (tensor_start, buffer_start, strides.to(tl.int32), (strides >> 32).to(tl.int32), shape.to(tl.int32),
+            (shape >> 32).to(tl.int32), ids.to(tl.int32), (ids >> 32).to(tl.int32), kind, col_start)
 
 
 @triton.jit
-def _cast(x, DTYPE: tl.constexpr):
+def _cast(x, DTYPE: tl.constexpr, HW_BF16: tl.constexpr):
     """x cast to DTYPE, rounding to nearest even like torch.
 
-    The interpreter truncates float32 -> bfloat16, so that cast is done here on the bits (the same
-    integer ops on GPU and interpreter, hence the same result); NaN becomes 0x7FC0 as in torch.
+    Compiled, float32 -> bfloat16 is the hardware conversion. The interpreter truncates it, so
+    there the cast is done on the bits (NaN becomes 0x7FC0 as in torch).
     """
     if x.dtype == DTYPE:
         return x
-    if DTYPE == tl.bfloat16:
+    if DTYPE == tl.bfloat16 and not HW_BF16:
         x = x.to(tl.float32)
         bits = x.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -81,37 +83,135 @@ def _cast(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _pack_kernel(
-    pointer_table, segment_table, index_values, tile_segment, tile_start, scale, out,
-    SRC_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    seg, tensor_index, src, dst, in_range = _segment_offsets(
-        segment_table, index_values, tile_segment, tile_start, tile, BLOCK
-    )
-    base = tl.load(pointer_table + tensor_index).to(tl.pointer_type(SRC_DTYPE))
-    x = tl.load(base + src, mask=in_range)
+def _move(src, dst, mask, factor, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr):
+    """dst = cast(src * factor), or cast(dst + src * factor); float32 arithmetic when scaled or accumulated."""
+    x = tl.load(src, mask=mask)
     if HAS_SCALE:
-        x = x.to(tl.float32) * tl.load(scale + seg)
-    tl.store(out + dst, _cast(x, out.dtype.element_ty), mask=in_range)
+        x = x.to(tl.float32) * factor
+    if ACCUMULATE:
+        x = tl.load(dst, mask=mask).to(tl.float32) + x.to(tl.float32)
+    tl.store(dst, _cast(x, dst.dtype.element_ty, HW_BF16), mask=mask)
+
+
+@triton.jit
+def _direction(t, b, mask, factor, PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr):
+    if PACK:
+        _move(t, b, mask, factor, HAS_SCALE, False, HW_BF16)
+    else:
+        _move(b, t, mask, factor, HAS_SCALE, ACCUMULATE, HW_BF16)
+
+
+@triton.jit
+def _gather_tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, col_start, factor,
+                 PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+                 BLOCK: tl.constexpr, COLS: tl.constexpr):
+    r = tl.arange(0, BLOCK // COLS)[:, None]
+    k = tl.arange(0, COLS)
+    cols = tl.load(columns + col_start + k, mask=k < ncols, other=0)  # (COLS,) once per tile, reused by every row
+    t = tensor + tensor_start + (r * t_stride + cols[None, :])
+    b = buffer + buffer_start + (r * b_stride + k[None, :])
+    _direction(t, b, (r < nrows) & (k[None, :] < ncols), factor, PACK, HAS_SCALE, ACCUMULATE, HW_BF16)
+
+
+@triton.jit
+def _run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
+              PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+              BLOCK: tl.constexpr, COLS: tl.constexpr):
+    r = tl.arange(0, BLOCK // COLS)[:, None]
+    k = tl.arange(0, COLS)[None, :]
+    t = tensor + tensor_start + (r * t_stride + k)
+    b = buffer + buffer_start + (r * b_stride + k)
+    _direction(t, b, (r < nrows) & (k < ncols), factor, PACK, HAS_SCALE, ACCUMULATE, HW_BF16)
+
+
+@triton.jit
+def _aligned_run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
+                      PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+                      BLOCK: tl.constexpr, COLS: tl.constexpr):
+    # Starts, strides and width are multiples of 8 elements (kernels.worklist), the pointers
+    # 16-byte aligned (checked on the host): the hints let Triton emit 128-bit accesses. They sit
+    # on values computed here (a hint on a function argument is dropped when Triton inlines).
+    r = tl.arange(0, BLOCK // COLS)[:, None]
+    k = tl.arange(0, COLS)[None, :]
+    t = tl.multiple_of(tensor + tensor_start, 16)
+    b = tl.multiple_of(buffer + buffer_start, 16)
+    t_off = tl.max_contiguous(tl.multiple_of(r * t_stride + k, [1, _ALIGN]), [1, COLS])
+    b_off = tl.max_contiguous(tl.multiple_of(r * b_stride + k, [1, _ALIGN]), [1, COLS])
+    mask = tl.max_constancy((r < nrows) & (k < ncols), [1, _ALIGN])
+    _direction(t + t_off, b + b_off, mask, factor, PACK, HAS_SCALE, ACCUMULATE, HW_BF16)
+
+
+@triton.jit
+def _tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
+          PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+          BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Move one data tile between `tensor` (typed pointer) and `buffer`, in the direction PACK says."""
+    if kind == _GATHER:
+        _gather_tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, col_start, factor,
+                     PACK, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, GATHER_COLS)
+    elif ALIGNED and kind == _RUN_ALIGNED:
+        _aligned_run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
+                          PACK, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS)
+    else:
+        _run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
+                  PACK, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS)
+
+
+@triton.jit
+def _tensor_pointer(pointers, tensor_index, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    address = tl.load(pointers + tensor_index)
+    if ALIGNED:
+        address = tl.multiple_of(address, 16)
+    return address.to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _pack_kernel(
+    pointers, descriptors, columns, scale, out,
+    SRC_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HW_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
+):
+    (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
+     col_start) = _descriptor(descriptors, tl.program_id(0))
+    if kind == _ZERO:
+        k = tl.arange(0, BLOCK)
+        tl.store(out + buffer_start + k, tl.zeros((BLOCK,), out.dtype.element_ty), mask=k < ncols)
+    else:
+        tensor = _tensor_pointer(pointers, tensor_index, SRC_DTYPE, ALIGNED)
+        factor = 1.0
+        if HAS_SCALE:
+            factor = tl.load(scale + segment)
+        _tile(tensor, out, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
+              True, HAS_SCALE, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
 
 
 @triton.jit
 def _unpack_kernel(
-    pointer_table, segment_table, index_values, tile_segment, tile_start, scale, buffer,
-    DST_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr,
+    pointers, descriptors, columns, scale, buffer,
+    DST_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    seg, tensor_index, dst, src, in_range = _segment_offsets(
-        segment_table, index_values, tile_segment, tile_start, tile, BLOCK
-    )
-    base = tl.load(pointer_table + tensor_index).to(tl.pointer_type(DST_DTYPE))
-    x = tl.load(buffer + src, mask=in_range)
+    (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
+     col_start) = _descriptor(descriptors, tl.program_id(0))
+    tensor = _tensor_pointer(pointers, tensor_index, DST_DTYPE, ALIGNED)
+    factor = 1.0
     if HAS_SCALE:
-        x = x.to(tl.float32) * tl.load(scale + seg)
-    if ACCUMULATE:
-        x = tl.load(base + dst, mask=in_range).to(tl.float32) + x.to(tl.float32)
-    tl.store(base + dst, _cast(x, DST_DTYPE), mask=in_range)
+        factor = tl.load(scale + segment)
+    _tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
+          False, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+
+
+def _aligned(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> bool:
+    return buffer.data_ptr() % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _constexprs(tensors: Sequence[torch.Tensor], layout: BucketLayout, buffer: torch.Tensor) -> dict[str, Any]:
+    return dict(HW_BF16=not INTERPRETED, ALIGNED=_aligned(tensors, buffer), BLOCK=layout.block_size,
+                RUN_COLS=layout.run_cols, GATHER_COLS=layout.gather_cols)
+
+
+def _options(layout: BucketLayout) -> dict[str, Any]:
+    return dict(num_warps=num_warps_for(layout.block_size), enable_fp_fusion=False)
 
 
 def pack(
@@ -126,11 +226,10 @@ def pack(
     out = prepare_pack_out(out, tensors, layout, scale, out_dtype)
     if layout.num_tiles:
         _pack_kernel[(layout.num_tiles,)](
-            layout.pointer_table(tensors), layout.segment_table, layout.index_values,
-            layout.tile_segment, layout.tile_start,
+            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
             layout.inverse_coverage if scale is None else scale, out,
             SRC_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None,
-            BLOCK=layout.block_size, num_warps=NUM_WARPS,
+            **_constexprs(tensors, layout, out), **_options(layout),
         )
     return out
 
@@ -145,13 +244,12 @@ def unpack(
 ) -> None:
     """Fused scatter of ``buffer`` into every segment of the bucket; one launch. See `kernels.unpack`."""
     check_unpack(buffer, tensors, layout, mode, scale)
-    if layout.num_tiles:
-        _unpack_kernel[(layout.num_tiles,)](
-            layout.pointer_table(tensors), layout.segment_table, layout.index_values,
-            layout.tile_segment, layout.tile_start,
+    if layout.num_data_tiles:
+        _unpack_kernel[(layout.num_data_tiles,)](
+            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
             layout.inverse_coverage if scale is None else scale, buffer,
-            DST_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None,
-            ACCUMULATE=mode == "accumulate", BLOCK=layout.block_size, num_warps=NUM_WARPS,
+            DST_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None, ACCUMULATE=mode == "accumulate",
+            **_constexprs(tensors, layout, buffer), **_options(layout),
         )
 
 

@@ -30,6 +30,17 @@ def test_kernels_compiled_for_gpu_are_refused_for_cpu_tensors(monkeypatch):
         select_backend("triton", CPU)
 
 
+def test_interpreted_kernels_are_refused_for_cuda_tensors(monkeypatch):
+    # Interpreted kernels on CUDA tensors would run every program on the host: never chosen.
+    monkeypatch.setattr(triton_ops, "INTERPRETED", True)
+    cuda = torch.device("cuda", 0)
+    assert select_backend("auto", cuda) is reference
+    with pytest.raises(BackendUnavailableError, match=r"cannot run tensors on cuda:0: .*imported under TRITON_INTERPRET=1, so its kernels are interpreted"):
+        select_backend("triton", cuda)
+    monkeypatch.setattr(triton_ops, "INTERPRETED", False)
+    assert select_backend("auto", cuda) is triton_ops
+
+
 def test_other_devices_fall_back_to_reference_and_refuse_triton():
     meta = torch.device("meta")
     assert select_backend("auto", meta) is reference and select_backend("reference", DEVICE) is reference

@@ -53,7 +53,7 @@ def test_non_contiguous_tensor_is_rejected_with_its_strides(bucket, backend):
     with pytest.raises(KernelInputError, match=r"tensor 0 of shape \(4, 3\) has strides \(1, 4\), not contiguous"):
         pack([transposed, tensors[1]], layout, backend=backend)
     with pytest.raises(KernelInputError, match=r"tensor 0 of shape \(4, 3\) has strides \(1, 4\), not contiguous"):
-        unpack(torch.zeros(11, device=DEVICE), [transposed, tensors[1]], layout, backend=backend)
+        unpack(torch.zeros(13, device=DEVICE), [transposed, tensors[1]], layout, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -68,25 +68,26 @@ def test_wrong_count_or_shape_of_tensors_is_rejected(bucket, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_buffer_too_small_or_not_flat_is_rejected(bucket, backend):
     tensors, layout = bucket
-    with pytest.raises(KernelInputError, match=r"out holds 10 elements, the layout needs 11"):
-        pack(tensors, layout, torch.zeros(10, device=DEVICE), backend=backend)
-    with pytest.raises(KernelInputError, match=r"buffer holds 10 elements, the layout needs 11"):
-        unpack(torch.zeros(10, device=DEVICE), tensors, layout, backend=backend)
-    with pytest.raises(KernelInputError, match=r"out must be a contiguous 1-D tensor, got shape \(11, 2\)"):
-        pack(tensors, layout, torch.zeros(11, 2, device=DEVICE), backend=backend)
+    # 6 held elements, 2 of padding that align the second segment, then 5: 13.
+    with pytest.raises(KernelInputError, match=r"out holds 12 elements, the layout needs 13"):
+        pack(tensors, layout, torch.zeros(12, device=DEVICE), backend=backend)
+    with pytest.raises(KernelInputError, match=r"buffer holds 12 elements, the layout needs 13"):
+        unpack(torch.zeros(12, device=DEVICE), tensors, layout, backend=backend)
+    with pytest.raises(KernelInputError, match=r"out must be a contiguous 1-D tensor, got shape \(13, 2\)"):
+        pack(tensors, layout, torch.zeros(13, 2, device=DEVICE), backend=backend)
     with pytest.raises(KernelInputError, match=r"out has dtype torch.float32 but out_dtype=torch.bfloat16"):
-        pack(tensors, layout, torch.zeros(11, device=DEVICE), out_dtype=torch.bfloat16, backend=backend)
+        pack(tensors, layout, torch.zeros(13, device=DEVICE), out_dtype=torch.bfloat16, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_buffer_overlapping_a_tensor_in_memory_is_rejected(backend):
-    storage = torch.zeros(48, device=DEVICE)
+    storage = torch.zeros(64, device=DEVICE)
     weight, out = storage[:12].view(4, 3), storage[8:20]
     layout = BucketLayout([(4, 3)], device=DEVICE)
     with pytest.raises(KernelInputError, match=r"tensor 0 \(bytes \[0x[0-9a-f]+, 0x[0-9a-f]+\)\) and out \(bytes .*overlap in memory"):
         pack([weight], layout, out, backend=backend)
     with pytest.raises(KernelInputError, match=r"tensor 0 .* and tensor 1 .* overlap in memory"):
-        unpack(storage[22:46], [weight, storage[10:22].view(4, 3)], BucketLayout([(4, 3), (4, 3)], device=DEVICE), backend=backend)
+        unpack(storage[22:50], [weight, storage[10:22].view(4, 3)], BucketLayout([(4, 3), (4, 3)], device=DEVICE), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

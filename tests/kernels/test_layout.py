@@ -1,7 +1,8 @@
-"""BucketLayout: offsets, work-list, int64 addressing past 2**31, validation of segment specs."""
+"""BucketLayout and its work list: aligned offsets, every element moved once, int64 past 2**31, validation."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -9,90 +10,150 @@ import triton.language as tl
 from hypothesis import given, settings
 from kernel_cases import DEVICE, buckets
 
-from kernels import BucketLayout, KernelLimitError, LayoutError, SegmentSpec
-from kernels.layout import TABLE_INDEX_START, TABLE_OFFSET, TABLE_WIDTH
-from kernels.triton_ops import _segment_offsets
+from kernels import ALIGN_ELEMENTS, BucketLayout, KernelLimitError, LayoutError, SegmentSpec
+from kernels.triton_ops import _descriptor
+from kernels.worklist import DESC_WIDTH, KIND_GATHER, KIND_RUN_ALIGNED, KIND_ZERO
 
 BIG = 2**31  # past int32
+LOW = 2**32 - 1
+FIELDS = ("tensor_start", "buffer_start", "tensor_stride", "buffer_stride", "nrows", "ncols", "tensor", "segment", "kind", "col_start")
+
+
+def decode(descriptors: torch.Tensor) -> dict[str, np.ndarray]:
+    """The descriptor fields, unpacked on the host as kernels.worklist documents them."""
+    d = descriptors.cpu().numpy()
+    return dict(tensor_start=d[:, 0], buffer_start=d[:, 1], tensor_stride=d[:, 2] & LOW, buffer_stride=d[:, 2] >> 32,
+                nrows=d[:, 3] & LOW, ncols=d[:, 3] >> 32, tensor=d[:, 4] & LOW, segment=d[:, 4] >> 32, kind=d[:, 5],
+                col_start=d[:, 6])
+
+
+def expected_moves(layout: BucketLayout) -> list[tuple[int, int, int]]:
+    """(tensor, tensor element, buffer element) of every held element, from the segment definition."""
+    moves = []
+    for seg in layout.segments:
+        e = np.arange(seg.numel)
+        a, rest = np.divmod(e, max(1, len(seg.index) * seg.inner))
+        j, c = np.divmod(rest, max(1, seg.inner))
+        src = (a * seg.extent + np.asarray(seg.index, dtype=np.int64)[j] if seg.numel else e) * seg.inner + c
+        moves += zip([seg.tensor_index] * seg.numel, src.tolist(), (seg.offset + e).tolist())
+    return sorted(moves)
+
+
+def simulated_moves(layout: BucketLayout) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """What the data tiles move, element by element, and the buffer elements the zero tiles clear."""
+    f, columns = decode(layout.descriptors), layout.column_offsets.cpu().numpy()
+    moves, zeros = [], []
+    for i in range(layout.num_tiles):
+        r, k = np.arange(f["nrows"][i])[:, None], np.arange(f["ncols"][i])[None, :]
+        b = f["buffer_start"][i] + r * f["buffer_stride"][i] + k
+        if f["kind"][i] == KIND_ZERO:
+            assert i >= layout.num_data_tiles  # zero tiles come last: unpack never runs them
+            zeros += b.ravel().tolist()
+            continue
+        assert i < layout.num_data_tiles
+        cols = columns[f["col_start"][i] + k] if f["kind"][i] == KIND_GATHER else k
+        in_tile = r * f["tensor_stride"][i] + cols
+        assert int(in_tile.max()) < BIG and int((r * f["buffer_stride"][i] + k).max()) < BIG  # int32 in-tile offsets
+        assert f["ncols"][i] <= (layout.gather_cols if f["kind"][i] == KIND_GATHER else layout.run_cols)
+        assert f["nrows"][i] * (layout.gather_cols if f["kind"][i] == KIND_GATHER else layout.run_cols) <= layout.block_size
+        if f["kind"][i] == KIND_RUN_ALIGNED:
+            aligned = [f["tensor_start"][i], f["buffer_start"][i], f["ncols"][i]]
+            aligned += [f["tensor_stride"][i], f["buffer_stride"][i]] if f["nrows"][i] > 1 else []
+            assert all(v % ALIGN_ELEMENTS == 0 for v in aligned), {n: f[n][i] for n in FIELDS}
+        t = f["tensor_start"][i] + in_tile
+        moves += zip([int(f["tensor"][i])] * t.size, t.ravel().tolist(), b.ravel().tolist())
+    return sorted(moves), sorted(zeros)
 
 
 @settings(max_examples=40, deadline=None, database=None)
 @given(bucket=buckets(max_tensors=6))
-def test_segments_tile_the_buffer_contiguously_in_spec_order(bucket):
+def test_segments_are_placed_in_spec_order_at_aligned_offsets_with_recorded_gaps(bucket):
     shapes, specs, block = bucket
     layout = BucketLayout(shapes, specs, block_size=block)
-    offset = 0
+    end, gaps = 0, []
     for spec, seg in zip(specs, layout.segments, strict=True):
-        assert seg.offset == offset and seg.tensor_index == spec.tensor_index and seg.coverage == spec.coverage
-        offset += seg.numel
-    assert layout.total_numel == offset
+        assert seg.tensor_index == spec.tensor_index and seg.coverage == spec.coverage
+        if seg.numel:
+            assert seg.offset % ALIGN_ELEMENTS == 0 and 0 <= seg.offset - end < ALIGN_ELEMENTS
+            gaps += [(end, seg.offset - end)] if seg.offset > end else []
+        else:
+            assert seg.offset == end
+        end = seg.offset + seg.numel
+    assert layout.total_numel == end and layout.gaps == tuple(gaps)
 
 
 @settings(max_examples=40, deadline=None, database=None)
 @given(bucket=buckets(max_tensors=6))
-def test_work_list_covers_every_segment_element_exactly_once(bucket):
+def test_work_list_moves_every_held_element_to_its_buffer_slot_exactly_once(bucket):
     shapes, specs, block = bucket
     layout = BucketLayout(shapes, specs, block_size=block)
-    covered = [0] * len(layout.segments)
-    for seg_id, start in zip(layout.tile_segment.tolist(), layout.tile_start.tolist()):
-        assert start == covered[seg_id]  # tiles of a segment are consecutive, in order
-        covered[seg_id] = min(start + block, layout.segments[seg_id].numel)
-    assert covered == [s.numel for s in layout.segments]
+    moves, zeros = simulated_moves(layout)
+    assert moves == expected_moves(layout)
+    assert zeros == sorted(i for start, length in layout.gaps for i in range(start, start + length))
+
+
+def test_rows_merge_into_runs_long_column_runs_stay_runs_and_scattered_columns_gather():
+    # (6144, 16) up-projection rows 0..2047 (one merged run), a (16, 6144) down-projection whose
+    # columns 0..2047 are one long run per row, and 40 scattered columns of a third: gathers.
+    scattered = list(range(0, 80, 2))
+    layout = BucketLayout([(6144, 16), (16, 6144), (16, 100)], [SegmentSpec(0, "rows", range(2048)),
+                          SegmentSpec(1, "cols", range(2048)), SegmentSpec(2, "cols", scattered)])
+    f = decode(layout.descriptors)
+    kinds = {j: set(f["kind"][f["segment"] == j].tolist()) for j in range(3)}
+    assert kinds == {0: {KIND_RUN_ALIGNED}, 1: {KIND_RUN_ALIGNED}, 2: {KIND_GATHER}}
+    assert (f["segment"] == 0).sum() == 2048 * 16 // layout.block_size  # full tiles, no per-row work
+    assert layout.column_offsets.tolist() == scattered  # int32 offsets stored once, reused by all 16 rows
+    assert f["nrows"][f["segment"] == 2].tolist() == [16]
+    assert simulated_moves(layout)[0] == expected_moves(layout)
 
 
 def test_offsets_past_2_pow_31_are_exact_int64_without_allocating_tensors():
-    shapes = [(2**20, 2**11), (3, 5), (2**21, 2**10 + 1)]
+    rows = 2**21 + 2**13
+    shapes = [(2**20, 2**11), (3, 5), (rows, 2**10 + 1)]
     specs = [SegmentSpec(0), SegmentSpec(1, "rows", [2]), SegmentSpec(2, "cols", [1024, 0])]
     layout = BucketLayout(shapes, specs, block_size=2**16)
-    assert [s.offset for s in layout.segments] == [0, BIG, BIG + 5]
-    assert layout.total_numel == BIG + 5 + 2 * 2**21
-    assert layout.segment_table.dtype == torch.int64 and layout.tile_start.dtype == torch.int64
-    assert layout.segment_table[:, TABLE_OFFSET].tolist() == [0, BIG, BIG + 5]
-    assert int(layout.tile_start[layout.tile_segment == 0].max()) == BIG - 2**16
+    assert [s.offset for s in layout.segments] == [0, BIG, BIG + 8]
+    assert layout.total_numel == BIG + 8 + 2 * rows and layout.gaps == ((BIG + 5, 3),)
+    f = decode(layout.descriptors)
+    assert layout.descriptors.dtype == torch.int64
+    data = f["kind"] != KIND_ZERO
+    assert int(f["buffer_start"][data & (f["segment"] == 0)].max()) == BIG - 2**16
+    assert f["buffer_start"][~data].tolist() == [BIG + 5]
+    cols = data & (f["segment"] == 2)
+    last = int(np.flatnonzero(cols)[-1])  # the last gather tile: its tensor rows start past 2**31
+    assert f["tensor_start"][last] == (rows - f["nrows"][last]) * 1025 > BIG
+    assert f["buffer_start"][last] == BIG + 8 + 2 * (rows - f["nrows"][last])
 
 
 @triton.jit
-def _probe_offsets(segment_table, index_values, tile_segment, tile_start, src_out, dst_out, BLOCK: tl.constexpr):
+def _probe_descriptor(descriptors, out):
     tile = tl.program_id(0)
-    _, _, src, dst, in_range = _segment_offsets(segment_table, index_values, tile_segment, tile_start, tile, BLOCK)
-    lanes = tile * BLOCK + tl.arange(0, BLOCK)
-    tl.store(src_out + lanes, tl.where(in_range, src, -1))
-    tl.store(dst_out + lanes, tl.where(in_range, dst, -1))
+    fields = _descriptor(descriptors, tile)
+    for i in tl.static_range(10):
+        tl.store(out + tile * 10 + i, fields[i].to(tl.int64))
 
 
-def test_kernel_offset_arithmetic_is_int64_past_2_pow_31():
-    # The kernels' own address computation, run on the metadata of a bucket with > 2**31
+def test_kernel_decodes_descriptors_exactly_past_2_pow_31():
+    # The kernels' own descriptor decoding, run on the work list of a bucket with > 2**31
     # elements: only the metadata exists, no tensor of that size is allocated.
     shapes = [(2**16, 2**15 + 3), (2**15 + 1, 2**16, 3)]
     specs = [SegmentSpec(0), SegmentSpec(1, "cols", [2**16 - 1, 7])]
     layout = BucketLayout(shapes, specs, device=DEVICE, block_size=2**16)
-    block = layout.block_size
-    last = [int(torch.nonzero(layout.tile_segment == j).max()) for j in range(2)]  # last tile of each segment
-    tiles = torch.tensor(last, device=DEVICE)
-    src = torch.empty(len(last) * block, dtype=torch.int64, device=DEVICE)
-    dst = torch.empty_like(src)
-    _probe_offsets[(len(last),)](
-        layout.segment_table, layout.index_values, layout.tile_segment[tiles], layout.tile_start[tiles], src, dst, BLOCK=block
-    )
-    for k, seg in enumerate(layout.segments):
-        e = int(layout.tile_start[last[k]]) + torch.arange(block, dtype=torch.int64)
-        e = e[e < seg.numel]
-        a, rest = e // (len(seg.index) * seg.inner), e % (len(seg.index) * seg.inner)
-        picked = torch.tensor(seg.index)[rest // seg.inner]
-        want_src = (a * seg.extent + picked) * seg.inner + rest % seg.inner
-        assert int(want_src.max()) > BIG and int(seg.offset + e.max()) > BIG
-        lanes = slice(k * block, k * block + e.numel())
-        assert torch.equal(src[lanes].cpu(), want_src)
-        assert torch.equal(dst[lanes].cpu(), seg.offset + e)
-        assert bool((src[k * block + e.numel() : (k + 1) * block] == -1).all())
+    assert layout.total_numel > BIG
+    tiles = torch.tensor([0, layout.num_data_tiles - 2, layout.num_data_tiles - 1, layout.num_tiles - 1])
+    picked = layout.descriptors[tiles.to(DEVICE)].contiguous()
+    got = torch.empty(len(tiles), 10, dtype=torch.int64, device=DEVICE)
+    _probe_descriptor[(len(tiles),)](picked, got)
+    want = decode(picked)
+    assert got.cpu().numpy().tolist() == np.stack([want[n] for n in FIELDS], axis=1).tolist()
+    assert int(got[:, 0].max()) > BIG and int(got[:, 1].max()) > BIG
 
 
 def test_metadata_lives_on_the_layout_device_and_index_views_match_specs():
     layout = BucketLayout([(4, 6), (6, 4)], [SegmentSpec(1, "cols", [3, 1]), SegmentSpec(0, "rows", [0])], device=DEVICE)
-    tensors = (layout.segment_table, layout.index_values, layout.tile_segment, layout.tile_start, layout.inverse_coverage)
+    tensors = (layout.descriptors, layout.column_offsets, layout.index_values, layout.inverse_coverage)
     assert all(t.device == DEVICE for t in tensors)
-    assert layout.segment_table.shape == (2, TABLE_WIDTH)
-    assert layout.segment_table[:, TABLE_INDEX_START].tolist() == [0, 2]
+    assert layout.descriptors.shape == (layout.num_tiles, DESC_WIDTH) and layout.column_offsets.dtype == torch.int32
     assert [t.tolist() for t in layout.index_tensors] == [[3, 1], [0]]
 
 

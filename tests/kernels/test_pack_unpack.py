@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import DEVICE, DTYPES, buckets, held_masks, make_tensors, tolerance
+from kernel_cases import DEVICE, DTYPES, buckets, held_masks, make_tensors
 
 from kernels import BucketLayout, SegmentSpec, pack, select_backend, triton_ops, unpack
+from kernels.worklist import DESC_KIND, KIND_GATHER, KIND_RUN, KIND_RUN_ALIGNED, KIND_ZERO
 
 FAST = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 seeds = st.integers(0, 2**16)
@@ -34,19 +37,19 @@ def test_triton_pack_copy_is_bit_exact_with_reference(bucket, dtype, seed):
 
 @FAST
 @given(bucket=buckets(), dtype=dtypes, out_dtype=dtypes, seed=seeds)
-def test_triton_pack_scaled_and_cast_matches_reference_within_dtype_rounding(bucket, dtype, out_dtype, seed):
+def test_triton_pack_scaled_and_cast_is_bit_exact_with_reference(bucket, dtype, out_dtype, seed):
     shapes, specs, block = bucket
     layout = BucketLayout(shapes, specs, device=DEVICE, block_size=block)
     tensors = make_tensors(shapes, dtype, seed)
     got = pack(tensors, layout, scale=layout.inverse_coverage, out_dtype=out_dtype, backend="triton")
     want = pack(tensors, layout, scale=layout.inverse_coverage, out_dtype=out_dtype, backend="reference")
     assert got.dtype == out_dtype
-    torch.testing.assert_close(got, want, **tolerance(out_dtype))
+    assert torch.equal(got, want)
 
 
 @FAST
 @given(bucket=buckets(), dtype=dtypes, buffer_dtype=dtypes, mode=st.sampled_from(["copy", "accumulate"]), seed=seeds)
-def test_triton_unpack_matches_reference_and_leaves_unheld_entries_untouched(bucket, dtype, buffer_dtype, mode, seed):
+def test_triton_unpack_is_bit_exact_with_reference_and_leaves_unheld_entries_untouched(bucket, dtype, buffer_dtype, mode, seed):
     shapes, specs, block = bucket
     layout = BucketLayout(shapes, specs, device=DEVICE, block_size=block)
     buffer = make_tensors([(layout.total_numel,)], buffer_dtype, seed)[0]
@@ -55,7 +58,7 @@ def test_triton_unpack_matches_reference_and_leaves_unheld_entries_untouched(buc
     unpack(buffer, got, layout, mode=mode, scale=layout.inverse_coverage, backend="triton")
     unpack(buffer, want, layout, mode=mode, scale=layout.inverse_coverage, backend="reference")
     for g, w, b, held in zip(got, want, before, held_masks(layout)):
-        torch.testing.assert_close(g, w, **tolerance(dtype))
+        assert torch.equal(g, w)
         assert torch.equal(g[~held], b[~held])
 
 
@@ -84,7 +87,12 @@ def test_reference_semantics_rows_cols_whole_match_explicit_indexing(backend):
     layout = BucketLayout([up.shape, down.shape, conv.shape, bias.shape], specs, device=DEVICE, block_size=16)
     scale = torch.tensor([0.5, 2.0, 1.0, -1.0], device=DEVICE)
     got = pack([up, down, conv, bias], layout, scale=scale, backend=backend)
-    want = torch.cat([up[neurons].flatten() * 0.5, down[:, neurons].flatten() * 2, conv[:, [4, 0]].flatten(), -bias])
+    parts = [up[neurons].flatten() * 0.5, down[:, neurons].flatten() * 2, conv[:, [4, 0]].flatten(), -bias]
+    # Each segment starts at a multiple of 8 elements; the padding between them is zero.
+    assert [s.offset for s in layout.segments] == [0, 16, 32, 56] and layout.gaps == ((15, 1), (31, 1))
+    want = torch.zeros(layout.total_numel, device=DEVICE)
+    for seg, part in zip(layout.segments, parts):
+        want[seg.offset : seg.offset + seg.numel] = part
     assert torch.equal(got, want)
 
 
@@ -92,10 +100,12 @@ def test_reference_semantics_rows_cols_whole_match_explicit_indexing(backend):
 def test_pack_into_larger_out_writes_only_the_layout_prefix(backend):
     tensors = make_tensors([(3, 3), (5,)], torch.float32, 0)
     layout = BucketLayout([t.shape for t in tensors], device=DEVICE)
-    out = torch.full((20,), 7.0, device=DEVICE)
+    out = torch.full((30,), 7.0, device=DEVICE)
     assert pack(tensors, layout, out, backend=backend) is out
-    assert torch.equal(out[:14], torch.cat([t.flatten() for t in tensors]))
-    assert torch.equal(out[14:], torch.full((6,), 7.0, device=DEVICE))
+    assert layout.total_numel == 21 and layout.gaps == ((9, 7),)
+    assert torch.equal(out[:9], tensors[0].flatten()) and torch.equal(out[16:21], tensors[1])
+    assert torch.equal(out[9:16], torch.zeros(7, device=DEVICE))  # the padding is cleared
+    assert torch.equal(out[21:], torch.full((9,), 7.0, device=DEVICE))
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -129,3 +139,53 @@ def test_unpack_accumulate_adds_the_scaled_buffer_to_held_entries_only(backend):
     want[1] += buffer[4:8] / 2
     want[2] += buffer[8:12] / 4
     assert torch.equal(grad, want)
+
+
+def _every_tile_kind() -> tuple[list[tuple[int, ...]], list[SegmentSpec]]:
+    shapes = [(4096,), (37,), (64, 24), (24, 64), (24, 70), (10, 33), (50,)]
+    specs = [
+        SegmentSpec(0, coverage=2),  # whole: aligned run
+        SegmentSpec(1, coverage=3),  # whole of odd size: aligned body, unaligned tail, then padding
+        SegmentSpec(2, "rows", range(8, 40), 2),  # consecutive rows merged into one run
+        SegmentSpec(3, "cols", range(40), 4),  # a column run per row, aligned strides
+        SegmentSpec(4, "cols", range(3, 70), 4),  # a column run per row, unaligned
+        SegmentSpec(5, "cols", (0, 5, 9, 17, 30), 2),  # scattered columns: a gather over 10 rows
+        SegmentSpec(6, "rows", (1, 4, 7, 20, 44), 3),  # scattered entries of a vector: one-row gather
+    ]
+    return shapes, specs
+
+
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_runtime_fp32_pack_and_unpack_are_bit_exact_on_every_tile_kind(buffer_dtype):
+    # The sync engine's path (fp32 gradients, fp32 buffer, scaled by 1/c_j) and the bf16 one.
+    shapes, specs = _every_tile_kind()
+    layout = BucketLayout(shapes, specs, device=DEVICE)
+    assert set(layout.descriptors[:, DESC_KIND].tolist()) == {KIND_RUN_ALIGNED, KIND_RUN, KIND_GATHER, KIND_ZERO}
+    grads = make_tensors(shapes, torch.float32, seed=5)
+    got = pack(grads, layout, scale=layout.inverse_coverage, out_dtype=buffer_dtype, backend="triton")
+    assert torch.equal(got, pack(grads, layout, scale=layout.inverse_coverage, out_dtype=buffer_dtype, backend="reference"))
+    for mode in ("copy", "accumulate"):
+        back = {b: make_tensors(shapes, torch.float32, seed=6) for b in ("triton", "reference")}
+        for backend, tensors in back.items():
+            unpack(got, tensors, layout, mode=mode, scale=layout.inverse_coverage, backend=backend)
+        assert all(torch.equal(t, r) for t, r in zip(back["triton"], back["reference"]))
+
+
+def test_unaligned_tensors_take_the_checked_fallback_and_stay_bit_exact():
+    # Gradients as views into one flat allocation at a 4-byte offset: not 16-byte aligned.
+    shapes, specs = _every_tile_kind()
+    storage = torch.randn(1 + sum(math.prod(s) for s in shapes), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    views, start = [], 1
+    for s in shapes:
+        views.append(storage[start : start + math.prod(s)].view(s))
+        start += math.prod(s)
+    layout = BucketLayout(shapes, specs, device=DEVICE)
+    out = torch.empty(layout.total_numel, device=DEVICE)
+    assert not triton_ops._constexprs(views, layout, out)["ALIGNED"]
+    assert triton_ops._constexprs(make_tensors(shapes, torch.float32, 0), layout, out)["ALIGNED"]
+    got = pack(views, layout, out, scale=layout.inverse_coverage, backend="triton")
+    assert torch.equal(got, pack(views, layout, scale=layout.inverse_coverage, backend="reference"))
+    copies = [v.clone() for v in views]
+    unpack(got * 3, views, layout, backend="triton")
+    unpack(got * 3, copies, layout, backend="reference")
+    assert all(torch.equal(v, c) for v, c in zip(views, copies))
