@@ -27,8 +27,11 @@ K, STEPS, GROUPS = 2, 3, 2
 BLOCK_MASK = np.array([[1, 1, 0, 1], [0, 1, 1, 1]])  # holder sets {0}, {0,1}, {1}, {0,1}
 NEURON_MASK = np.array([[1, 1, 1, 0, 0, 1, 1, 1],  # worker 0 holds blocks 0 and 3 whole
                         [0, 1, 1, 1, 1, 0, 1, 0]])  # (block, group) columns; single holders too
-MASKS = {"block": BLOCK_MASK, "neuron": NEURON_MASK}
+MASKS = {"block": BLOCK_MASK, "neuron": NEURON_MASK, "backward": BLOCK_MASK}
 KINDS = ("custom", "llama")
+OPTIONS = {"neuron": {"level": "neuron"}, "backward": {"masking": "backward"},
+           "block_fsdp": {"fsdp": True, "activation_checkpointing": True}}
+"""Keyword arguments of each run besides the mask; its mask is MASKS[run name up to "_"]."""
 
 
 # -- the models and data (shared by the ranks and the reference) ---------------------------------
@@ -139,15 +142,20 @@ def masked_grads(kind: str, level: str, model: nn.Module, rank: int, step: int) 
     loss_of(kind, model, *batch(kind, step, rank)).backward()
     for h in hooks:
         h.remove()
+    if level == "backward":  # the full forward pass; gradients of held blocks only
+        for j, (name, block) in enumerate(blocks_of(kind, model)):
+            if not matrix[rank, j]:
+                for p in block.parameters():
+                    p.grad.zero_()
     return {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
 def coverage(kind: str, level: str, model: nn.Module) -> dict[str, torch.Tensor]:
     """Full-model tensor -> number of workers holding each entry."""
-    matrix = MASKS[level]
+    matrix = MASKS["neuron" if level == "neuron" else "block"]
     cover = {n: torch.full_like(p, float(K)) for n, p in model.named_parameters()}
     for j, (name, block) in enumerate(blocks_of(kind, model)):
-        if level == "block":
+        if level != "neuron":
             for n in cover:
                 if n.startswith(name + "."):
                     cover[n].fill_(float(matrix[:, j].sum()))
@@ -191,23 +199,25 @@ def train_ranks(kind: str, level: str | None, out: Path, rank: int) -> None:
     if level is None:
         wrapped, module = nn.parallel.DistributedDataParallel(model), model
     else:
-        matrix = np.ones((K, 4), dtype=int) if level == "complete" else MASKS[level]
-        wrapped = SubnetworkDataParallel(model, mask=Mask(matrix), level="neuron" if level == "neuron" else "block",
-                                         neuron_groups=GROUPS)
+        matrix = np.ones((K, 4), dtype=int) if level == "complete" else MASKS[level.split("_")[0]]
+        wrapped = SubnetworkDataParallel(model, mask=Mask(matrix), neuron_groups=GROUPS, **OPTIONS.get(level, {}))
         module = wrapped.module
     opt, schedule = optimizer_for(wrapped.parameters())
+    if level == "backward":
+        wrapped.register_optimizer(opt)
     saved: dict = {"lr": []}
     for step in range(STEPS):
         loss_of(kind, wrapped, *batch(kind, step, rank)).backward()
-        if step == 0:
+        if step == 0 and level != "block_fsdp":
             saved["grads"] = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
         opt.step()
         schedule.step()
         opt.zero_grad()
         saved["lr"].append(opt.param_groups[0]["lr"])
     names = {p: n for n, p in module.named_parameters()}
-    saved["state"] = {n: t.clone() for n, t in module.state_dict().items()}
-    saved["optim"] = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    if level != "block_fsdp":  # FSDP: sharded tensors, compared through the assembled full model
+        saved["state"] = {n: t.clone() for n, t in module.state_dict().items()}
+        saved["optim"] = {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
     if level is not None:
         saved["index"] = {n: (s.dim, s.index, s.full_size) for n, s in wrapped.local_index.items()}
         saved["full"] = wrapped.full_state_dict()
@@ -266,7 +276,7 @@ def rank_main(out: Path) -> None:
     try:
         accumulation_and_clipping_ranks(out, rank)
         for kind in KINDS:
-            for level in ("block", "neuron", "complete", None):
+            for level in ("block", "neuron", "complete", None) + (("backward", "block_fsdp") if kind == "custom" else ()):
                 train_ranks(kind, level, out, rank)
     finally:
         dist.destroy_process_group()
@@ -315,27 +325,31 @@ def _common(a: dict, b: dict, name: str, ta: torch.Tensor, tb: torch.Tensor):
     return pick(ta, where_a), pick(tb, where_b)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("level", ["block", "neuron"])
+RUNS = [("custom", "block"), ("custom", "neuron"), ("custom", "backward"), ("llama", "block"), ("llama", "neuron")]
+
+
+@pytest.mark.parametrize(("kind", "level"), RUNS)
 def test_holders_stay_bit_identical_including_optimizer_state(ranks_out, kind, level):
     a, b = _load(ranks_out, f"{kind}_{level}")
     both = sorted(set(a["state"]) & set(b["state"]))
     for name in both:
         x, y = _common(a, b, name, a["state"][name], b["state"][name])
         assert torch.equal(x, y), name
-        if name in a["optim"]:
+        if name in a["optim"] and name in b["optim"]:
             for key in ("exp_avg", "exp_avg_sq"):
                 x, y = _common(a, b, name, a["optim"][name][key], b["optim"][name][key])
                 assert torch.equal(x, y), (name, key)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("level", ["block", "neuron"])
+@pytest.mark.parametrize(("kind", "level"), RUNS)
 def test_averaged_gradient_is_the_holder_average_and_training_matches_the_reference(ranks_out, kind, level):
     ranks = _load(ranks_out, f"{kind}_{level}")
     ref = reference_run(kind, level)
     for r, saved in enumerate(ranks):
-        assert set(saved["grads"]) == {n for n, s in saved["index"].items() if n in ref["grads"]}
+        dropped = ["layers.%d." % j if kind == "custom" else "model.layers.%d." % j
+                   for j in np.flatnonzero(BLOCK_MASK[r] == 0)] if level != "neuron" else []
+        assert set(saved["grads"]) == {n for n in saved["index"] if n in ref["grads"]
+                                       and not any(n.startswith(d) for d in dropped)}
         for name, grad in saved["grads"].items():
             expected = _full_view(grad, saved["index"][name], ref["grads"][name])
             torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=f"rank {r} {name}")
@@ -343,6 +357,14 @@ def test_averaged_gradient_is_the_holder_average_and_training_matches_the_refere
     for name, value in ranks[0]["full"].items():
         torch.testing.assert_close(value, ref["state"][name], rtol=1e-4, atol=1e-5, msg=name)
     assert ranks[0]["full_rank0"].keys() == ranks[0]["full"].keys() and ranks[1]["full_rank0"] == {}
+
+
+def test_checkpointed_blocks_sharded_by_fsdp_among_holders_train_as_the_reference(ranks_out):
+    ranks = _load(ranks_out, "custom_block_fsdp")
+    ref = reference_run("custom", "block")
+    for name, value in ranks[0]["full"].items():
+        torch.testing.assert_close(value, ref["state"][name], rtol=1e-4, atol=1e-5, msg=name)
+    assert ranks[1]["full"].keys() == ranks[0]["full"].keys()
 
 
 @pytest.mark.parametrize("kind", KINDS)
