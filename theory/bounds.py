@@ -269,14 +269,18 @@ def flop_matched_steps(
     *,
     eta: float,
     ddp_steps: int,
+    local_steps: int = 1,
     compute_fraction: float | None = None,
 ) -> FlopMatch:
-    """Stepwise SDP steps needed to make the bound equal DDP's after `ddp_steps`, at the same eta.
+    """SDP steps needed to make its bound equal stepwise DDP's after `ddp_steps`, at the same eta.
 
-    SDP's bound is 2D/(eta T) + floor; it reaches DDP's total when T = 2D / (eta (ddp - floor)),
-    and never (``inf``) when its floor (bias + variance) is already at or above DDP's total.
-    `compute_fraction` is an SDP step's compute relative to a DDP step; by default the parameter-
-    weighted active fraction (forward masking: every block a worker lacks is compute it skips).
+    SDP's bound is a D/(eta T) + floor (a = 2, or 4 with local steps); it reaches DDP's total when
+    T = a D / (eta (ddp - floor)), and never (``inf``) when its floor (bias + variance + consensus)
+    is already at or above DDP's total. `compute_fraction` is an SDP step's compute relative to a
+    DDP step. By default it is that of backward masking, the regime the theorems cover:
+    (2 + C) / 3 with C the parameter-weighted active fraction (the forward pass and the activation
+    gradients run on the full model, the weight gradients only on held blocks; 2 + 2 + 2 FLOPs per
+    parameter and token). Forward masking would cost C, but no theorem covers it.
 
     >>> m = Mask([[1, 1]] * 2)
     >>> c = constants_from_totals(m, smoothness=1.0, sigma=1.0, zeta=1.0, suboptimality=1.0)
@@ -284,30 +288,50 @@ def flop_matched_steps(
     100.0
     """
     ddp = ddp_bound(mask, constants, eta=eta, steps=ddp_steps).total
-    sdp = sdp_bound(mask, constants, eta=eta, steps=ddp_steps)
-    floor = sdp.bias + sdp.variance
+    probe_steps = ddp_steps * local_steps
+    sdp = sdp_bound(mask, constants, eta=eta, steps=probe_steps, local_steps=local_steps)
+    floor = sdp.bias + sdp.variance + sdp.consensus
     if compute_fraction is None:
-        sizes = np.ones(mask.blocks) if mask.block_sizes is None else np.asarray(mask.block_sizes, float)
-        compute_fraction = float(mask.coverage @ sizes / (mask.workers * sizes.sum()))
+        compute_fraction = backward_masking_compute_fraction(mask)
     if not 0.0 < compute_fraction <= 1.0:
         raise TheoryError(f"compute_fraction={compute_fraction!r} must be in (0, 1]")
     gap = ddp - floor
-    needed = math.inf if gap <= 0 else 2.0 * constants.suboptimality / (eta * gap)
+    coef = 2.0 if local_steps == 1 else 4.0  # the optimization term is coef * D / (eta T)
+    needed = math.inf if gap <= 0 else coef * constants.suboptimality / (eta * gap)
     return FlopMatch(ddp_steps, ddp, needed, compute_fraction)
+
+
+def backward_masking_compute_fraction(mask: Mask) -> float:
+    """Compute of a backward-masked step relative to DDP's: (2 + C) / 3, C parameter-weighted.
+
+    >>> backward_masking_compute_fraction(Mask([[1, 0], [0, 1]]))
+    0.8333333333333334
+    """
+    sizes = np.ones(mask.blocks) if mask.block_sizes is None else np.asarray(mask.block_sizes, float)
+    active = float(mask.coverage @ sizes / (mask.workers * sizes.sum()))
+    return (2.0 + active) / 3.0
+
+
+def drift_block_weights(mask: Mask) -> np.ndarray:
+    """r_j = sum_k M_kj rho_k with rho_k = max over worker k's blocks of 1/c_j, shape (B,).
+
+    The drift of Lemma 2 (docs/theory.md) is proportional to Gamma = sum_j r_j G_j^2. A row
+    permutation leaves r unchanged, so it is the same for every round of a schedule.
+
+    >>> drift_block_weights(Mask([[1, 1], [0, 1]])).tolist()
+    [1.0, 1.5]
+    """
+    m = mask.matrix.astype(bool)
+    inv_c = 1.0 / mask.coverage.astype(float)
+    rho = np.where(m, inv_c, 0.0).max(axis=1)
+    return m.T.astype(float) @ rho
 
 
 # -- internals ---------------------------------------------------------------------------------
 def _drift_second_moment(mask: Mask, constants: ProblemConstants, *, eta: float, local_steps: int) -> float:
-    """Bound on E||sum_{h<H} e_h||^2 (docs/theory.md, Lemma 3): (H-1) S_H L_w^2 eta^2 Gamma.
-
-    Gamma = sum_k max_{j in row k} (1/c_j) sum_{j in row k} G_j^2 is invariant under row
-    permutations, so it is the same for every round of a schedule.
-    """
+    """Bound on E||sum_{h<H} e_h||^2 (docs/theory.md, Lemma 2): (H-1) S_H L_w^2 eta^2 Gamma."""
     h = local_steps
-    m = mask.matrix.astype(bool)
-    inv_c = 1.0 / mask.coverage.astype(float)
-    rho = np.where(m, inv_c, 0.0).max(axis=1)
-    gamma = float(np.sum(rho * (m @ constants.grad_sq)))
+    gamma = float(drift_block_weights(mask) @ constants.grad_sq)
     s_h = (h - 1) * h * (2 * h - 1) / 6.0
     return (h - 1) * s_h * constants.local_smoothness**2 * eta**2 * gamma
 

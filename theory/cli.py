@@ -1,9 +1,13 @@
-"""``sdp verify``: check the convergence conditions of a mask file for a training set-up.
+"""``sdp verify``: a proved bound for a mask file and a training set-up.
 
-Prints whether the step size is admissible, every term of the bound (docs/theory.md), the DDP bound
-for the same set-up and the ratio, and the admissible step-size range; with ``--simulate`` it also
-runs the simulator on a generated problem with the same constants and exits 1 if the measured value
-is significantly above the bound. This module only parses, calls `theory` and prints.
+The bound is evaluated either at per-block constants read from a constants file (``--constants``,
+format in `theory.constants`) or, from totals (``--sigma``, ``--zeta``, ``--grad-bound``), at the
+worst way of splitting them across blocks, so the printed number bounds every problem with those
+totals (docs/theory.md, Proposition 1). It prints which, the terms at the given step size, the
+bound at the best step size, the DDP bound, and the FLOP-matched step count. With ``--simulate``
+it also runs the simulator on a generated problem with the same constants and exits 1 if the
+measured value is significantly above the bound. This module only parses, calls `theory` and
+prints.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from masklab.io import load_mask
 from masklab.mask import Mask
 from theory.bounds import (
     ProblemConstants,
-    constants_from_totals,
     ddp_bound,
+    flop_matched_steps,
     optimal_step_size,
     sdp_bound,
 )
+from theory.constants import load_constants, worst_case_blocks, worst_case_constants
+from theory.errors import TheoryError
 from theory.problems import make_logistic, make_quadratic
 from theory.simulate import simulate
 
@@ -34,16 +40,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "verify",
         help="check convergence conditions and bounds of a mask",
         description="Evaluate the backward-masked SDP bound of docs/theory.md for MASK.json. "
-        "--sigma, --zeta and --grad-bound are totals over all parameters, spread over blocks in "
-        "proportion to the mask's block sizes (evenly when it records none).",
+        "Either give per-block constants in a JSON file (--constants) or totals over all "
+        "parameters (--sigma, --zeta, --grad-bound): the bound is then the worst case over every "
+        "way of splitting the totals across blocks.",
     )
     p.add_argument("mask", metavar="MASK.json", help="mask file written by `sdp design`")
-    p.add_argument("--smoothness", type=float, required=True, metavar="L", help="smoothness L of f")
-    p.add_argument("--sigma", type=float, required=True, metavar="S", help="gradient noise sigma (total)")
-    p.add_argument("--zeta", type=float, required=True, metavar="Z", help="heterogeneity zeta (total)")
+    p.add_argument("--constants", metavar="FILE.json", default=None,
+                   help="per-block constants sigma_sq, zeta_sq[, grad_sq] (format: docs/theory.md §7)")
+    p.add_argument("--smoothness", type=float, default=None, metavar="L",
+                   help="smoothness L of f (required unless the constants file has it)")
+    p.add_argument("--sigma", type=float, default=None, metavar="S", help="gradient noise sigma (total)")
+    p.add_argument("--zeta", type=float, default=None, metavar="Z", help="heterogeneity zeta (total)")
     p.add_argument("--eta", type=float, required=True, metavar="E", help="step size")
     p.add_argument("--steps", type=int, required=True, metavar="T", help="number of (local) steps")
-    p.add_argument("--suboptimality", type=float, required=True, metavar="D", help="f(x0) - f*")
+    p.add_argument("--suboptimality", type=float, default=None, metavar="D",
+                   help="f(x0) - f* (required unless the constants file has it)")
     p.add_argument("--local-steps", type=int, default=1, metavar="H", help="local steps per averaging (1)")
     p.add_argument("--grad-bound", type=float, default=None, metavar="G",
                    help="bound G on a worker's stochastic gradient norm (total, RMS); needed when H > 1")
@@ -57,21 +68,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     mask = load_mask(args.mask)
-    constants = constants_from_totals(mask, smoothness=args.smoothness, sigma=args.sigma, zeta=args.zeta,
-                                      suboptimality=args.suboptimality, grad_bound=args.grad_bound)
+    constants, source = _constants(mask, args)
     h = args.local_steps
     terms = sdp_bound(mask, constants, eta=args.eta, steps=args.steps, local_steps=h)
     ddp = ddp_bound(mask, constants, eta=args.eta, steps=args.steps, local_steps=h)
+    eta_best = optimal_step_size(mask, constants, steps=args.steps, local_steps=h)
+    best = sdp_bound(mask, constants, eta=eta_best, steps=args.steps, local_steps=h)
+    match = flop_matched_steps(mask, constants, eta=eta_best, ddp_steps=args.steps, local_steps=h)
     report = {
         "step_size_ok": terms.step_size_ok,
         "eta": args.eta,
         "eta_max": terms.eta_max,
-        "eta_best": optimal_step_size(mask, constants, steps=args.steps, local_steps=h),
+        "eta_best": eta_best,
         "terms": {"optimization": terms.optimization, "bias": terms.bias,
                   "variance": terms.variance, "consensus": terms.consensus},
         "bound": terms.total,
         "ddp_bound": ddp.total,
         "ratio_to_ddp": terms.total / ddp.total if ddp.total > 0 else math.inf,
+        "constants": source,
+        "bound_at_eta_best": best.total,
+        "flop_matched": {
+            "eta": eta_best, "ddp_steps": match.ddp_steps, "ddp_bound": match.ddp_bound,
+            "sdp_steps": match.sdp_steps, "reachable": math.isfinite(match.sdp_steps),
+            "compute_fraction": match.compute_fraction, "compute_ratio": match.compute_ratio,
+        },
     }
     if args.simulate is not None:
         report.update(_simulate(mask, constants, args))
@@ -82,17 +102,43 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_VIOLATED if report.get("violated") else 0
 
 
+def _constants(mask: Mask, args: argparse.Namespace) -> tuple[ProblemConstants, dict]:
+    totals = {"--sigma": args.sigma, "--zeta": args.zeta, "--grad-bound": args.grad_bound}
+    if args.constants is not None:
+        given = [flag for flag, value in totals.items() if value is not None]
+        if given:
+            raise TheoryError(f"{given[0]} is a total; with --constants {args.constants} every constant "
+                              "comes from the file")
+        constants = load_constants(args.constants, mask, smoothness=args.smoothness,
+                                   suboptimality=args.suboptimality)
+        return constants, {"source": "file", "file": args.constants}
+    for flag, value in (("--sigma", args.sigma), ("--zeta", args.zeta), ("--smoothness", args.smoothness),
+                        ("--suboptimality", args.suboptimality)):
+        if value is None:
+            raise TheoryError(f"{flag} is required without --constants")
+    constants = worst_case_constants(mask, smoothness=args.smoothness, sigma=args.sigma, zeta=args.zeta,
+                                     suboptimality=args.suboptimality, grad_bound=args.grad_bound)
+    at = worst_case_blocks(mask)
+    return constants, {"source": "worst-case split of totals",
+                       "worst_case_blocks": {k: mask.block_names[j] for k, j in at.items()}}
+
+
 def _simulate(mask: Mask, constants: ProblemConstants, args: argparse.Namespace) -> dict:
     sizes = mask.block_sizes or (_DEFAULT_BLOCK_SIZE,) * mask.blocks
     sized = mask if mask.block_sizes is not None else mask.replace(block_sizes=sizes)
+    sigma_total = math.sqrt(float(constants.sigma_sq.sum()))
     if args.simulate == "quadratic":
-        problem = make_quadratic(sizes, mask.workers, smoothness=args.smoothness, sigma=args.sigma,
-                                 zeta=args.zeta, suboptimality=args.suboptimality, seed=args.seed)
+        zeta_total = math.sqrt(float(constants.zeta_sq.sum()))
+        problem = make_quadratic(sizes, mask.workers, smoothness=constants.smoothness, sigma=sigma_total,
+                                 zeta=zeta_total, suboptimality=constants.suboptimality, seed=args.seed,
+                                 sigma_split=_split(constants.sigma_sq), zeta_split=_split(constants.zeta_sq),
+                                 worker_pattern=mask.matrix / mask.coverage)
     else:
-        problem = make_logistic(sizes, mask.workers, smoothness=args.smoothness, sigma=args.sigma,
-                                suboptimality=args.suboptimality, seed=args.seed)
+        problem = make_logistic(sizes, mask.workers, smoothness=constants.smoothness, sigma=sigma_total,
+                                suboptimality=constants.suboptimality, seed=args.seed,
+                                sigma_split=_split(constants.sigma_sq))
     sim_constants = ProblemConstants(
-        smoothness=args.smoothness,
+        smoothness=constants.smoothness,
         sigma_sq=problem.constants.sigma_sq,
         zeta_sq=problem.constants.zeta_sq,
         suboptimality=problem.constants.suboptimality,
@@ -114,10 +160,31 @@ def _simulate(mask: Mask, constants: ProblemConstants, args: argparse.Namespace)
     }
 
 
+def _split(per_block) -> list[float] | None:
+    total = float(per_block.sum())
+    return None if total == 0 else (per_block / total).tolist()
+
+
 def _text(mask: Mask, r: dict) -> str:
     t = r["terms"]
+    src = r["constants"]
+    if src["source"] == "file":
+        said = f"constants: per block, from {src['file']}"
+    else:
+        at = src["worst_case_blocks"]
+        said = (f"constants: the worst case over every split of the totals across blocks "
+                f"(sigma^2 and zeta^2 all on block {at['zeta']!r}, G^2 on block {at['grad']!r})")
+    fm = r["flop_matched"]
+    if fm["reachable"]:
+        matched = (f"FLOP-matched at eta = {fm['eta']:.6g}: SDP needs {fm['sdp_steps']:.6g} steps to reach DDP's "
+                   f"bound after {fm['ddp_steps']} ({fm['compute_ratio']:.4g} x DDP's compute at "
+                   f"{fm['compute_fraction']:.4g} per step, backward masking)")
+    else:
+        matched = (f"FLOP-matched at eta = {fm['eta']:.6g}: never (infinite steps): SDP's floor lies at or above "
+                   f"DDP's bound {fm['ddp_bound']:.6g} after {fm['ddp_steps']} steps")
     lines = [
         f"mask: {mask!r}",
+        said,
         f"step size: eta = {r['eta']:.6g} {'satisfies' if r['step_size_ok'] else 'VIOLATES'} "
         f"0 < eta <= {r['eta_max']:.6g}; best eta for this T: {r['eta_best']:.6g}",
         "bound on (1/R) sum_r E||grad f(x_r)||^2:",
@@ -127,6 +194,8 @@ def _text(mask: Mask, r: dict) -> str:
         f"  consensus     {t['consensus']:.6g}",
         f"  total         {r['bound']:.6g}",
         f"DDP bound       {r['ddp_bound']:.6g}   (SDP / DDP = {r['ratio_to_ddp']:.4g})",
+        f"bound at the best step size eta = {r['eta_best']:.6g}: {r['bound_at_eta_best']:.6g}",
+        matched,
     ]
     if not r["step_size_ok"]:
         lines.append("the step-size condition fails: the total above is not a proved bound")

@@ -81,9 +81,18 @@ def make_quadratic(
     suboptimality: float,
     hessian_spread: float = 0.0,
     condition: float = 10.0,
+    sigma_split: list[float] | np.ndarray | None = None,
+    zeta_split: list[float] | np.ndarray | None = None,
+    worker_pattern: np.ndarray | None = None,
     seed: int | np.random.Generator | None = None,
 ) -> Problem:
-    """Heterogeneous diagonal quadratics with known constants (totals spread over blocks by size).
+    """Heterogeneous diagonal quadratics with known constants.
+
+    The totals sigma^2 and zeta^2 are spread over blocks by `sigma_split` and `zeta_split` (shares
+    >= 0 summing to 1, one per block), in proportion to block sizes when not given. Worker k's
+    heterogeneity on block j is random unless `worker_pattern` (shape (K, B)) is given: then it is
+    proportional to the centred pattern[k, j] along one random direction per block, e.g. the
+    centred mask column w_j - u, which makes the masking bias ||b_j||^2 = eps_j^2 zeta_j^2 exact.
 
     Curvatures lie in [L/condition, L] and every worker's curvature is at most L, so f and every
     f_k are L-smooth. With ``hessian_spread = 0`` all workers share the Hessian and the
@@ -101,7 +110,8 @@ def make_quadratic(
         raise TheoryError(f"hessian_spread={hessian_spread!r} must be in [0, 1)")
     rng = np.random.default_rng(seed)
     d = int(sum(sizes))
-    share = np.asarray(sizes, float) / d
+    sigma_share = _shares(sigma_split, sizes, "sigma_split")
+    share = _shares(zeta_split, sizes, "zeta_split")
     mean_curv = np.exp(rng.uniform(-np.log(condition), 0.0, size=d))
     mean_curv[rng.integers(d)] = 1.0
     offsets = rng.uniform(-1.0, 1.0, size=(workers, d))
@@ -110,6 +120,11 @@ def make_quadratic(
     hess = smoothness / (1.0 + hessian_spread) * mean_curv * (1.0 + hessian_spread * offsets)
     starts = np.cumsum((0,) + sizes[:-1])
     centred = rng.standard_normal((workers, d))
+    if worker_pattern is not None:
+        pattern = np.asarray(worker_pattern, dtype=float)
+        if pattern.shape != (workers, len(sizes)) or not np.all(np.isfinite(pattern)):
+            raise TheoryError(f"worker_pattern has shape {pattern.shape}, expected ({workers}, {len(sizes)})")
+        centred = np.repeat(pattern, sizes, axis=1) * centred[0]
     centred -= centred.mean(axis=0)
     spread = hess - hess.mean(axis=0)
     norm = np.sum(spread * spread, axis=0)
@@ -126,10 +141,10 @@ def make_quadratic(
     f_star = float(0.5 * np.sum(hess * optima * optima) / workers)
     constants = ProblemConstants(
         smoothness=float(mean_hess.max()),
-        sigma_sq=sigma**2 * share,
+        sigma_sq=sigma**2 * sigma_share,
         zeta_sq=zeta**2 * share,
         suboptimality=float(suboptimality),
-        worker_smoothness=float(hess.max()),
+        worker_smoothness=float(max(hess.max(), mean_hess.max())),  # equal up to round-off without spread
     )
     params = {"workers": workers, "hess": hess, "optima": optima}
     return Problem("quadratic", sizes, x0, f_star, constants, params)
@@ -145,9 +160,12 @@ def make_logistic(
     samples: int = 32,
     heterogeneity: float = 1.0,
     ridge_fraction: float = 0.1,
+    sigma_split: list[float] | np.ndarray | None = None,
     seed: int | np.random.Generator | None = None,
 ) -> Problem:
     """l2-regularised logistic regression, `samples` points per worker, with known constants.
+
+    sigma^2 is spread over blocks by `sigma_split` (as in `make_quadratic`), by size when not given.
 
     f_k(x) = mean_i log(1 + exp(-y_i a_i^T x)) + (lam/2)||x||^2. Features are scaled so that
     L = lambda_max(A^T A) / (4N) + lam equals `smoothness` (lam = ridge_fraction * L; also every
@@ -191,7 +209,7 @@ def make_logistic(
     d0 = max(float(probe.value(x0[None])[0]) - f_lower, 0.0)
     constants = ProblemConstants(
         smoothness=float(smoothness),
-        sigma_sq=sigma**2 * np.asarray(sizes, float) / d,
+        sigma_sq=sigma**2 * _shares(sigma_split, sizes, "sigma_split"),
         zeta_sq=zeta_sq,
         suboptimality=d0,
         worker_smoothness=float(smoothness) * _worker_factor(features, samples, smoothness, ridge),
@@ -245,6 +263,16 @@ def _check_sizes(block_sizes) -> tuple[int, ...]:
     if not sizes or any(s < 1 for s in sizes):
         raise TheoryError(f"block_sizes={tuple(block_sizes)!r} must be one or more integers >= 1")
     return sizes
+
+
+def _shares(split, sizes: tuple[int, ...], name: str) -> np.ndarray:
+    if split is None:
+        return np.asarray(sizes, float) / sum(sizes)
+    share = np.asarray(split, dtype=float)
+    if share.shape != (len(sizes),) or not np.all(np.isfinite(share)) or np.any(share < 0) \
+            or not abs(share.sum() - 1.0) <= 1e-9:
+        raise TheoryError(f"{name}={split!r} must be {len(sizes)} shares >= 0 (one per block) summing to 1")
+    return share
 
 
 def _check_positive(**values: float) -> None:

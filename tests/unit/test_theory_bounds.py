@@ -101,8 +101,9 @@ def test_flop_matched_steps_closed_form_and_unreachable_floor():
     match = flop_matched_steps(mask, c, eta=0.1, ddp_steps=1000)
     sdp = sdp_bound(mask, c, eta=0.1, steps=math.ceil(match.sdp_steps))
     assert sdp.total <= match.ddp_bound * (1 + 1e-12)
-    assert match.compute_fraction == 0.5
-    assert match.compute_ratio == pytest.approx(match.sdp_steps * 0.5 / 1000)
+    # backward masking at C = 0.5: full forward and activation gradients, half the weight gradients
+    assert match.compute_fraction == pytest.approx((2 + 0.5) / 3)
+    assert match.compute_ratio == pytest.approx(match.sdp_steps * match.compute_fraction / 1000)
     biased = Mask([[1, 0], [0, 1]])
     cb = constants_from_totals(biased, smoothness=1.0, sigma=0.0, zeta=1.0, suboptimality=1.0)
     assert flop_matched_steps(biased, cb, eta=0.5, ddp_steps=10).sdp_steps == math.inf
