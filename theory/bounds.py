@@ -1,4 +1,4 @@
-"""Convergence bounds for backward-masked SDP with a given `Mask` (docs/theory.md, Theorems 1-3).
+"""Convergence bounds for backward-masked SDP with a given `Mask` (docs/theory.md, Theorems 1-3, 2').
 
 Every function evaluates a proved bound: the optimization, bias, variance and consensus terms of
 the average squared gradient norm, the step-size condition, the step size that minimises the bound
@@ -21,6 +21,7 @@ import numpy as np
 
 from masklab.mask import Mask
 from theory.errors import AssumptionError, TheoryError
+from theory.holder_sets import permute_variance_coefficients
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,16 +170,18 @@ def redraws_every_update(mask: Mask, *, local_steps: int = 1) -> bool:
 
 
 def update_statistics(mask: Mask, *, local_steps: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(eps_j^2, E[1/c_j], E||w_j - E w_j||^2) as they enter the bound, each of shape (B,).
+    """(eps_j^2, E[1/c_j], kappa_j) as they enter the bound, each of shape (B,).
 
-    For a mask redrawn at every update these are masklab's expectations (eps_j = 0); otherwise the
-    bound holds for the mask in force at each update, eps_j^2 = K/c_j - 1 and zero weight variance.
+    For a mask redrawn at every update eps_j = 0 and kappa_j = 1 - K rho_j / c_j, the
+    heterogeneity-variance coefficient of Theorem 2' (rho_j the holder-set gap,
+    `theory.holder_sets`); otherwise the bound holds for the mask in force at each update,
+    eps_j^2 = K/c_j - 1 and kappa_j = 0.
     """
     _check_local_steps(local_steps)
     k = mask.workers
     inv_c = 1.0 / mask.coverage.astype(float)
     if redraws_every_update(mask, local_steps=local_steps):
-        return np.zeros(mask.blocks), inv_c, np.maximum(inv_c - 1.0 / k, 0.0)
+        return np.zeros(mask.blocks), inv_c, permute_variance_coefficients(mask)
     return np.maximum(k * inv_c - 1.0, 0.0), inv_c, np.zeros(mask.blocks)
 
 
@@ -202,10 +205,10 @@ def sdp_bound(
     _check_mask_constants(mask, constants)
     _check_eta_steps(eta, steps, local_steps)
     h = local_steps
-    eps_sq, inv_c, weight_var = update_statistics(mask, local_steps=h)
+    eps_sq, inv_c, kappa = update_statistics(mask, local_steps=h)
     lip = constants.smoothness
     sigma_term = float(np.sum(inv_c * constants.sigma_sq))
-    weight_term = float(np.sum(mask.workers * weight_var * constants.zeta_sq))
+    weight_term = float(np.sum(kappa * constants.zeta_sq))
     bias = float(np.sum(eps_sq * constants.zeta_sq))
     eta_max = max_step_size(lip, local_steps=h)
     d0 = constants.suboptimality

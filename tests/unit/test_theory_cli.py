@@ -37,8 +37,8 @@ def test_verify_json_reports_every_key(mask_file, capsys):
     assert {"step_size_ok", "eta_max", "terms", "bound", "ddp_bound", "ratio_to_ddp"} <= set(out)
     assert set(out["terms"]) == {"optimization", "bias", "variance", "consensus"}
     assert out["step_size_ok"] and out["eta_max"] == 1.0 and out["terms"]["bias"] == 0.0
-    # variance: L eta (sum_j sigma_j^2/4 + 8 (1/4 - 1/8) zeta^2) = 0.5 * (0.25 + 1)
-    assert out["terms"]["variance"] == pytest.approx(0.625)
+    # variance: L eta (sum_j sigma_j^2/4 + kappa zeta^2), kappa = (K - c)/(c (K - 1)) = 1/7 (Theorem 2')
+    assert out["terms"]["variance"] == pytest.approx(0.5 * (0.25 + 1 / 7))
     assert out["ratio_to_ddp"] == pytest.approx(out["bound"] / out["ddp_bound"])
 
 
