@@ -100,8 +100,8 @@ def save_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike[
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(path)
         path = path / "model.safetensors"
-    elif not path.parent.is_dir():
-        raise ConfigError(f"cannot save the full model to {path}: {path.parent} is not a directory")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file({n: t.contiguous() for n, t in state.items()}, str(tmp),
               metadata={"format": "pt", "writer": json.dumps("sdp_train")})
