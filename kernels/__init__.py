@@ -1,9 +1,9 @@
-"""Masked gradient packing and overlap averaging for SDP buckets (DESIGN.md §6).
+"""Masked gradient packing and overlap averaging for SDP buckets.
 
 Build a `BucketLayout` once per bucket and mask, then every step `pack` the held slices of the
 bucket's gradients into one flat buffer (scaled by 1/c_j, optionally cast to bfloat16), let a
 collective sum it among the holders, and `unpack` it back — or do all three with
-`overlap_average`. Each operation has a fused Triton implementation (`kernels.triton_ops`, one
+`overlap_average`; `squared_norm` reads the held slices' share of a clipping norm in place. Each operation has a fused Triton implementation (`kernels.triton_ops`, one
 launch per bucket) and a pure-PyTorch reference (`kernels.reference`) with the same semantics;
 `kernels.dispatch` picks one. This package does not group blocks into buckets or create process
 groups: that is the sync engine in `sdp_train`.
@@ -12,7 +12,7 @@ groups: that is the sync engine in `sdp_train`.
 from kernels.dispatch import BACKENDS, select_backend
 from kernels.errors import BackendUnavailableError, KernelInputError, KernelLimitError, LayoutError
 from kernels.layout import SEGMENT_KINDS, BucketLayout, Segment, SegmentSpec
-from kernels.ops import overlap_average, pack, unpack
+from kernels.ops import overlap_average, pack, squared_norm, unpack
 from kernels.worklist import ALIGN_ELEMENTS
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "overlap_average",
     "pack",
     "select_backend",
+    "squared_norm",
     "unpack",
 ]

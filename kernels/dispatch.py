@@ -48,7 +48,7 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
 def select_backend(backend: str, device: torch.device) -> ModuleType:
     """The module (`kernels.reference` or `kernels.triton_ops`) that runs `backend` on `device`.
 
-    Both modules expose `pack`, `unpack` and `overlap_average` with identical signatures.
+    Both modules expose `pack`, `unpack`, `overlap_average` and `squared_norm` with identical signatures.
     """
     if backend not in BACKENDS:
         raise KernelInputError(f"backend={backend!r} is not one of {BACKENDS}")

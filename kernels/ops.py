@@ -1,4 +1,4 @@
-"""Public entry points: `pack`, `unpack`, `overlap_average`, each dispatched to a backend.
+"""Public entry points: `pack`, `unpack`, `overlap_average`, `squared_norm`, each dispatched to a backend.
 
 The sync engine builds one `BucketLayout` per bucket and mask, then calls these every step. With a
 preallocated buffer and gradients that keep their storage, that per-step path allocates no device
@@ -97,6 +97,39 @@ def unpack(
     """
     impl = select_backend(backend, layout.device)
     impl.unpack(buffer, tensors, layout, mode=mode, scale=scale)
+
+
+def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, backend: str = "auto") -> torch.Tensor:
+    """Sum of squares, in float32, of every held slice of the bucket's tensors, read in place.
+
+    What a gradient-clipping norm needs from a bucket, without packing it first (a single-holder
+    bucket) or reading its buffer again (after `unpack` the held slices are the averages). The
+    Triton backend sums one partial per tile and then the partials, so the result is
+    deterministic; it may differ from the reference's order of summation by float32 rounding.
+
+    Parameters
+    ----------
+    tensors : sequence of torch.Tensor
+        The bucket's tensors, checked as in `pack`.
+    layout : BucketLayout
+    backend : {"auto", "triton", "reference"}
+
+    Returns
+    -------
+    torch.Tensor
+        0-d float32 on ``layout.device``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kernels import BucketLayout, SegmentSpec, squared_norm
+    >>> w = torch.arange(6.0).reshape(3, 2)
+    >>> layout = BucketLayout([w.shape], [SegmentSpec(0, "rows", (2, 0))])
+    >>> squared_norm([w], layout, backend="reference")
+    tensor(42.)
+    """
+    impl = select_backend(backend, layout.device)
+    return impl.squared_norm(tensors, layout)
 
 
 def overlap_average(

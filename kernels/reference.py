@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of pack / unpack / overlap_average: the semantics the Triton kernels match.
+"""Pure-PyTorch reference of pack / unpack / overlap_average / squared_norm: the semantics the Triton kernels match.
 
 Same signatures as `kernels.triton_ops`. Arithmetic is fixed so that both backends round alike:
 a scaled or accumulated value is computed in float32 (``x.float() * scale_j``, ``dst.float() + x``)
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.checks import average_scales, check_unpack, prepare_pack_out
+from kernels.checks import average_scales, check_tensors, check_unpack, prepare_pack_out
 from kernels.layout import BucketLayout, Segment
 
 
@@ -91,6 +91,18 @@ def unpack(
         if mode == "accumulate":
             values = view.index_select(1, index).float() + values.float()
         view.index_copy_(1, index, values.to(dst.dtype))
+
+
+def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout) -> torch.Tensor:
+    """Float32 sum of squares of every held slice of `tensors`. See `kernels.squared_norm`."""
+    check_tensors(tensors, layout)
+    total = torch.zeros((), dtype=torch.float32, device=layout.device)
+    for j, seg in enumerate(layout.segments):
+        if seg.numel:
+            src = tensors[seg.tensor_index]
+            held = src if seg.kind == "whole" else _held_view(src, seg).index_select(1, layout.index_tensors[j])
+            total += held.float().pow(2).sum()
+    return total
 
 
 def overlap_average(

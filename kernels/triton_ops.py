@@ -1,4 +1,4 @@
-"""Fused Triton kernels for pack / unpack / overlap_average: one launch per bucket and direction.
+"""Fused Triton kernels for pack / unpack / overlap_average / squared_norm: one launch per bucket and operation.
 
 Each program reads one descriptor row of the layout's work list (`kernels.worklist`: its fields
 are independent loads, then one load of the tensor's address) and moves one 2-D tile with no
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import average_scales, check_unpack, prepare_pack_out
+from kernels.checks import average_scales, check_tensors, check_unpack, prepare_pack_out
 from kernels.layout import BucketLayout
 from kernels.worklist import DESC_WIDTH, KIND_GATHER, KIND_RUN_ALIGNED, KIND_ZERO
 
@@ -94,39 +94,46 @@ def _move(src, dst, mask, factor, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.conste
 
 
 @triton.jit
-def _direction(t, b, mask, factor, PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr):
-    if PACK:
+def _direction(t, b, mask, factor, OP: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr):
+    """OP 0: pack (tensor -> buffer), 1: unpack, 2: no move. Returns the tile's float32 sum of squares
+    of the tensor side for OP 2, else 0."""
+    total = tl.zeros((), tl.float32)
+    if OP == 0:
         _move(t, b, mask, factor, HAS_SCALE, False, HW_BF16)
-    else:
+    elif OP == 1:
         _move(b, t, mask, factor, HAS_SCALE, ACCUMULATE, HW_BF16)
+    else:
+        x = tl.load(t, mask=mask, other=0.0).to(tl.float32)
+        total = tl.sum(x * x)
+    return total
 
 
 @triton.jit
 def _gather_tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, col_start, factor,
-                 PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+                 OP: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
                  BLOCK: tl.constexpr, COLS: tl.constexpr):
     r = tl.arange(0, BLOCK // COLS)[:, None]
     k = tl.arange(0, COLS)
     cols = tl.load(columns + col_start + k, mask=k < ncols, other=0)  # (COLS,) once per tile, reused by every row
     t = tensor + tensor_start + (r * t_stride + cols[None, :])
     b = buffer + buffer_start + (r * b_stride + k[None, :])
-    _direction(t, b, (r < nrows) & (k[None, :] < ncols), factor, PACK, HAS_SCALE, ACCUMULATE, HW_BF16)
+    return _direction(t, b, (r < nrows) & (k[None, :] < ncols), factor, OP, HAS_SCALE, ACCUMULATE, HW_BF16)
 
 
 @triton.jit
 def _run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
-              PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+              OP: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
               BLOCK: tl.constexpr, COLS: tl.constexpr):
     r = tl.arange(0, BLOCK // COLS)[:, None]
     k = tl.arange(0, COLS)[None, :]
     t = tensor + tensor_start + (r * t_stride + k)
     b = buffer + buffer_start + (r * b_stride + k)
-    _direction(t, b, (r < nrows) & (k < ncols), factor, PACK, HAS_SCALE, ACCUMULATE, HW_BF16)
+    return _direction(t, b, (r < nrows) & (k < ncols), factor, OP, HAS_SCALE, ACCUMULATE, HW_BF16)
 
 
 @triton.jit
 def _aligned_run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
-                      PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+                      OP: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
                       BLOCK: tl.constexpr, COLS: tl.constexpr):
     # Starts, strides and width are multiples of 8 elements (kernels.worklist), the pointers
     # 16-byte aligned (checked on the host): the hints let Triton emit 128-bit accesses. They sit
@@ -138,23 +145,24 @@ def _aligned_run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_st
     t_off = tl.max_contiguous(tl.multiple_of(r * t_stride + k, [1, _ALIGN]), [1, COLS])
     b_off = tl.max_contiguous(tl.multiple_of(r * b_stride + k, [1, _ALIGN]), [1, COLS])
     mask = tl.max_constancy((r < nrows) & (k < ncols), [1, _ALIGN])
-    _direction(t + t_off, b + b_off, mask, factor, PACK, HAS_SCALE, ACCUMULATE, HW_BF16)
+    return _direction(t + t_off, b + b_off, mask, factor, OP, HAS_SCALE, ACCUMULATE, HW_BF16)
 
 
 @triton.jit
 def _tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
-          PACK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+          OP: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
           BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr, ALIGNED: tl.constexpr):
-    """Move one data tile between `tensor` (typed pointer) and `buffer`, in the direction PACK says."""
+    """Move one data tile between `tensor` (typed pointer) and `buffer` as OP says (see `_direction`)."""
     if kind == _GATHER:
-        _gather_tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, col_start, factor,
-                     PACK, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, GATHER_COLS)
+        total = _gather_tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, col_start, factor,
+                     OP, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, GATHER_COLS)
     elif ALIGNED and kind == _RUN_ALIGNED:
-        _aligned_run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
-                          PACK, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS)
+        total = _aligned_run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
+                          OP, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS)
     else:
-        _run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
-                  PACK, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS)
+        total = _run_tile(tensor, buffer, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, factor,
+                  OP, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS)
+    return total
 
 
 @triton.jit
@@ -182,7 +190,7 @@ def _pack_kernel(
         if HAS_SCALE:
             factor = tl.load(scale + segment)
         _tile(tensor, out, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
-              True, HAS_SCALE, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+              0, HAS_SCALE, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
 
 
 @triton.jit
@@ -198,7 +206,22 @@ def _unpack_kernel(
     if HAS_SCALE:
         factor = tl.load(scale + segment)
     _tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
-          False, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+          1, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+
+
+@triton.jit
+def _squared_norm_kernel(
+    pointers, descriptors, columns, partials,
+    DTYPE: tl.constexpr, HW_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
+     col_start) = _descriptor(descriptors, tile)
+    tensor = _tensor_pointer(pointers, tensor_index, DTYPE, ALIGNED)
+    total = _tile(tensor, tensor, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, 1.0,
+                  2, False, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+    tl.store(partials + tile, total)  # one partial per tile, summed on the host side: deterministic
 
 
 def _aligned(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> bool:
@@ -251,6 +274,18 @@ def unpack(
             DST_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None, ACCUMULATE=mode == "accumulate",
             **_constexprs(tensors, layout, buffer), **_options(layout),
         )
+
+
+def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout) -> torch.Tensor:
+    """Fused float32 sum of squares of every held slice, without packing; one launch. See `kernels.squared_norm`."""
+    check_tensors(tensors, layout)
+    partials = torch.empty(layout.num_data_tiles, dtype=torch.float32, device=layout.device)
+    if layout.num_data_tiles:
+        _squared_norm_kernel[(layout.num_data_tiles,)](
+            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets, partials,
+            DTYPE=_TL_DTYPES[tensors[0].dtype], **_constexprs(tensors, layout, partials), **_options(layout),
+        )
+    return partials.sum()
 
 
 def overlap_average(

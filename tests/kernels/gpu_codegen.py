@@ -81,6 +81,7 @@ def record_launches() -> list[dict]:
                 "unpack bf16->fp32 copy (benchmark)": lambda b: triton_ops.unpack(b(torch.bfloat16), grads, layout),
                 "unpack fp32->fp32 scaled (overlap_average divide='after')": lambda b: triton_ops.unpack(b(torch.float32), grads, layout, scale=scale),
                 "unpack bf16->fp32 accumulate scaled": lambda b: triton_ops.unpack(b(torch.bfloat16), grads, layout, mode="accumulate", scale=scale),
+                "squared_norm fp32 (clipping norm of held slices)": lambda b: triton_ops.squared_norm(grads, layout),
             }
             for path, call in paths.items():
                 label[0] = f"{name} | {path}"

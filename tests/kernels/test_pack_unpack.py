@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import DEVICE, DTYPES, buckets, held_masks, make_tensors
 
-from kernels import BucketLayout, SegmentSpec, pack, select_backend, triton_ops, unpack
+from kernels import BucketLayout, SegmentSpec, pack, select_backend, squared_norm, triton_ops, unpack
 from kernels.worklist import DESC_KIND, KIND_GATHER, KIND_RUN, KIND_RUN_ALIGNED, KIND_ZERO
 
 FAST = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -189,3 +189,31 @@ def test_unaligned_tensors_take_the_checked_fallback_and_stay_bit_exact():
     unpack(got * 3, views, layout, backend="triton")
     unpack(got * 3, copies, layout, backend="reference")
     assert all(torch.equal(v, c) for v, c in zip(views, copies))
+
+
+@FAST
+@given(bucket=buckets(), dtype=dtypes, seed=seeds)
+def test_squared_norm_of_held_slices_matches_the_packed_buffer_within_float32_summation(bucket, dtype, seed):
+    shapes, specs, block = bucket
+    layout = BucketLayout(shapes, specs, device=DEVICE, block_size=block)
+    tensors = make_tensors(shapes, dtype, seed)
+    exact = float(pack(tensors, layout, backend="reference").double().pow(2).sum())  # padding is zero
+    # Float32 sums of n non-negative terms: relative error below n * 2**-24 whatever the order.
+    bound = max(1, layout.total_numel) * 2**-24 * exact
+    for backend in ("triton", "reference"):
+        got = squared_norm(tensors, layout, backend=backend)
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert abs(float(got) - exact) <= bound, (backend, float(got), exact)
+
+
+def test_squared_norm_reads_every_tile_kind_and_ignores_unheld_entries():
+    shapes, specs = _every_tile_kind()
+    layout = BucketLayout(shapes, specs, device=DEVICE)
+    tensors = make_tensors(shapes, torch.float32, seed=2)
+    want = float(pack(tensors, layout, backend="reference").double().pow(2).sum())
+    got = squared_norm(tensors, layout, backend="triton")
+    assert abs(float(got) - want) <= 1e-5 * want
+    masks = held_masks(layout)
+    for t, held in zip(tensors, masks):
+        t[~held] = float("nan")  # never read
+    assert float(squared_norm(tensors, layout, backend="triton")) == float(got)
