@@ -22,11 +22,11 @@ reference and of the loop (where compiling works). Each row prints:
 On CPU (no GPU) the fused kernel is not timed: the Triton interpreter is a correctness tool. It is
 checked bit-exact against the reference on a d = 128 bucket when TRITON_INTERPRET=1 is set (on
 CUDA, on the first LLaMA bucket, before timing).
-`--quick` on CPU uses a d = 512 LLaMA block and one ResNet bottleneck so the run takes about a
-minute; CPU times are best of N back-to-back calls.
+`--quick` on CPU uses a d = 512 LLaMA block and one ResNet bottleneck so the run takes a few
+minutes; CPU times are the best of 5 back-to-back calls on one thread (`--threads`).
 
     python benchmarks/bench_kernels.py [--device cpu|cuda] [--quick | --smoke] [--buffer-dtype bfloat16 float32]
-                                       [--no-compile] [--json PATH]
+                                       [--no-compile] [--json PATH] [--threads N]
 """
 
 from __future__ import annotations
@@ -287,9 +287,13 @@ def main() -> None:
     parser.add_argument("--buffer-dtype", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"])
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (slow to compile on CPU)")
     parser.add_argument("--json", help="also write every timed row to this file")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: on a shared machine, multi-threaded copies stall and the ratios drift)")
     args = parser.parse_args()
     device = torch.device(args.device)
     cpu = device.type == "cpu"
+    if cpu:
+        torch.set_num_threads(args.threads)
     measure = timer(device, 1 if args.smoke else 5)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (fused Triton kernel not timed on CPU)"
     print(f"{datetime.date.today()} | {platform.machine()} {torch.get_num_threads()} threads | torch {torch.__version__} | "
