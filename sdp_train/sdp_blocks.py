@@ -3,7 +3,7 @@
 `find_blocks` turns what a user says (nothing, a pattern such as ``"model.layers.*"``, a list of
 names or of submodules) into the dotted names of the model's residual blocks, in forward order.
 Without a declaration it looks at the layouts people use: Hugging Face LLaMA-style
-(``model.layers``), GPT-2 (``transformer.h``), ViT/BERT (``*.encoder.layer``), then any
+(``model.layers``), GPT-2 (``transformer.h``), ViT (``vit.layers``, ``*.encoder.layer``), then any
 ``ModuleList`` of same-class modules (the one holding most parameters). `find_mlp` locates, inside
 one block, the MLP's input projections (whose output neurons are N-SDP's neurons) and output
 projection. Both raise `ConfigError` naming what was looked for and what the model has.
@@ -21,8 +21,8 @@ from torch import nn
 
 from sdp_train.errors import ConfigError
 
-KNOWN_BLOCK_LISTS: tuple[str, ...] = ("model.layers", "transformer.h", "vit.encoder.layer", "encoder.layer",
-                                      "model.decoder.layers", "layers", "blocks", "h")
+KNOWN_BLOCK_LISTS: tuple[str, ...] = ("model.layers", "transformer.h", "vit.layers", "vit.encoder.layer",
+                                      "encoder.layer", "model.decoder.layers", "layers", "blocks", "h")
 """Container paths tried first by automatic discovery, in this order."""
 
 
