@@ -47,7 +47,7 @@ from sdp_train.data import build_batches
 from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, init_distributed, print0,
                              restart_attempt)
 from sdp_train.memory import MemoryMeter, format_bytes
-from sdp_train.models import build_model
+from sdp_train.models import model_class
 from sdp_train.train import Prepared, Run, loss_fn, prepare
 from sdp_train.wire import WIRE_MODEL
 
@@ -204,24 +204,32 @@ def _gather(value: Any, world_size: int) -> list[Any]:
 
 @torch.no_grad()
 def evaluate(run: Run, prep: Prepared) -> float:
-    """Mean validation loss of the full assembled model; every rank evaluates its own val shard.
+    """Mean validation loss of the full assembled model, evaluated on rank 0 only; every rank gets it.
 
-    The validation split is always interleaved (iid) across ranks, also when training data is
-    heterogeneous, so that runs with and without ``heterogeneous`` are scored on the same batches.
+    Rank 0 assembles the full model (`Run.full_state`) and scores the validation shards of every
+    rank (``eval_batches`` each), so no other rank ever holds a full model copy; under SDP, rank 0
+    holds its own subnetwork's training state plus one full model for the evaluation's duration
+    (docs/plan.md states that peak). The validation split is always interleaved (iid) across
+    ranks, also when training data is heterogeneous, so that runs with and without
+    ``heterogeneous`` are scored on the same batches.
     """
     cfg, info = prep.config, run.info
     full = run.full_state()
-    model = build_model(prep.model_config, seed=cfg.seed, device=run.device)
-    model.load_state_dict(full)
-    model.eval()
-    val_data = dataclasses.replace(prep.data, heterogeneous=False)
-    val = build_batches(val_data, split="val", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
     total = torch.zeros(2, dtype=torch.float64, device=run.device)
-    for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
-        total[0] += loss_fn(model(inputs.to(run.device)), targets.to(run.device)).double()
-        total[1] += 1
+    if full is not None:
+        with torch.device("meta"):
+            model = model_class(prep.model_config)(prep.model_config)
+        model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
+        model.eval()
+        val_data = dataclasses.replace(prep.data, heterogeneous=False)
+        for rank in range(info.world_size):
+            val = build_batches(val_data, split="val", seed=cfg.seed, rank=rank, world_size=info.world_size)
+            for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
+                total[0] += loss_fn(model(inputs.to(run.device)), targets.to(run.device)).double()
+                total[1] += 1
+        del model, full
     if info.world_size > 1:
-        dist.all_reduce(total)
+        dist.broadcast(total, src=0)
     return float(total[0] / total[1])
 
 

@@ -6,7 +6,7 @@ Runs as one process or under torchrun (one rank per worker). ``ddp`` wraps the f
 `SyncEngine` (or, with ``fsdp=True``, shard each block among its holders); ``bbsdp`` keeps the
 full model, trains only held blocks and broadcasts their new values after each step. Activation
 checkpointing and FSDP are applied by `sdp_train.parallelize`. Validation always
-uses the full assembled model. Everything a run needs is checked by `prepare` before any
+uses the full assembled model, which only rank 0 builds (`Run.full_state`). Everything a run needs is checked by `prepare` before any
 process group exists.
 """
 
@@ -353,31 +353,48 @@ class Run:
         return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
 
     @torch.no_grad()
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The full assembled model: each tensor slice taken from its lowest-ranked holder."""
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The full assembled model on rank 0 (None on the other ranks), built one tensor at a time.
+
+        Each tensor slice is taken from its lowest-ranked holder: every rank fills the slices it
+        owns into a zero tensor of the full shape and a ``reduce`` sums them on rank 0, so no rank
+        but rank 0 ever holds more than its own model and one full tensor. FSDP shards are
+        gathered over their mesh first, tensor by tensor, in one order on every rank. Under DDP
+        (or on one rank) rank 0 already holds the full model: its tensors are returned as they
+        are, not copied (read them, do not write them).
+        """
+        main = self.info.rank == 0
+        if not self.uses_fsdp and (self.info.world_size == 1 or self.cfg.mode in BASELINES):
+            return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
         shapes = block_map(self.model_config).shapes
-        # FSDP: gather each sharded tensor over its mesh (every rank in one order, block by block)
-        local = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in self.model.state_dict().items()}
-        if self.info.world_size == 1 or self.cfg.mode in BASELINES:
-            return {n: v.clone() for n, v in local.items()}
+        local = self.model.state_dict()
         index = self.model.full_index()
         with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
             dtypes = {n: t.dtype for n, t in model_class(self.model_config)(self.model_config).state_dict().items()}
-        full = {n: torch.zeros(shapes[n], dtype=dtypes[n], device=self.device) for n in shapes}
-        for name, value in local.items():
-            owned = owned_slices(name, index[name], self.held_by_rank, self.info.rank)
-            if owned is None:
-                continue
-            dim, full_positions, local_positions = owned
-            if dim is None:
-                full[name].copy_(value)
-                continue
-            local_pos = torch.tensor(local_positions, dtype=torch.int64, device=self.device)
-            full_pos = torch.tensor(full_positions, dtype=torch.int64, device=self.device)
-            full[name].index_copy_(dim, full_pos, value.index_select(dim, local_pos))
+        full: dict[str, torch.Tensor] = {}
         for name in shapes:
-            dist.all_reduce(full[name])
-        return full
+            value = local.get(name)
+            if isinstance(value, DTensor):
+                value = value.full_tensor()  # a collective over the tensor's mesh
+            if self.cfg.mode in BASELINES:  # FSDP: every rank now has the whole tensor
+                if main:
+                    full[name] = value
+                continue
+            piece = torch.zeros(shapes[name], dtype=dtypes[name], device=self.device)
+            owned = None if value is None else owned_slices(name, index[name], self.held_by_rank, self.info.rank)
+            if owned is not None:
+                dim, full_positions, local_positions = owned
+                if dim is None:
+                    piece.copy_(value)
+                else:
+                    local_pos = torch.tensor(local_positions, dtype=torch.int64, device=self.device)
+                    full_pos = torch.tensor(full_positions, dtype=torch.int64, device=self.device)
+                    piece.index_copy_(dim, full_pos, value.index_select(dim, local_pos))
+            dist.reduce(piece, dst=0)
+            if main:
+                full[name] = piece
+            del piece, value  # other ranks: freed before the next tensor's piece exists
+        return full if main else None
 
 
 def _test_fault(variable: str, step: int, rank: int) -> bool:

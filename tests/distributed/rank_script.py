@@ -7,6 +7,7 @@ sync engine's averaged gradients saved with the batch (full-model names, this ra
 tensors and their full-model index) for the test to compare with a single-process reference.
 ``steps``: a few optimizer steps of each (model, mode, mask) case; every rank saves its state dict.
 ``fsdp_bytes``: a few FSDP steps, saving each step's buffer and wire bytes and intercepted ops.
+``eval_memory``: one step of each config in SPEC, then the validation under the memory tracker.
 ``train``: the training loop for each config in SPEC, one after another in one process group.
 """
 
@@ -15,9 +16,11 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
@@ -88,6 +91,50 @@ def fsdp_bytes_case(spec: dict, info, device, out: Path) -> None:
     (out / f"fsdp_bytes_rank{info.rank}.json").write_text(json.dumps(steps))
 
 
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages created inside the mode and alive together (weakref-tracked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.seen and key not in inputs:  # views and in-place results: not new
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+
+def eval_memory_case(spec: dict, info, device, out: Path) -> None:
+    """One step of each config, then `evaluate` tracking the bytes it allocates; saves them and the val loss."""
+    from sdp_train.loop import evaluate
+
+    for i, cfg_dict in enumerate(spec["configs"]):
+        prep = prepare(TrainConfig(**cfg_dict))
+        run = Run(prep, info, device)
+        inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
+                                             world_size=info.world_size))
+        run.step(0, inputs, targets)
+        tracker = LiveBytes()
+        with tracker:
+            val_loss = evaluate(run, prep)
+        (out / f"eval{i}_rank{info.rank}.json").write_text(json.dumps({"peak": tracker.peak, "val_loss": val_loss}))
+
+
 def train_case(spec: dict, info, device, out: Path) -> None:
     for cfg_dict in spec["configs"]:
         _train(prepare(TrainConfig(**cfg_dict)), info, device)
@@ -101,7 +148,8 @@ def main() -> None:
     device = default_device()
     info = init_distributed(device)
     try:
-        {"grads": grads_case, "steps": steps_case, "fsdp_bytes": fsdp_bytes_case, "train": train_case}[case](spec, info, device, out)
+        {"grads": grads_case, "steps": steps_case, "fsdp_bytes": fsdp_bytes_case,
+         "eval_memory": eval_memory_case, "train": train_case}[case](spec, info, device, out)
     finally:
         destroy_distributed()
 
