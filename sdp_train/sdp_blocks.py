@@ -35,7 +35,7 @@ class MLPSpec:
     """
 
     inputs: tuple[str, ...]
-    """Names (relative to the block) of the projections into the hidden layer, e.g. ``("mlp.gate_proj", "mlp.up_proj")``."""
+    """Names, relative to the block, of the projections into the hidden layer (``("mlp.gate_proj", "mlp.up_proj")``)."""
     output: str
     """Name (relative to the block) of the projection out of the hidden layer, e.g. ``"mlp.down_proj"``."""
 
@@ -168,7 +168,8 @@ def find_mlp(block: nn.Module, block_name: str, mlp: MLPSpec | None = None) -> M
             return spec
     raise ConfigError(f"found no MLP in block {block_name!r} ({type(block).__name__}); tried "
                       f"{[(s.inputs, s.output) for s in KNOWN_MLPS]}; its projections are "
-                      f"{[n for n, m in modules.items() if is_projection(m)][:12]}; pass mlp=MLPSpec(inputs=..., output=...)")
+                      f"{[n for n, m in modules.items() if is_projection(m)][:12]}; "
+                      "pass mlp=MLPSpec(inputs=..., output=...)")
 
 
 def is_projection(module: nn.Module) -> bool:

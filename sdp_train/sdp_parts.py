@@ -61,7 +61,8 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
         raise ConfigError(f"the mask has {result.blocks} columns but the model has {len(columns)} maskable "
                           f"blocks at level {layout.level!r} ({columns[0]} ... {columns[-1]})")
     if not result.schedule.is_static:
-        raise ConfigError(f"SubnetworkDataParallel trains static masks; this one has a {result.schedule.kind!r} schedule")
+        raise ConfigError(f"SubnetworkDataParallel trains static masks; this one has a "
+                          f"{result.schedule.kind!r} schedule")
     for k in range(workers):
         try:
             layout.held(result.matrix[k])

@@ -12,6 +12,7 @@ Run by hand: ``python -m torch.distributed.run --standalone --nproc-per-node 2 T
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -233,7 +234,7 @@ def accumulation_and_clipping_ranks(out: Path, rank: int) -> None:
     micro = [batch("custom", s, rank) for s in range(3)]
     accumulated = SubnetworkDataParallel(make_model("custom"), mask=Mask(BLOCK_MASK))
     for i, (x, y) in enumerate(micro):
-        with accumulated.no_sync() if i < 2 else _nothing():
+        with accumulated.no_sync() if i < 2 else contextlib.nullcontext():
             (loss_of("custom", accumulated, x, y) / 3).backward()
     whole = SubnetworkDataParallel(make_model("custom"), mask=Mask(BLOCK_MASK))
     x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
@@ -248,7 +249,8 @@ def accumulation_and_clipping_ranks(out: Path, rank: int) -> None:
         norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2) if how == "torch"
                 else model.clip_grad_norm_(1e-2))
         opt.step()
-        saved[how] = {"norm": norm, "grads": grads, "state": {n: t.clone() for n, t in model.module.state_dict().items()}}
+        state = {n: t.clone() for n, t in model.module.state_dict().items()}
+        saved[how] = {"norm": norm, "grads": grads, "state": state}
     bf16 = SubnetworkDataParallel(make_model("custom"), mask=Mask(BLOCK_MASK), comm_dtype=torch.bfloat16,
                                   autocast_dtype=torch.bfloat16)
     loss_of("custom", bf16, *batch("custom", 0, rank)).backward()
@@ -260,14 +262,6 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.module.named_parameters()}
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def rank_main(out: Path) -> None:
     import torch.distributed as dist
 
@@ -276,7 +270,8 @@ def rank_main(out: Path) -> None:
     try:
         accumulation_and_clipping_ranks(out, rank)
         for kind in KINDS:
-            for level in ("block", "neuron", "complete", None) + (("backward", "block_fsdp") if kind == "custom" else ()):
+            extra = ("backward", "block_fsdp") if kind == "custom" else ()
+            for level in ("block", "neuron", "complete", None, *extra):
                 train_ranks(kind, level, out, rank)
     finally:
         dist.destroy_process_group()
