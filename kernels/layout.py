@@ -26,6 +26,9 @@ from kernels.worklist import aligned_offset, build_work_list
 
 SEGMENT_KINDS = ("whole", "rows", "cols")
 DEFAULT_BLOCK_SIZE = 1024
+# A program has at most 1024 threads: past 16384 elements each thread would hold more than 16
+# and the compiled kernels spill registers (tests/kernels/test_gpu_codegen.py).
+MAX_BLOCK_SIZE = 2**14
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ class BucketLayout:
     device : torch.device or str
         Device of the tensors; the launch metadata is stored there.
     block_size : int
-        Elements per Triton program (a power of two in [16, 65536]).
+        Elements per Triton program (a power of two in [16, MAX_BLOCK_SIZE]).
 
     Attributes
     ----------
@@ -203,8 +206,9 @@ class BucketLayout:
         self.shapes = tuple(torch.Size(s) for s in shapes)
         if specs is None:
             specs = [SegmentSpec(i) for i in range(len(self.shapes))]
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 16 <= block_size <= 2**16 or block_size & (block_size - 1):
-            raise LayoutError(f"block_size={block_size!r} must be a power of two in [16, 65536]")
+        if (isinstance(block_size, bool) or not isinstance(block_size, int) or not 16 <= block_size <= MAX_BLOCK_SIZE
+                or block_size & (block_size - 1)):
+            raise LayoutError(f"block_size={block_size!r} must be a power of two in [16, {MAX_BLOCK_SIZE}]")
         self.block_size = block_size
         self.device = _normalize_device(device)
         segments, gaps, offset = [], [], 0

@@ -35,7 +35,7 @@ from kernels.worklist import DESC_WIDTH, KIND_GATHER, KIND_RUN_ALIGNED, KIND_ZER
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 ELEMENTS_PER_THREAD = 8  # num_warps follows the block size: 8 elements (two or one 128-bit accesses) a thread
-MAX_WARPS = 16
+MAX_WARPS = 32  # 1024 threads, the CUDA limit per program
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _DESC: tl.constexpr = tl.constexpr(DESC_WIDTH)
 _RUN_ALIGNED: tl.constexpr = tl.constexpr(KIND_RUN_ALIGNED)

@@ -57,6 +57,7 @@ def record_launches() -> list[dict]:
     from benchmarks.bench_kernels import llama_block, resnet50_stage3
 
     from kernels import BucketLayout, triton_ops
+    from kernels.layout import MAX_BLOCK_SIZE
 
     launches: list[dict] = []
     label = [""]
@@ -86,6 +87,13 @@ def record_launches() -> list[dict]:
             for path, call in paths.items():
                 label[0] = f"{name} | {path}"
                 call(lambda dtype: torch.empty(layout.total_numel, dtype=dtype))
+        # Larger tiles than the default, up to the layout's limit: num_warps must follow, or they spill.
+        shapes, specs = llama_block(2048, True)
+        grads = [torch.empty(s) for s in shapes]
+        for block in (4096, MAX_BLOCK_SIZE):
+            layout = BucketLayout(shapes, specs, block_size=block)
+            label[0] = f"llama-2048-neuron, block_size={block} | pack fp32->bf16 scaled"
+            triton_ops.pack(grads, layout, torch.empty(layout.total_numel, dtype=torch.bfloat16), scale=layout.inverse_coverage)
         # Gradients that are views at a 4-byte offset (e.g. into one flat allocation): the checked fallback.
         storage = torch.empty(4097)
         views = [storage[1:2049].view(32, 64), storage[2049:4097].view(64, 32)]
