@@ -48,7 +48,8 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, get_model_config, model_class, subnet_kwargs
 from sdp_train.parallelize import residual_blocks
 from sdp_train.plan_activations import ActivationModel, activation_model
-from sdp_train.subnet import check_held
+from sdp_train.plan_comm import predict_comm
+from sdp_train.subnet import check_held, held_tensors
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STEP_BYTES = 4  # AdamW's per-tensor step counter (float32 scalar)
@@ -122,7 +123,10 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
         gradients included), ``activations`` (the largest set of saved activations, which may be
         reached at another moment), ``other`` (communication buffers and backward temporaries at
         the peak), ``total``, ``persistent`` (parameters / gradients / optimizer between steps),
-        ``peak_at``, ``rank`` (the largest rank) and ``per_rank`` totals.
+        ``peak_at``, ``rank`` (the largest rank) and ``per_rank`` totals; ``comm_bytes_per_step``
+        and ``wire_bytes_per_step``: buffer and wire bytes per step of the rank that sends most
+        (`sdp_train.plan_comm`); ``eval_peak``: rank 0's peak during validation, which assembles
+        the full model on rank 0 only.
     """
     config = _model_config(model, model_overrides, image_size)
     if mode not in MODES:
@@ -142,7 +146,35 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
                for r in range(workers if matrix is not None else 1)]
     rank = max(range(len(results)), key=lambda r: results[r]["total"])
     totals = [r["total"] for r in results] if matrix is not None else [results[0]["total"]] * workers
-    return {**results[rank], "rank": rank, "per_rank": totals}
+    comm = _comm(config, mode, matrix, workers, fsdp, elem)
+    busiest = max(range(workers), key=lambda r: comm[r].wire)
+    return {**results[rank], "rank": rank, "per_rank": totals,
+            "comm_bytes_per_step": comm[busiest].buffer, "wire_bytes_per_step": comm[busiest].wire,
+            "eval_peak": _eval_peak(config, mode, workers, fsdp, results[0], elem, batch_size, seq_len, image_size)}
+
+
+def _comm(config: ModelConfig, mode: str, matrix: np.ndarray | None, workers: int, fsdp: bool, elem: int):
+    """`plan_comm.predict_comm` for this run's mask."""
+    held = None
+    if matrix is not None:
+        level = LEVEL_OF_MODE[mode]
+        with _no_init():
+            held = [held_tensors(config, matrix[r], level) for r in range(workers)]
+    return predict_comm(config, mode, held, workers, fsdp=fsdp, elem=elem)
+
+
+def _eval_peak(config: ModelConfig, mode: str, workers: int, fsdp: bool, rank0: dict[str, Any], elem: int,
+               batch_size: int, seq_len: int, image_size: int) -> int:
+    """Rank 0's peak during validation: its training state, the assembled full model (unless it
+    already holds it: DDP or one rank) and a no-grad forward (one block's activations, the logits
+    and the loss's temporaries of one batch), an upper estimate."""
+    full = _meta_model(config, None, None)
+    acts = activation_model(full, frozenset(), batch_size=batch_size, seq_len=seq_len, image_size=image_size,
+                            elem=elem)
+    forward = acts.stem + max((b.saved for b in acts.blocks), default=0) + acts.head + acts.loss_backward
+    holds_full = (mode == "ddp" or workers == 1) and not fsdp
+    assembled = 0 if holds_full else sum(t.numel() * elem for t in full.state_dict().values())
+    return sum(rank0["persistent"].values()) + rank0["buffers"] + assembled + forward
 
 
 DEFAULT_ACTIVE: tuple[float, ...] = (0.25, 0.375, 0.5, 0.69, 1.0)
@@ -167,7 +199,8 @@ def meaningful_actives(workers: int, candidates: tuple[float, ...] = DEFAULT_ACT
 def plan_systems(model: str | ModelConfig, *, workers: int, memory_per_device: int, ac: bool = False,
                  fsdp: bool = False, actives: tuple[float, ...] = DEFAULT_ACTIVE, **kwargs: Any) -> list[dict[str, Any]]:
     """One row per system: DDP, FSDP, then B-SDP / N-SDP / Bb-SDP (and B-SDP+FSDP with ``fsdp``) at
-    every meaningful C; each row is `predict`'s dict plus ``system``, ``active`` and ``fits``.
+    every meaningful C; each row is `predict`'s dict plus ``system``, ``active`` and ``fits`` (both
+    the training peak and rank 0's validation peak within `memory_per_device`).
 
     A system whose mask cannot be designed at some C (too few blocks or neuron groups for K) gets
     a row with ``total`` None and the reason in ``error``.
@@ -189,7 +222,7 @@ def plan_systems(model: str | ModelConfig, *, workers: int, memory_per_device: i
                 raise
             rows.append(row | {"total": None, "fits": False, "error": str(exc)})
             continue
-        rows.append(row | {"fits": row["total"] <= memory_per_device})
+        rows.append(row | {"fits": max(row["total"], row["eval_peak"]) <= memory_per_device})
     return rows
 
 
@@ -334,7 +367,7 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
     total = state + peak.activations + peak.temporaries + peak.parameters + peak.gradients
     optimizer = opt_b + (foreach if peak.label == "optimizer step" else 0)
     parameters, gradients = params_b + peak.parameters, grads_b + peak.gradients
-    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
+    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer, "buffers": comm,
             "activations": max(m.activations for m in moments),
             "other": total - parameters - gradients - optimizer - peak.activations, "total": total,
             "persistent": {"parameters": params_b, "gradients": grads_b, "optimizer": opt_b}, "peak_at": peak.label}

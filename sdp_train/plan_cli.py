@@ -1,4 +1,5 @@
-"""``sdp plan``: predicted peak memory per rank of DDP, FSDP and SDP at several C, and which fit.
+"""``sdp plan``: predicted peak memory per rank (training and validation) and bytes per step of DDP,
+FSDP and SDP at several C, and which fit.
 
 Nothing is trained or allocated: the numbers come from `sdp_train.plan` (see docs/plan.md).
 """
@@ -60,18 +61,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}, {args.workers} workers, batch {args.batch_size}"
           f"{f' x {args.seq_len} tokens' if args.model.startswith('llama') else ''}, {args.dtype}; "
           f"peak per rank (largest rank) vs {args.memory_per_device} = {format_bytes(budget)} per device")
-    header = ("system", "C", "params", "grads", "optimizer", "activations", "total", "fits")
-    print(f"{header[0]:<16}{header[1]:>6}" + "".join(f"{h:>12}" for h in header[2:7]) + f"{header[7]:>6}")
+    header = ("system", "C", "params", "grads", "optimizer", "activations", "total", "eval peak", "buffer/step",
+              "wire/step", "fits")
+    print(f"{header[0]:<16}{header[1]:>6}" + "".join(f"{h:>12}" for h in header[2:10]) + f"{header[10]:>6}")
     notes = []
     for row in rows:
         if row["total"] is None:
             notes.append(f"{row['system']} at C={row['active']:g}: {row['error']}")
             continue
-        cells = "".join(f"{format_bytes(row[k]):>12}" for k in ("parameters", "gradients", "optimizer",
-                                                                  "activations", "total"))
+        cells = "".join(f"{format_bytes(round(row[k])):>12}" for k in (
+            "parameters", "gradients", "optimizer", "activations", "total", "eval_peak", "comm_bytes_per_step",
+            "wire_bytes_per_step"))
         print(f"{row['system']:<16}{row['active']:>6.3g}{cells}{'yes' if row['fits'] else 'no':>6}")
     for note in notes:
         print(f"not designable: {note}")
+    print("eval peak: rank 0 during validation (it alone assembles the full model); buffer/step and "
+          "wire/step: bytes per step of the rank that sends most, wire under the ring model "
+          "(all-reduce 2(c-1)/c of the buffer, all-gather / reduce-scatter / broadcast (c-1)/c)")
     print("not counted: the CUDA context, NCCL buffers, cuBLAS workspaces, allocator fragmentation "
           "(leave headroom; docs/plan.md)")
     fitting = [f"{r['system']} (C={r['active']:g})" for r in rows if r["fits"]]

@@ -14,7 +14,7 @@ from masklab import Mask, save_mask
 from sdp_train.cli import main
 from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
-from sdp_train.models import block_map, build_model, get_model_config, num_params
+from sdp_train.models import block_map, build_model, get_model_config, model_class, num_params
 from sdp_train.plan import meaningful_actives, parse_bytes, plan_systems, predict
 from sdp_train.plan_activations import activation_model
 from sdp_train.subnet import apply_backward_mask, build_worker_model
@@ -256,3 +256,55 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sdp plan: error:") and message in err[0], err
+
+
+def _numel(names) -> int:
+    shapes = block_map(get_model_config("llama-debug")).shapes
+    return sum(int(np.prod(shapes[n])) for n in names)
+
+
+def test_ddp_and_fsdp_bytes_per_step_are_the_runtime_counts_and_fsdp_wire_is_1_5x_ddp():
+    bmap = block_map(get_model_config("llama-debug"))
+    params = [n for n in bmap.shapes if n in bmap.parameter_names]
+    in_blocks = _numel(n for j in range(4) for n, _ in bmap.owned("block", j))
+    ddp = predict("llama-debug", mode="ddp", workers=4, **LLAMA)
+    fsdp = predict("llama-debug", mode="fsdp", workers=4, **LLAMA)
+    assert ddp["comm_bytes_per_step"] == 4 * _numel(params) + 8
+    assert ddp["wire_bytes_per_step"] == pytest.approx(1.5 * ddp["comm_bytes_per_step"])
+    # as tests/distributed/test_fsdp_composition.py measures: gather all, gather blocks again, reduce-scatter all
+    assert fsdp["comm_bytes_per_step"] == 4 * (2 * _numel(params) + in_blocks) + 8
+    assert fsdp["wire_bytes_per_step"] == pytest.approx(0.75 * (fsdp["comm_bytes_per_step"] - 8) + 12)
+    assert 1.4 < fsdp["wire_bytes_per_step"] / ddp["wire_bytes_per_step"] < 1.6
+
+
+def test_bsdp_bytes_per_step_are_the_held_blocks_with_several_holders_and_their_ring_share():
+    mask = np.array([[1, 1, 0, 0], [1, 0, 1, 1], [0, 1, 1, 0], [0, 1, 0, 1]], dtype=np.uint8)
+    bmap = block_map(get_model_config("llama-debug"))
+    shared = _numel(n for n in bmap.shared("block") if n in bmap.parameter_names)
+    block = [_numel(n for n, _ in bmap.owned("block", j)) for j in range(4)]
+    coverage = mask.sum(axis=0)
+    per_rank = []
+    for r in range(4):
+        held = [j for j in range(4) if mask[r, j] and coverage[j] > 1]
+        buffer = 4 * (shared + sum(block[j] for j in held)) + 8
+        wire = 1.5 * (4 * shared + 8) + sum(2 * (coverage[j] - 1) / coverage[j] * 4 * block[j] for j in held)
+        per_rank.append((wire, buffer))
+    p = predict("llama-debug", mode="bsdp", workers=4, mask=Mask(mask), **LLAMA)
+    wire, buffer = max(per_rank)
+    assert p["comm_bytes_per_step"] == buffer
+    assert p["wire_bytes_per_step"] == pytest.approx(wire)
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp", "fsdp"])
+def test_evaluation_peak_adds_one_full_model_to_rank_zeros_state_only_where_rank_zero_lacks_it(mode):
+    full = 4 * _numel(block_map(get_model_config("llama-debug")).shapes)
+    p = predict("llama-debug", mode=mode, workers=4, active=0.5, **LLAMA)
+    ddp = predict("llama-debug", mode="ddp", workers=4, **LLAMA)
+    config = get_model_config("llama-debug")
+    with torch.device("meta"):
+        acts = activation_model(model_class(config)(config), frozenset(), elem=4,
+                                image_size=8, **LLAMA)
+    forward = acts.stem + max(b.saved for b in acts.blocks) + acts.head + acts.loss_backward
+    assert ddp["eval_peak"] == sum(ddp["persistent"].values()) + ddp["buffers"] + forward  # no second copy
+    rank0_state = p["eval_peak"] - full - forward
+    assert 0 < rank0_state <= sum(p["persistent"].values()) + p["buffers"]  # at most the largest rank's
