@@ -146,8 +146,9 @@ class SubnetworkDataParallel(nn.Module):
                 self.broadcaster = ParamBroadcaster(module, self.plans, self.world_size)
                 self.broadcaster.broadcast()  # non-holders' frozen copies start from the holders' values
         self.fsdp = fsdp
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for p in module.parameters() if p.requires_grad]
+        # the sync engine's hooks launch the all-reduces; these finish them when backward ends
+        self._hooks = [] if fsdp else [p.register_post_accumulate_grad_hook(self._on_grad)
+                                       for p in module.parameters() if p.requires_grad]
 
     # -- construction helpers ------------------------------------------------------------------
     def _held_block_flags(self) -> list[bool]:
@@ -174,8 +175,10 @@ class SubnetworkDataParallel(nn.Module):
             return self.module(*args, **kwargs)
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._sync_enabled and self.engine is not None and not self._finish_queued:
-            self._finish_queued = True
+        if not self._sync_enabled:  # accumulating: no averaged gradient to clip until the next sync
+            self._sq_norm = None
+        elif not self._finish_queued:
+            self._finish_queued, self._sq_norm = True, None
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_sync)
 
     def _finish_sync(self) -> None:

@@ -271,3 +271,17 @@ def test_active_designs_a_neuron_mask_in_which_every_worker_keeps_neurons_of_eve
     broken[[0, 1], 3:6] = 1
     with pytest.raises(ConfigError, match=r"mask row 2 \(worker 2\): .*no neuron group of block 1 \('trunk.1'\)"):
         resolve_mask(Mask(broken), None, 4, layout, seed=0)
+
+
+def test_clipping_refuses_a_gradient_that_no_sync_left_unaveraged():
+    torch.manual_seed(0)
+    sdp = SubnetworkDataParallel(Net(), active=1.0)
+    x = torch.randn(4, 5)
+    with sdp.no_sync():
+        sdp(x).sum().backward()
+    with pytest.raises(ConfigError, match="outside no_sync"):
+        sdp.clip_grad_norm_(1.0)
+    sdp(x).sum().backward()
+    total = torch.sqrt(sum(p.grad.pow(2).sum() for p in sdp.parameters()))
+    torch.testing.assert_close(sdp.clip_grad_norm_(1e-3), total)
+    assert torch.sqrt(sum(p.grad.pow(2).sum() for p in sdp.parameters())) == pytest.approx(1e-3, rel=1e-3)
