@@ -277,6 +277,8 @@ def test_clipping_refuses_a_gradient_that_no_sync_left_unaveraged():
     torch.manual_seed(0)
     sdp = SubnetworkDataParallel(Net(), active=1.0)
     x = torch.randn(4, 5)
+    sdp(x).sum().backward()  # an averaged gradient, then a new accumulation starts
+    sdp.zero_grad()
     with sdp.no_sync():
         sdp(x).sum().backward()
     with pytest.raises(ConfigError, match="outside no_sync"):
