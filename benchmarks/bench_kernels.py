@@ -311,9 +311,9 @@ def main() -> None:
                 shapes, specs = build(neuron_level)
                 level = "neuron level (N-SDP)" if neuron_level else "block level (B-SDP)"
                 run_case(f"{name}, {level}", shapes, specs, device, getattr(torch, dtype), measure, not args.no_compile, table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(table, f, indent=1)
+                if args.json:  # after every case, so a run cut short by a time limit keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(table, f, indent=1)
 
 
 if __name__ == "__main__":

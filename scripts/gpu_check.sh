@@ -9,11 +9,12 @@
 #   env          versions, nvidia-smi
 #   kernel_tests tests/kernels on the device: the compiled kernels bit-exact against the
 #                reference, dispatch, and the sm_90/sm_80 codegen contract
-#   bench        benchmarks/bench_kernels.py --quick (bench_kernels.json holds every row)
+#   bench        benchmarks/bench_kernels.py --quick, eager baselines (bench_kernels.json holds every row)
 #   train_MODE   a short `sdp train` of each mode: one process per mode on one device, or one
 #                rank per device (torch's elastic launcher, as torchrun) when there are several
 #   plan         `sdp plan` for the same model, workers, batch and sequence length
 #   memory       memory.md: measured peak per rank of each run against the plan's prediction
+#   bench_compiled  the benchmark's torch.compile baselines (bf16 buffers), in the time left
 # --dry-run runs every step on the CPU (TRITON_INTERPRET=1, CUDA hidden), small and short: it
 # proves the script works without a GPU (tests/kernels/test_gpu_check.py runs it).
 # Exit status: 0 if every step passed, 1 otherwise.
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry_run=1 ;;
         --modes) modes="$2"; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -43,6 +44,7 @@ if [ "$dry_run" = 1 ]; then
     test_args=(tests/kernels/test_dispatch.py)  # the suite runs the rest of tests/kernels on the CPU
     bench_args=(--device cpu --smoke --no-compile --buffer-dtype float32)
     train_args=(--max-data-bytes 200000 --eval-batches 1)
+    train_env=(env TRITON_INTERPRET=0)  # the sync engine on the reference backend: interpreting it is slow
     memory_per_device=8GiB
 else
     device=cuda steps=20 batch=8 seq=64
@@ -50,9 +52,12 @@ else
     test_args=(tests/kernels)
     bench_args=(--device cuda --quick)
     train_args=(--eval-batches 2)
+    train_env=()
     memory_per_device=$("$python" -c "import torch; print(torch.cuda.mem_get_info()[1])")
 fi
 printf 'step\texit\tseconds\n' > "$OUT/steps.tsv"
+SECONDS=0
+budget=470  # seconds: the whole run stays under 8 minutes
 failed=0
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...: output in $OUT/NAME.txt, status in steps.tsv
@@ -81,16 +86,16 @@ environment() {
 export python
 export -f environment
 step env 30 bash -c environment
-step kernel_tests 240 "$python" -m pytest "${test_args[@]}" -q -p no:cacheprovider \
+step kernel_tests 160 "$python" -m pytest "${test_args[@]}" -q -p no:cacheprovider \
     --ignore=tests/kernels/test_gpu_check.py --junitxml="$OUT/kernel_tests.xml"
-step bench 200 "$python" -u benchmarks/bench_kernels.py "${bench_args[@]}" --json "$OUT/bench_kernels.json"
+step bench 90 "$python" -u benchmarks/bench_kernels.py "${bench_args[@]}" --no-compile --json "$OUT/bench_kernels.json"
 for mode in $modes; do
-    step "train_$mode" 90 "$python" -m sdp_train.cli train --mode "$mode" --workers "$workers" --steps "$steps" \
+    step "train_$mode" 40 ${train_env[@]+"${train_env[@]}"} "$python" -m sdp_train.cli train --mode "$mode" --workers "$workers" --steps "$steps" \
         --batch-size "$batch" --seq-len "$seq" --out "$OUT/train/$mode" "${train_args[@]}"
 done
-step plan 60 "$python" -m sdp_train.cli plan --model llama-debug --workers "$workers" --memory-per-device "$memory_per_device" \
+step plan 30 "$python" -m sdp_train.cli plan --model llama-debug --workers "$workers" --memory-per-device "$memory_per_device" \
     --batch-size "$batch" --seq-len "$seq" --json
-step memory 30 "$python" - "$OUT" "$device" << 'EOF'
+step memory 20 "$python" - "$OUT" "$device" << 'EOF'
 """memory.md: each run's measured peak per rank against `sdp plan`'s prediction for its mode and C."""
 import json, sys
 from pathlib import Path
@@ -117,6 +122,14 @@ print("\n".join(lines))
 if missing or len(lines) == 4:
     sys.exit(f"no prediction or no run for: {missing or 'every mode'}")
 EOF
+# Last, in whatever remains of the 8 minutes: the torch.compile baselines (each bucket compiles anew).
+remaining=$(( budget - SECONDS ))
+if [ "$dry_run" = 1 ] || [ "$remaining" -lt 30 ]; then
+    printf 'bench_compiled\tskipped\t0\n' >> "$OUT/steps.tsv"
+else
+    step bench_compiled "$remaining" "$python" -u benchmarks/bench_kernels.py "${bench_args[@]}" --buffer-dtype bfloat16 \
+        --json "$OUT/bench_kernels_compiled.json"
+fi
 echo "== done: $OUT/steps.tsv"
 cat "$OUT/steps.tsv"
 exit "$failed"

@@ -22,8 +22,8 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu_and_writes_results(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     steps = [line.split("\t") for line in (tmp_path / "steps.tsv").read_text().splitlines()[1:]]
-    assert [s[0] for s in steps] == ["env", "kernel_tests", "bench", "train_bsdp", "plan", "memory"]
-    assert all(s[1] == "0" for s in steps), steps
+    assert [s[0] for s in steps] == ["env", "kernel_tests", "bench", "train_bsdp", "plan", "memory", "bench_compiled"]
+    assert all(s[1] == "0" for s in steps[:-1]) and steps[-1][1] == "skipped", steps  # no torch.compile on the dry run
     assert "passed" in (tmp_path / "kernel_tests.txt").read_text()
     rows = json.loads((tmp_path / "bench_kernels.json").read_text())
     assert {r["case"].split(" | ")[1].split()[0] for r in rows} == {"pack", "unpack"}
@@ -39,5 +39,7 @@ def test_gpu_check_refuses_unknown_arguments_and_a_missing_out(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     done = subprocess.run([script, "--fast"], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "unknown argument --fast" in done.stderr
+    done = subprocess.run([script, "--help"], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "--dry-run runs every step on the CPU" in done.stdout and "set -uo" not in done.stdout
     done = subprocess.run([script, "--dry-run"], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "set OUT" in done.stderr
