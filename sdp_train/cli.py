@@ -67,5 +67,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def rank_main() -> None:
+    """Entry point of a rank process that a launcher started (``python -m sdp_train.cli`` under torchrun).
+
+    Once `main` has returned, the run's files are complete (summary.json is written and fsynced
+    last) and nothing is left to do but exit. The process then ends at once, without interpreter
+    shutdown: torch's DTensor caches keep FSDP's process groups referenced, and a gloo thread
+    still running during shutdown aborts the process (``terminate called without an active
+    exception``, SIGABRT), which made about one finished run in six exit as failed.
+    """
+    from sdp_train.dist import under_torchrun
+
+    code = main()
+    if not under_torchrun():
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    rank_main()

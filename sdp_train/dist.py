@@ -10,6 +10,7 @@ module does not decide anything about SDP itself.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Imported here, before any process group exists: importing torch.distributed.tensor while a group
+# exists keeps that group referenced (and its threads running) until the process exits. The
+# helper is torch's own, for debugging; it is the one way to empty DTensor's sharding cache.
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,21 @@ def init_distributed(device: torch.device) -> DistInfo:
 
 
 def destroy_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy every process group so that their threads are joined here, before the process exits.
+
+    A group is only freed (and its gloo threads joined) when nothing references it any more. What
+    a finished run leaves behind still does: reference cycles through modules and hooks, and
+    DTensor's sharding-propagation cache, whose specs hold FSDP's device meshes and so their
+    groups. Both are released first. A group left alive is destroyed during interpreter
+    shutdown instead, where a gloo thread that touches a Python object aborts the process
+    (``terminate called without an active exception``) after the run has finished.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    _clear_sharding_prop_cache()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def print0(*args, **kwargs) -> None:

@@ -1,0 +1,75 @@
+"""A finished run leaves no process group, hook or thread behind (the abort-at-exit defect).
+
+Before this test, about one finished run in six exited with SIGABRT after writing summary.json
+(``terminate called without an active exception``): the runs' process groups were never freed,
+because hooks registered in C++ (the sync engine's gradient hooks, DDP's comm hook) held the
+objects that held them, and the groups' gloo threads were still running when the interpreter
+shut down. The check here is deterministic: after `train` returns, no gloo thread is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.conftest import ROOT, torchrun
+
+COMMON = {"model": "llama-debug", "steps": 2, "batch_size": 2, "seq_len": 16, "eval_batches": 1,
+          "max_data_bytes": 100000, "memory_steps": 1, "checkpoint_every": 2}
+# FSDP modes are not here: torch's DTensor caches (sharding propagation, redistribute plans) keep
+# FSDP's device meshes, and so their groups, referenced after the run. For them, and for any
+# group a user's code keeps, the `sdp` rank process ends without interpreter shutdown
+# (`sdp_train.cli.rank_main`), which the launches below exercise.
+CONFIGS = [
+    {"mode": "ddp"},
+    {"mode": "bsdp", "active": 0.5},
+    {"mode": "nsdp", "active": 0.5},
+    {"mode": "bbsdp", "active": 0.5},
+]
+
+
+@pytest.mark.slow
+def test_no_process_group_or_gloo_thread_outlives_a_finished_run_in_any_mode(tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"configs": [{**COMMON, **c} for c in CONFIGS]}))
+    script = str(Path(__file__).with_name("teardown_script.py"))
+    torchrun(3, [script, str(spec), str(tmp_path)])
+    left = []
+    for rank in range(3):
+        for entry in json.loads((tmp_path / f"threads_rank{rank}.json").read_text()):
+            gloo = [t for t in entry["threads"] if "gloo" in t]
+            if entry["initialized"] or gloo:
+                left.append(f"rank {rank} {entry['config']}: initialized={entry['initialized']}, gloo threads {gloo}")
+    assert not left, "process groups outlived train():\n" + "\n".join(left)
+
+
+LAUNCHES = [  # (ranks, mode flags): FSDP, whose groups torch keeps referenced after the run
+    (4, ["--mode", "fsdp", "--ac"]),
+    (4, ["--mode", "bsdp", "--active", "0.5", "--fsdp"]),
+]
+
+
+@pytest.mark.slow
+def test_finished_runs_exit_zero_in_every_launch_including_fsdp(tmp_path):
+    """Repeated real `sdp train` launches: every one exits 0 with its summary written.
+
+    Before the fix about one run in six (4 ranks) aborted after "done". Two launches catch that
+    rate with probability 1 - (5/6)**2 ~ 0.31 per CI run only; the deterministic check above
+    guards the non-FSDP modes on every run, and these launches that FSDP's ranks exit cleanly.
+    """
+    for i, (ranks, flags) in enumerate(LAUNCHES):
+        out = tmp_path / f"run{i}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "sdp_train.cli", "train", "--model", "llama-debug", *flags, "--workers",
+             str(ranks), "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+             "--max-data-bytes", "100000", "--memory-steps", "0", "--out", str(out)],
+            capture_output=True, text=True, timeout=300, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"})
+        assert proc.returncode == 0, f"launch {i} {flags}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
+        assert "terminate called" not in proc.stderr, proc.stderr[-6000:]
+        assert (out / "summary.json").is_file()
