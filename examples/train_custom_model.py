@@ -57,10 +57,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default="sdp-custom-out")
     args = parser.parse_args()
-    if "RANK" in os.environ:
+    if "RANK" in os.environ:  # under torchrun; without it, one process trains alone
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        train(args, dist.get_rank() if dist.is_initialized() else 0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
+
+def train(args: argparse.Namespace, rank: int) -> None:
     torch.manual_seed(0)
     model = SubnetworkDataParallel(Classifier(), active=0.5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -89,8 +95,6 @@ def main() -> None:
         x, y = next(batches(rank=99, batch_size=512))
         accuracy = (full(x).argmax(-1) == y).float().mean().item()
         print(f"full model reloaded: validation accuracy {accuracy:.3f}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -35,10 +35,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default="sdp-llama-out")
     args = parser.parse_args()
-    if "RANK" in os.environ:
+    if "RANK" in os.environ:  # under torchrun; without it, one process trains alone
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        train(args, dist.get_rank() if dist.is_initialized() else 0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
+
+def train(args: argparse.Namespace, rank: int) -> None:
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
@@ -64,8 +70,6 @@ def main() -> None:
         ids = next(byte_batches(rank=99, batch_size=8, seq_len=64))
         with torch.no_grad():
             print(f"full model reloaded: validation loss {full(input_ids=ids, labels=ids).loss.item():.4f}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
