@@ -323,6 +323,10 @@ def _materialise(module: nn.Module, device, init, has_init_state: bool) -> torch
         if init is None and not has_init_state:
             raise ConfigError("the model is on the meta device: pass init_state= (a full state dict) or init= "
                               "(a function that initialises its parameters and buffers)")
+        unsaved = sorted(set(dict(module.named_buffers())) - set(module.state_dict()))
+        if init is None and unsaved:  # e.g. Hugging Face's rotary inv_freq: no state dict carries them
+            raise ConfigError(f"the meta-device model has non-persistent buffers {unsaved[:3]} that init_state= "
+                              "cannot fill: pass init= to compute them, or build the model on a real device")
         module.to_empty(device=device)
         if init is not None:
             init(module)

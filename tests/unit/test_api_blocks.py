@@ -287,3 +287,11 @@ def test_clipping_refuses_a_gradient_that_no_sync_left_unaveraged():
     total = torch.sqrt(sum(p.grad.pow(2).sum() for p in sdp.parameters()))
     torch.testing.assert_close(sdp.clip_grad_norm_(1e-3), total)
     assert torch.sqrt(sum(p.grad.pow(2).sum() for p in sdp.parameters())) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_meta_device_model_with_non_persistent_buffers_needs_an_init_function():
+    full = llama()
+    with torch.device("meta"):
+        model = llama()
+    with pytest.raises(ConfigError, match=r"non-persistent buffers \['model.rotary_emb.inv_freq'"):
+        SubnetworkDataParallel(model, active=1.0, init_state=full.state_dict())
