@@ -360,3 +360,45 @@ class ParamBroadcaster:
     def comm_bytes(self) -> int:
         """Buffer bytes of every broadcast so far (``self.bytes.wire``: on the wire)."""
         return self.bytes.buffer
+
+
+class BufferAverager:
+    """Average every floating-point buffer slice (BatchNorm running statistics) among its holders.
+
+    Parameters are averaged through their gradients, so holders stay bit-identical; buffers are
+    updated by each holder's own forward passes and would drift apart (the assembled model would
+    take one holder's statistics). `average` makes every holder's copy the holders' mean, one
+    ``all_reduce`` per bucket in the global plan order; `Run` calls it after every step, so
+    evaluation and checkpoints see averaged statistics. Integer buffers (``num_batches_tracked``)
+    are equal among holders already and are left alone.
+
+    Parameters
+    ----------
+    model : nn.Module
+        This rank's model.
+    plans : sequence of BucketPlan
+        `plan_buckets` over the model's floating-point buffer names, identical on every rank.
+    local_index : mapping
+        This rank's ``model.full_index()``.
+    groups : mapping
+        From `create_groups`, covering these plans' holder sets.
+    rank : int
+    """
+
+    def __init__(self, model: nn.Module, plans: Sequence[BucketPlan], local_index: Mapping[str, SliceSpec],
+                 groups: Mapping[tuple[int, ...], dist.ProcessGroup | None], rank: int, *,
+                 backend: str = "auto") -> None:
+        buffers = dict(model.named_buffers())
+        self.backend = backend
+        self.bytes = ByteCount()
+        self.buckets = [_Bucket(p, buffers, local_index, groups[p.holders], next(iter(buffers.values())).device)
+                        for p in plans if rank in p.holders and len(p.holders) > 1]
+
+    @torch.no_grad()
+    def average(self) -> None:
+        for bucket in self.buckets:
+            kernels.pack(bucket.params, bucket.layout, bucket.buffer, scale=bucket.layout.inverse_coverage,
+                         backend=self.backend)
+            dist.all_reduce(bucket.buffer, group=bucket.group)
+            self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(), len(bucket.plan.holders))
+            kernels.unpack(bucket.buffer, bucket.params, bucket.layout, mode="copy", backend=self.backend)

@@ -6,7 +6,9 @@ Runs as one process or under torchrun (one rank per worker). ``ddp`` wraps the f
 `SyncEngine` (or, with ``fsdp=True``, shard each block among its holders); ``bbsdp`` keeps the
 full model, trains only held blocks and broadcasts their new values after each step. Activation
 checkpointing and FSDP are applied by `sdp_train.parallelize`. Validation always
-uses the full assembled model, which only rank 0 builds (`Run.full_state`). Everything a run needs is checked by `prepare` before any
+uses the full assembled model, which only rank 0 builds (`Run.full_state`). Under SDP, BatchNorm
+running statistics are averaged among each block's (channel's) holders after every step
+(`sdp_train.sync.BufferAverager`), so evaluation and checkpoints see the holders' mean. Everything a run needs is checked by `prepare` before any
 process group exists.
 """
 
@@ -39,7 +41,7 @@ from sdp_train.models import ModelConfig, block_map, build_model, get_model_conf
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.parallelize import parallelize
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
-from sdp_train.sync import ParamBroadcaster, SyncEngine, create_groups, plan_buckets
+from sdp_train.sync import BufferAverager, ParamBroadcaster, SyncEngine, create_groups, plan_buckets
 from sdp_train.wire import ByteCount
 
 
@@ -191,6 +193,7 @@ class Run:
         self.mask = prep.mask
         self.engine: SyncEngine | None = None
         self.broadcaster: ParamBroadcaster | None = None
+        self.buffer_averager: BufferAverager | None = None  # BatchNorm statistics among their holders
         self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
         self.param_names = [n for n in block_map(mc).shapes if n in block_map(mc).parameter_names]
         if self.uses_fsdp and not dist.is_initialized():
@@ -220,13 +223,18 @@ class Run:
                 block_meshes = holder_meshes(prep.mask, block_map(mc).block_names("block"), info.rank, device.type)
             parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
                         block_meshes=block_meshes, root_mesh=world_mesh)
+            shapes = block_map(mc).shapes
+            plans = [] if cfg.fsdp else plan_buckets(self.held_by_rank, self.param_names, shapes=shapes)
+            buffer_plans = plan_buckets(self.held_by_rank, _float_buffer_names(mc), shapes=shapes)
+            groups = (create_groups(plans + buffer_plans, info.world_size) if info.world_size > 1
+                      else {p.holders: None for p in plans + buffer_plans})
             if not cfg.fsdp:  # with FSDP, each block's reduce-scatter over its holders is the average
-                plans = plan_buckets(self.held_by_rank, self.param_names, shapes=block_map(mc).shapes)
-                groups = (create_groups(plans, info.world_size) if info.world_size > 1
-                          else {p.holders: None for p in plans})
                 self.engine = SyncEngine(self.model, plans, self.model.full_index(), groups, info.rank)
                 if cfg.mode == "bbsdp" and info.world_size > 1:
                     self.broadcaster = ParamBroadcaster(self.model, plans, info.world_size)
+            if buffer_plans and info.world_size > 1:
+                self.buffer_averager = BufferAverager(self.model, buffer_plans, self.model.full_index(), groups,
+                                                      info.rank)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
@@ -280,7 +288,7 @@ class Run:
         """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.wire`)."""
         total = ByteCount()
         total += self.run_bytes
-        for counter in (self.engine, self.broadcaster):
+        for counter in (self.engine, self.broadcaster, self.buffer_averager):
             if counter is not None:
                 total += counter.bytes
         return total
@@ -326,6 +334,8 @@ class Run:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             sq_norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if self.info.rank == 0 \
                 else torch.zeros((), device=self.device)
+        if self.buffer_averager is not None:  # every step, so evaluation and checkpoints see the holders' mean
+            self.buffer_averager.average()
         stats = torch.stack([loss.detach().float(), sq_norm.float()])
         if self.info.world_size > 1:
             dist.all_reduce(stats)
@@ -490,3 +500,10 @@ def owned_slices(name: str, local: SliceSpec, held_by_rank, rank: int
     if dim is None:
         return None, (), ()
     return dim, full_positions, local.local_positions(full_positions)
+
+
+def _float_buffer_names(config: ModelConfig) -> list[str]:
+    """The full model's floating-point buffers (BatchNorm running statistics), in state-dict order."""
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    return [name for name, b in model.named_buffers() if b.is_floating_point()]

@@ -53,7 +53,8 @@ def steps_case(spec: dict, info, device, out: Path) -> None:
     """`spec["steps"]` optimizer steps of each case; every rank saves its full state dict after them."""
     for i, case in enumerate(spec["cases"]):
         cfg = TrainConfig(model=case["model"], mode=case["mode"], workers=info.world_size, batch_size=2,
-                          seq_len=16, active=None, mask=case["mask"], out=str(out), warmup_steps=1)
+                          seq_len=16, active=None, mask=case["mask"], out=str(out), warmup_steps=1,
+                          model_overrides=case.get("model_overrides", {}))
         prep = prepare(cfg)
         run = Run(prep, info, device)
         initial = {n: t.clone() for n, t in run.model.state_dict().items()}
