@@ -40,7 +40,8 @@ def _split_specs(draw, i: int, shape: tuple[int, ...]) -> list[SegmentSpec]:
     if draw(st.booleans()):  # scattered: gathers
         held = draw(st.permutations(range(extent)))[: draw(st.integers(0, extent))]
     else:  # a few ranges of consecutive indices: runs, merged rows, long column runs
-        cuts = sorted(draw(st.lists(st.integers(0, extent), max_size=4)))
+        cut = st.one_of(st.integers(0, extent), st.integers(0, extent // 8).map(lambda i: 8 * i))  # aligned runs too
+        cuts = sorted(draw(st.lists(cut, max_size=4)))
         held = [i for a, b in zip(cuts[::2], cuts[1::2]) for i in range(a, b)]
     cut = draw(st.integers(0, len(held)))
     # Two segments of one tensor with their own coverage: slices of one weight held by different
