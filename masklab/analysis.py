@@ -1,4 +1,4 @@
-"""Analysis of a `Mask` (DESIGN.md §3): coverage, masking error, variance inflation, the worker
+"""Analysis of a `Mask` (docs/design.md §3): coverage, masking error, variance inflation, the worker
 mixing graph and its spectral gap, the block co-training graph, and the optimality certificate.
 
 For a schedule every quantity is the exact expectation over the schedule (the average over all K

@@ -1,7 +1,7 @@
 """Mask constructions: DDP, cyclic windows, random balanced masks and exact 2-designs.
 
 A balanced mask gives every block the same coverage c. Its spectral gap reaches the trace bound
-(c - 1)/(K - 1) exactly when every pair of workers shares the same number of blocks (DESIGN.md §3),
+(c - 1)/(K - 1) exactly when every pair of workers shares the same number of blocks (docs/design.md §3),
 i.e. when the rows are the points of a 2-design whose blocks are the columns. Projective planes
 PG(2, q), affine planes AG(2, q) (workers = points, blocks = lines) and cyclic difference sets give
 such designs. This module builds masks for fixed parameters; choosing the construction that fits

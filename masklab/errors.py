@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class MaskError(ValueError):
-    """A mask (matrix, schedule, names, sizes) violates a rule of DESIGN.md §2."""
+    """A mask (matrix, schedule, names, sizes) violates a rule of docs/design.md §2."""
 
 
 class MaskFileError(MaskError):

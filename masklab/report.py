@@ -1,4 +1,4 @@
-"""The certificate of a mask: every quantity of DESIGN.md §3 in one record, as JSON or a table.
+"""The certificate of a mask: every quantity of docs/design.md §3 in one record, as JSON or a table.
 
 The key names of `MaskReport.to_dict` are an output contract used by other tools (``sdp inspect
 --json``, ``sdp design --json``); add keys, never rename them.

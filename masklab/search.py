@@ -3,7 +3,7 @@
 For a balanced mask (every block held by c workers) the mixing-graph weights are
 a_kl = O_kl / (B c), with O = M M^T the pair overlaps, and the sum of the off-diagonal overlaps is
 fixed at B c (c - 1). The gap reaches its trace bound exactly when all overlaps are equal
-(DESIGN.md §3), so the search minimises the sum of squared overlaps, which pulls them together; the
+(docs/design.md §3), so the search minimises the sum of squared overlaps, which pulls them together; the
 spectral gap itself is computed only for the starting point and the result, and the better of the
 two is returned. Moves swap two blocks between two workers (k gives up i and takes j, l the
 reverse), which keeps every row sum and every coverage. This module does not pick constructions

@@ -1,6 +1,6 @@
 """One worker's subnetwork, built from its row of the mask matrix.
 
-Forward masking (DESIGN.md §2): at level ``"block"`` (B-SDP) the worker's model contains only the
+Forward masking (docs/design.md §2): at level ``"block"`` (B-SDP) the worker's model contains only the
 held transformer blocks / identity BasicBlocks, the rest are never allocated and are skipped in
 the forward pass; at level ``"neuron"`` (N-SDP) each MLP (each maskable BasicBlock's inner conv)
 is physically sliced to the held neuron (channel) groups. State-dict names are always the full

@@ -1,4 +1,4 @@
-"""Simulators that run SDP exactly as DESIGN.md §3-4 describes, on a `theory.problems.Problem`.
+"""Simulators that run SDP exactly as docs/design.md §3-4 describes, on a `theory.problems.Problem`.
 
 `simulate` runs K workers with stepwise averaging (H = 1) or H local steps between averagings; each
 worker updates only its held blocks, each block is averaged over its holders (w_j = M[:, j]/c_j)

@@ -32,7 +32,7 @@ _SHOWN = 10  # offending blocks listed in a message before "... and N more"
 def assert_valid_mask(mask: Any) -> Mask:
     """Assert that `mask` (a `Mask` or a K x B array) is a valid mask and return it as a `Mask`.
 
-    Valid (DESIGN.md §2): 2-D, entries 0/1, every block held by some worker, every worker holding
+    Valid (docs/design.md §2): 2-D, entries 0/1, every block held by some worker, every worker holding
     some block.
 
     >>> assert_valid_mask([[1, 0], [0, 1]]).coverage.tolist()

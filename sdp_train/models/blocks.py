@@ -1,6 +1,6 @@
 """Maskable blocks of a model: which full-model tensors (or rows/columns of them) each block owns.
 
-A *block* (DESIGN.md §2) is the unit a mask column switches on or off. At block level (B-SDP) it
+A *block* (docs/design.md §2) is the unit a mask column switches on or off. At block level (B-SDP) it
 is a whole transformer block or identity-shortcut BasicBlock and owns whole tensors; at neuron
 level (N-SDP) it is a group of MLP hidden neurons / inner conv channels and owns index sets along
 one dimension of a few tensors. Everything no block owns is *shared*. The same `SliceSpec` also

@@ -1,4 +1,4 @@
-"""Invariants of masklab.analysis (DESIGN.md §3), checked against independent computations."""
+"""Invariants of masklab.analysis (docs/design.md §3), checked against independent computations."""
 
 from __future__ import annotations
 
