@@ -141,7 +141,8 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
     _write_atomic(out / "summary.json", json.dumps(summary, indent=1))
     final = summary["final_train_loss"]
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
-           f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB sent per step per rank, peak memory "
+           f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB of collective buffers per step per rank "
+           f"({(summary['wire_bytes_per_step'] or 0) / 1e6:.3f} MB sent, ring model), peak memory "
            f"{format_bytes(max(p.get('total', 0) for p in summary['peak_memory_bytes']))} on the largest rank"
            f"{f', {len(skipped)} step(s) skipped (non-finite)' if skipped else ''} -> {out}")
     return summary
