@@ -133,11 +133,37 @@ def simulate(
 
 @dataclass(frozen=True, eq=False)
 class ConsensusResult:
-    """What `simulate_consensus` measured: Xi per seed and round, and each seed's starting Xi_j."""
+    """What `simulate_consensus` measured.
 
-    deviation: np.ndarray  # (S, rounds + 1)
-    initial: np.ndarray  # (S, B)
-    grad_sq_seen: np.ndarray  # (B,)
+    Attributes
+    ----------
+    deviation : ndarray of shape (S, rounds + 1)
+        Xi at the start of every round (and after the last).
+    initial : ndarray of shape (S, B)
+        Each seed's starting Xi_j.
+    grad_sq_seen : ndarray of shape (B,)
+        Largest worker block-gradient second moment at a held block at any local point (A6).
+    mean_grad_norm_sq : ndarray of shape (S, rounds)
+        ||grad f(xbar_r)||^2 at the mean of the copies at the start of each round (Theorem 6).
+    zeta_sq_seen : ndarray of shape (B,)
+        Largest heterogeneity (A3) at any visited mean xbar_r.
+    """
+
+    deviation: np.ndarray
+    initial: np.ndarray
+    grad_sq_seen: np.ndarray
+    mean_grad_norm_sq: np.ndarray
+    zeta_sq_seen: np.ndarray
+
+    @property
+    def measured(self) -> float:
+        """The estimate of (1/R) sum_r E||grad f(xbar_r)||^2: mean over rounds and seeds."""
+        return float(self.mean_grad_norm_sq.mean())
+
+    @property
+    def stderr(self) -> float:
+        per_seed = self.mean_grad_norm_sq.mean(axis=1)
+        return float(per_seed.std(ddof=1) / np.sqrt(per_seed.size))
 
 
 def simulate_consensus(
@@ -154,6 +180,7 @@ def simulate_consensus(
     """Overlap averaging: local steps on held blocks, then each block averaged among its holders only.
 
     Worker copies start at x_0 plus independent N(0, initial_spread^2) offsets per coordinate.
+    Backward masking: each worker's gradient is taken at its own full copy.
 
     >>> from masklab.mask import Schedule
     >>> from theory.problems import make_quadratic
@@ -182,7 +209,15 @@ def simulate_consensus(
 
     initial = per_block_deviation(copies)
     deviation[:, 0] = initial.sum(axis=1)
+    mean_grad = np.empty((seeds, rounds))
+    zeta_seen = np.zeros(mask.blocks)
     for r in range(rounds):
+        at_mean = problem.worker_grads(np.broadcast_to(copies.mean(axis=1, keepdims=True), copies.shape))
+        full = at_mean.mean(axis=1)
+        mean_grad[:, r] = np.einsum("sd,sd->s", full, full)
+        spread = at_mean - full[:, None, :]
+        het = np.add.reduceat(np.einsum("skd,skd->sd", spread, spread) / k, starts, axis=1)
+        zeta_seen = np.maximum(zeta_seen, het.max(axis=0))
         held_blocks = _round_masks(mask, r * h, schedule_seeds)
         held = np.repeat(held_blocks, sizes, axis=2)
         for _ in range(h if eta > 0 else 0):
@@ -194,7 +229,7 @@ def simulate_consensus(
         holder_mean = np.einsum("skd,skd->sd", held, copies) * inv_c
         copies = np.where(held > 0, holder_mean[:, None, :], copies)
         deviation[:, r + 1] = per_block_deviation(copies).sum(axis=1)
-    return ConsensusResult(deviation, initial, grad_seen)
+    return ConsensusResult(deviation, initial, grad_seen, mean_grad, zeta_seen)
 
 
 def _round_masks(mask: Mask, step: int, schedule_seeds: list[int]) -> np.ndarray:
