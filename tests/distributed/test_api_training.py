@@ -1,8 +1,10 @@
 """SubnetworkDataParallel on real gloo ranks, for models the project did not write.
 
 One torchrun launch (2 ranks) trains, through the public API only, (a) a small custom module
-defined here and (b) a Hugging Face ``LlamaForCausalLM`` from a tiny ``LlamaConfig``, each with
-B-SDP and N-SDP, plus a complete mask next to torch DDP; the ranks save what they hold. The tests
+defined here, (b) a Hugging Face ``LlamaForCausalLM`` from a tiny ``LlamaConfig`` and (c) a
+Swin-style model defined here (shifted window attention, patch merging; its blocks span two
+stages), each with B-SDP and N-SDP, plus a complete mask next to torch DDP; the custom module also
+with backward masking and with activation checkpointing plus FSDP2. The ranks save what they hold. The tests
 compare it with a single-process reference built only from the mask: the full model, every
 worker's part removed by forward hooks (a skipped block; zeroed hidden neurons), each gradient
 entry averaged over the workers that hold it, and the same AdamW and LR schedule.
@@ -29,7 +31,9 @@ BLOCK_MASK = np.array([[1, 1, 0, 1], [0, 1, 1, 1]])  # holder sets {0}, {0,1}, {
 NEURON_MASK = np.array([[1, 1, 1, 0, 0, 1, 1, 1],  # worker 0 holds blocks 0 and 3 whole
                         [0, 1, 1, 1, 1, 0, 1, 0]])  # (block, group) columns; single holders too
 MASKS = {"block": BLOCK_MASK, "neuron": NEURON_MASK, "backward": BLOCK_MASK}
-KINDS = ("custom", "llama")
+KINDS = ("custom", "llama", "swin")
+BLOCKS = {"custom": "layers.*", "llama": "model.layers.*", "swin": "stages.*.blocks.*"}
+"""The blocks of each model; Swin's span two stages, so it is named by a pattern."""
 OPTIONS = {"neuron": {"level": "neuron"}, "backward": {"masking": "backward"},
            "block_fsdp": {"fsdp": True, "activation_checkpointing": True}}
 """Keyword arguments of each run besides the mask; its mask is MASKS[run name up to "_"]."""
@@ -62,6 +66,77 @@ class TinyNet(nn.Module):
         return self.head(h)
 
 
+class WindowAttention(nn.Module):
+    """Multi-head self-attention inside non-overlapping w x w windows, optionally cyclically shifted."""
+
+    def __init__(self, dim: int, heads: int, window: int, shift: int) -> None:
+        super().__init__()
+        # no qkv bias: the key bias's true gradient is 0, and AdamW would turn its rounding noise
+        # into full-size steps of either sign, in the reference and the run alike
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.heads, self.window, self.shift = heads, window, shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, H, W, C)
+        b, h, w_, c = x.shape
+        w = self.window
+        x = torch.roll(x, (-self.shift, -self.shift), (1, 2))
+        windows = x.view(b, h // w, w, w_ // w, w, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, c)
+        q, k, v = self.qkv(windows).view(-1, w * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, w * w, c)
+        out = self.proj(out).view(b, h // w, w_ // w, w, w, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w_, c)
+        return torch.roll(out, (self.shift, self.shift), (1, 2))
+
+
+class SwinBlock(nn.Module):
+    def __init__(self, dim: int, shift: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), WindowAttention(dim, 2, 2, shift)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Stage(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SwinBlock(dim, 0), SwinBlock(dim, 1)])
+
+
+class PatchMerging(nn.Module):
+    """2 x 2 neighbouring tokens -> one token of twice the width (halves H and W)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm, self.reduce = nn.LayerNorm(4 * dim), nn.Linear(4 * dim, 2 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
+        return self.reduce(self.norm(x))
+
+
+class TinySwin(nn.Module):
+    """Swin-style: patch embedding, two stages of (shifted) window-attention blocks, patch merging."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(1, 16, 2, stride=2)
+        self.stages = nn.ModuleList([Stage(16), Stage(32)])
+        self.merge = PatchMerging(16)
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 1, 8, 8) -> logits (B, 3)
+        h = self.patch(x).permute(0, 2, 3, 1)
+        for i, stage in enumerate(self.stages):
+            for block in stage.blocks:
+                h = block(h)
+            if i == 0:
+                h = self.merge(h)
+        return self.head(self.norm(h).mean(dim=(1, 2)))
+
+
 def llama_config():
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
@@ -73,6 +148,8 @@ def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "custom":
         return TinyNet()
+    if kind == "swin":
+        return TinySwin()
     from transformers import LlamaForCausalLM
     return LlamaForCausalLM(llama_config())
 
@@ -81,12 +158,14 @@ def batch(kind: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor,
     g = torch.Generator().manual_seed(1000 * step + rank)
     if kind == "custom":
         return torch.randn(size, 6, generator=g), torch.randint(0, 3, (size,), generator=g)
+    if kind == "swin":
+        return torch.randn(size, 1, 8, 8, generator=g), torch.randint(0, 3, (size,), generator=g)
     ids = torch.randint(0, 32, (size // 2, 12), generator=g)
     return ids, ids
 
 
 def loss_of(kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    if kind == "custom":
+    if kind != "llama":
         return F.cross_entropy(model(inputs), targets)
     return model(input_ids=inputs, labels=targets).loss
 
@@ -103,20 +182,27 @@ def val_loss(kind: str, model: nn.Module) -> float:
 
 # -- the single-process reference ---------------------------------------------------------------
 def mlp_inputs(kind: str, block: nn.Module) -> list[nn.Linear]:
-    return [block.mlp[0]] if kind == "custom" else [block.mlp.gate_proj, block.mlp.up_proj]
+    return [block.mlp[0]] if kind != "llama" else [block.mlp.gate_proj, block.mlp.up_proj]
 
 
 def mlp_params(kind: str, block_name: str) -> dict[str, int]:
     """Full-model tensor -> its hidden-neuron dimension, for one block's MLP."""
-    if kind == "custom":
+    if kind != "llama":
         return {f"{block_name}.mlp.0.weight": 0, f"{block_name}.mlp.0.bias": 0, f"{block_name}.mlp.2.weight": 1}
     return {f"{block_name}.mlp.{p}.weight": d for p, d in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))}
 
 
 def blocks_of(kind: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    if kind == "swin":
+        return [(f"stages.{i}.blocks.{j}", b) for i, s in enumerate(model.stages) for j, b in enumerate(s.blocks)]
     layers = model.layers if kind == "custom" else model.model.layers
     prefix = "layers" if kind == "custom" else "model.layers"
     return [(f"{prefix}.{i}", b) for i, b in enumerate(layers)]
+
+
+def block_names(kind: str) -> list[str]:
+    with torch.device("meta"):
+        return [name for name, _ in blocks_of(kind, make_model(kind))]
 
 
 def neuron_holding(matrix: np.ndarray, j: int, hidden: int) -> np.ndarray:
@@ -201,7 +287,8 @@ def train_ranks(kind: str, level: str | None, out: Path, rank: int) -> None:
         wrapped, module = nn.parallel.DistributedDataParallel(model), model
     else:
         matrix = np.ones((K, 4), dtype=int) if level == "complete" else MASKS[level.split("_")[0]]
-        wrapped = SubnetworkDataParallel(model, mask=Mask(matrix), neuron_groups=GROUPS, **OPTIONS.get(level, {}))
+        wrapped = SubnetworkDataParallel(model, mask=Mask(matrix), blocks=BLOCKS[kind], neuron_groups=GROUPS,
+                                         **OPTIONS.get(level, {}))
         module = wrapped.module
     opt, schedule = optimizer_for(wrapped.parameters())
     if level == "backward":
@@ -320,7 +407,8 @@ def _common(a: dict, b: dict, name: str, ta: torch.Tensor, tb: torch.Tensor):
     return pick(ta, where_a), pick(tb, where_b)
 
 
-RUNS = [("custom", "block"), ("custom", "neuron"), ("custom", "backward"), ("llama", "block"), ("llama", "neuron")]
+RUNS = [("custom", "block"), ("custom", "neuron"), ("custom", "backward"), ("llama", "block"), ("llama", "neuron"),
+        ("swin", "block"), ("swin", "neuron")]
 
 
 @pytest.mark.parametrize(("kind", "level"), RUNS)
@@ -341,8 +429,8 @@ def test_averaged_gradient_is_the_holder_average_and_training_matches_the_refere
     ranks = _load(ranks_out, f"{kind}_{level}")
     ref = reference_run(kind, level)
     for r, saved in enumerate(ranks):
-        dropped = ["layers.%d." % j if kind == "custom" else "model.layers.%d." % j
-                   for j in np.flatnonzero(BLOCK_MASK[r] == 0)] if level != "neuron" else []
+        dropped = [] if level == "neuron" else [f"{n}." for j, n in enumerate(block_names(kind))
+                                                if not BLOCK_MASK[r, j]]
         assert set(saved["grads"]) == {n for n in saved["index"] if n in ref["grads"]
                                        and not any(n.startswith(d) for d in dropped)}
         for name, grad in saved["grads"].items():
@@ -418,7 +506,7 @@ def test_bf16_buffers_halve_the_bytes_and_keep_fp32_gradients(ranks_out):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_worker_model_has_no_tensor_of_its_dropped_blocks(ranks_out, kind):
-    prefix = "layers" if kind == "custom" else "model.layers"
+    names = block_names(kind)
     for r, saved in enumerate(_load(ranks_out, f"{kind}_block")):
-        held = {j for j in range(4) if any(n.startswith(f"{prefix}.{j}.") for n in saved["state"])}
+        held = {j for j in range(4) if any(n.startswith(f"{names[j]}.") for n in saved["state"])}
         assert held == set(np.flatnonzero(BLOCK_MASK[r]).tolist()), r
