@@ -8,6 +8,7 @@ tensors and their full-model index) for the test to compare with a single-proces
 ``steps``: a few optimizer steps of each (model, mode, mask) case; every rank saves its state dict.
 ``fsdp_bytes``: a few FSDP steps, saving each step's buffer and wire bytes and intercepted ops.
 ``eval_memory``: one step of each config in SPEC, then the validation under the memory tracker.
+``overlap``: one backward per case, logging the order of gradient events and all_reduce launches.
 ``train``: the training loop for each config in SPEC, one after another in one process group.
 """
 
@@ -136,6 +137,35 @@ def eval_memory_case(spec: dict, info, device, out: Path) -> None:
         (out / f"eval{i}_rank{info.rank}.json").write_text(json.dumps({"peak": tracker.peak, "val_loss": val_loss}))
 
 
+def overlap_case(spec: dict, info, device, out: Path) -> None:
+    """One backward of each case, logging in order every gradient the engine sees and every all_reduce it launches."""
+    from sdp_train import sync
+
+    events: list[str] = []
+    on_grad, all_reduce = sync.SyncEngine._on_grad, sync.dist.all_reduce
+
+    def logged_on_grad(self, param):
+        events.append("grad")
+        return on_grad(self, param)
+
+    def logged_all_reduce(tensor, *args, **kwargs):
+        events.append("launch")
+        return all_reduce(tensor, *args, **kwargs)
+
+    sync.SyncEngine._on_grad, sync.dist.all_reduce = logged_on_grad, logged_all_reduce
+    for i, case in enumerate(spec["cases"]):
+        prep = prepare(TrainConfig(model="llama-debug", mode=case["mode"], workers=info.world_size, batch_size=2,
+                                   seq_len=16, active=0.5, out=str(out)))
+        run = Run(prep, info, device)
+        inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
+                                             world_size=info.world_size))
+        events.clear()
+        loss_fn(run.train_model(inputs), targets).backward()
+        backward_events = list(events)
+        run.engine.finish()
+        (out / f"overlap{i}_rank{info.rank}.json").write_text(json.dumps(backward_events))
+
+
 def train_case(spec: dict, info, device, out: Path) -> None:
     for cfg_dict in spec["configs"]:
         _train(prepare(TrainConfig(**cfg_dict)), info, device)
@@ -150,7 +180,7 @@ def main() -> None:
     info = init_distributed(device)
     try:
         {"grads": grads_case, "steps": steps_case, "fsdp_bytes": fsdp_bytes_case,
-         "eval_memory": eval_memory_case, "train": train_case}[case](spec, info, device, out)
+         "eval_memory": eval_memory_case, "overlap": overlap_case, "train": train_case}[case](spec, info, device, out)
     finally:
         destroy_distributed()
 

@@ -1,6 +1,7 @@
-"""N-SDP with a hand-written mask where one worker holds every neuron group of a layer and the
-others only some: that worker's MLP tensors of the layer are whole, the others' sliced. Training
-and the final validation (full-model assembly) must run on real gloo ranks."""
+"""N-SDP on real gloo ranks: a hand-written mask where one worker holds every neuron group of a
+layer and the others only some (that worker's MLP tensors of the layer are whole, the others'
+sliced) trains and validates; and on designed masks the sync engine's first all_reduce starts
+while backward still runs."""
 
 from __future__ import annotations
 
@@ -26,3 +27,15 @@ def test_nsdp_trains_and_validates_when_one_worker_holds_a_whole_layer(tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert np.isfinite(summary["final_val_loss"]) and summary["final_val_loss"] > 0
     assert summary["mask"]["rows"] == ["".join(map(str, row)) for row in mask.tolist()]
+
+
+@pytest.mark.parametrize("modes", [["nsdp", "bsdp"]])
+def test_first_holder_collective_starts_while_backward_still_produces_gradients(tmp_path, modes):
+    """Real gloo ranks, designed masks: on every rank some all_reduce is launched inside backward,
+    before the engine has seen the last gradient (communication overlaps backward)."""
+    run_rank_script(2, "overlap", {"cases": [{"mode": m} for m in modes]}, tmp_path)
+    for i, mode in enumerate(modes):
+        for r in range(2):
+            events = json.loads((tmp_path / f"overlap{i}_rank{r}.json").read_text())
+            last_grad = len(events) - 1 - events[::-1].index("grad")
+            assert "launch" in events and events.index("launch") < last_grad, (mode, r, events)
