@@ -25,16 +25,26 @@ _DENSE_MATMUL_MAX = 1 << 24  # K*B entries up to which M @ M.T goes through dens
 _METHODS = ("auto", "dense", "sparse")
 
 
-def block_masking_errors(mask: Mask) -> np.ndarray:
-    """eps_j = sqrt(K) * ||E[w_j] - u||_2 per block, shape (B,).
+def redrawn_every_update(mask: Mask) -> bool:
+    """Whether the mask is redrawn independently of the iterate at every step (``permute``, every 1).
 
-    Static: eps_j^2 = K / c_j - 1. ``permute`` and ``cyclic`` schedules average every worker over
-    every row, so E[w_j] = u and eps_j = 0.
+    Only then is the mean over the schedule the weight the theory may use (docs/theory.md, Theorem 2).
+    """
+    return mask.schedule.kind == "permute" and mask.schedule.every == 1
+
+
+def block_masking_errors(mask: Mask) -> np.ndarray:
+    """eps_j = sqrt(K) * ||w_j - u||_2 per block as the theory uses it, shape (B,).
+
+    A ``permute`` schedule redrawn every step averages every worker over every row independently of
+    the iterate, so E[w_j] = u and eps_j = 0. A static mask, a ``cyclic`` rotation or any mask held
+    for R > 1 steps is correlated with the iterate, and the bound uses the mask in force:
+    eps_j^2 = K / c_j - 1 (docs/theory.md, Theorem 1 and its correction for schedules).
 
     >>> block_masking_errors(Mask([[1, 1], [1, 0]])).round(6).tolist()
     [0.0, 1.0]
     """
-    if not mask.schedule.is_static:
+    if redrawn_every_update(mask):
         return np.zeros(mask.blocks)
     return np.sqrt(np.maximum(mask.workers / mask.coverage - 1.0, 0.0))
 
@@ -55,8 +65,11 @@ def variance_inflation(mask: Mask) -> float:
 
 
 def block_weight_variance(mask: Mask) -> np.ndarray:
-    """E||w_j - E[w_j]||^2 per block, shape (B,): 0 for a static mask, 1/c_j - 1/K under a schedule."""
-    if mask.schedule.is_static:
+    """E||w_j - E[w_j]||^2 per block as the theory uses it, shape (B,).
+
+    1/c_j - 1/K for a mask redrawn every step; 0 otherwise (the bound is at the mask in force).
+    """
+    if not redrawn_every_update(mask):
         return np.zeros(mask.blocks)
     return 1.0 / mask.coverage - 1.0 / mask.workers
 

@@ -1,7 +1,9 @@
 """The certificate of a mask: every quantity of docs/design.md §3 in one record, as JSON or a table.
 
 The key names of `MaskReport.to_dict` are an output contract used by other tools (``sdp inspect
---json``, ``sdp design --json``); add keys, never rename them.
+--json``, ``sdp design --json``); add keys, never rename them. Every number says which theorem of
+docs/theory.md uses it and in which regime (`USED_BY`, the ``used_by`` key and the text table's
+third column); a number no theorem uses is marked as a diagnostic, not as a condition.
 """
 
 from __future__ import annotations
@@ -10,6 +12,25 @@ from dataclasses import asdict, dataclass
 
 from masklab import analysis
 from masklab.mask import Mask
+
+
+USED_BY: dict[str, str] = {
+    "active_fraction": "compute per step, (2 + C)/3 of DDP under backward masking (FLOP matching, docs/theory.md §7)",
+    "coverage_min": "every theorem needs c_j >= 1; E[1/c_j] is the noise factor of Theorems 1-3",
+    "coverage_max": "Theorem 6 (overlap averaging): the step of each block's mean is c_j/K",
+    "masking_error": "bias floor of Theorems 1 and 3, backward masking; 0 only when the mask is redrawn every step "
+                     "(Theorem 2); static, cyclic and held masks use the mask in force",
+    "variance_inflation": "noise term of Theorems 1-3 (K E[1/c_j]), backward masking",
+    "spectral_gap": "overlap averaging only (Theorems 4 and 6, copies kept, holders average): the consensus rate "
+                    "of a balanced mask redrawn every round; no stepwise theorem (1-3) uses it",
+    "spectral_gap_bound": "Theorem 5: the cap (mean coverage - 1)/(K - 1) on gamma; overlap averaging only",
+    "optimality_ratio": "Theorem 5: gamma / cap, how well the design mixes under overlap averaging",
+    "cotraining_gap": "diagnostic, used by no theorem: whether the blocks were ever trained together",
+    "connected": "overlap averaging only (Theorem 4): necessary, not sufficient, for copies of a static mask to agree; "
+                 "not a condition of Theorems 1-3",
+    "schedule": "which theorem: permute redrawn every step -> Theorem 2/2'; static, cyclic or held R > 1 -> "
+                "Theorem 1 at the mask in force; overlap averaging -> Theorems 4 and 6 with the schedule's period",
+}
 
 
 @dataclass(frozen=True)
@@ -32,28 +53,42 @@ class MaskReport:
     schedule: str
     schedule_every: int
 
+    @property
+    def masking_error_regime(self) -> str:
+        """Which theorem's masking error `masking_error` is."""
+        if self.schedule == "permute" and self.schedule_every == 1:
+            return "mask redrawn every step: expectation over the schedule (Theorem 2)"
+        return "mask in force at each step (Theorem 1; cyclic and held schedules too)"
+
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        out = asdict(self)
+        out["masking_error_regime"] = self.masking_error_regime
+        out["used_by"] = dict(USED_BY)
+        return out
 
     def to_text(self) -> str:
         """A readable two-column table."""
         rows = [
-            ("workers (K)", f"{self.workers}"),
-            ("blocks (B)", f"{self.blocks}"),
-            ("construction", self.construction or "-"),
-            ("schedule", self.schedule + ("" if self.schedule == "static" else f" every {self.schedule_every} steps")),
-            ("active fraction (C)", f"{self.active_fraction:.4f}"),
-            ("coverage min / max", f"{self.coverage_min} / {self.coverage_max}"),
-            ("masking error (eps)", f"{self.masking_error:.6g}"),
-            ("variance inflation", f"{self.variance_inflation:.6g}"),
-            ("spectral gap (gamma)", f"{self.spectral_gap:.6g}"),
-            ("spectral gap bound", f"{self.spectral_gap_bound:.6g}"),
-            ("optimality ratio", f"{self.optimality_ratio:.6f}"),
-            ("co-training gap", f"{self.cotraining_gap:.6g}"),
-            ("mixing graph connected", "yes" if self.connected else "NO"),
+            ("workers (K)", f"{self.workers}", ""),
+            ("blocks (B)", f"{self.blocks}", ""),
+            ("construction", self.construction or "-", ""),
+            ("schedule", self.schedule + ("" if self.schedule == "static" else f" every {self.schedule_every} steps"),
+             USED_BY["schedule"]),
+            ("active fraction (C)", f"{self.active_fraction:.4f}", USED_BY["active_fraction"]),
+            ("coverage min / max", f"{self.coverage_min} / {self.coverage_max}", USED_BY["coverage_min"]),
+            ("masking error (eps)", f"{self.masking_error:.6g}", USED_BY["masking_error"]),
+            ("variance inflation", f"{self.variance_inflation:.6g}", USED_BY["variance_inflation"]),
+            ("spectral gap (gamma)", f"{self.spectral_gap:.6g}", USED_BY["spectral_gap"]),
+            ("spectral gap bound", f"{self.spectral_gap_bound:.6g}", USED_BY["spectral_gap_bound"]),
+            ("optimality ratio", f"{self.optimality_ratio:.6f}", USED_BY["optimality_ratio"]),
+            ("co-training gap", f"{self.cotraining_gap:.6g}", USED_BY["cotraining_gap"]),
+            ("mixing graph connected", "yes" if self.connected else "NO", USED_BY["connected"]),
         ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        width = max(len(k) for k, _, _ in rows)
+        value_width = max(len(v) for _, v, _ in rows)
+        lines = [f"{k:<{width}}  {v:<{value_width}}  {u}".rstrip() for k, v, u in rows]
+        lines.append(f"masking error regime: {self.masking_error_regime}")
+        return "\n".join(lines)
 
 
 def analyze(mask: Mask) -> MaskReport:

@@ -37,7 +37,10 @@ def test_design_out_then_inspect_gives_the_same_certificate(tmp_path, capsys):
                                   "--schedule", "cyclic", "--every", "4", "--out", str(out), "--json"])
     inspected = _run_json(capsys, ["inspect", str(out), "--json"])
     assert designed == inspected
-    assert inspected["masking_error"] == 0.0  # cyclic schedule: unbiased on average
+    # a cyclic rotation is correlated with the iterate: the theory uses the mask in force, c = 4 of 8
+    assert inspected["masking_error"] == pytest.approx(1.0)
+    assert inspected["masking_error_regime"].startswith("mask in force")
+    assert "spectral_gap" in inspected["used_by"] and "overlap averaging only" in inspected["used_by"]["spectral_gap"]
     assert load_mask(out).schedule.every == 4
 
 
@@ -47,6 +50,9 @@ def test_design_plot_writes_a_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "spectral gap (gamma)" in text and "optimality ratio" in text
+    gap_line = next(line for line in text.splitlines() if line.startswith("spectral gap (gamma)"))
+    assert "no stepwise theorem" in gap_line  # every number says which theorem uses it
+    assert "diagnostic, used by no theorem" in text
 
 
 @pytest.mark.parametrize(
