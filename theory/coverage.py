@@ -1,0 +1,129 @@
+"""Which theorem of docs/theory.md covers a training run, and its bound ratio to DDP.
+
+A run is described by its mode (the runtime's ``ddp``, ``fsdp``, ``bsdp``, ``nsdp``, ``bbsdp``),
+its mask and schedule, its local steps H and whether it averages stepwise (every holder gets the
+same value, and non-holders receive it) or by overlap averaging (copies kept, holders average,
+non-holders keep theirs). Forward-masked SDP (``bsdp``, ``nsdp``) is covered by no theorem: a held
+block's gradient is then taken at a point other than the iterate, which Lemma 1 does not allow.
+This module only classifies and evaluates; the bounds are in `theory.bounds` and
+`theory.consensus`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from masklab.mask import Mask, Schedule
+from scipy.optimize import minimize_scalar
+
+from theory.bounds import ProblemConstants, ddp_bound, optimal_step_size, sdp_bound
+from theory.consensus import overlap_bound
+from theory.constants import worst_case_constants
+from theory.errors import TheoryError
+
+RUN_MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")
+_FORWARD_MASKED = ("bsdp", "nsdp")
+_FULL_MODEL = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The theorem that covers a run (None if none does) and the regime it is stated for."""
+
+    theorem: str | None
+    regime: str
+
+    @property
+    def covered(self) -> bool:
+        return self.theorem is not None
+
+
+def covering_theorem(
+    mode: str, schedule: Schedule | None = None, *, local_steps: int = 1, overlap: bool = False
+) -> Coverage:
+    """Which theorem bounds a run of `mode` with `schedule` (static if None).
+
+    >>> covering_theorem("bbsdp", Schedule("permute", 1)).theorem
+    "Theorem 2'"
+    >>> covering_theorem("bsdp").covered
+    False
+    """
+    if mode not in RUN_MODES:
+        raise TheoryError(f"mode={mode!r} is not one of {RUN_MODES}")
+    if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
+        raise TheoryError(f"local_steps={local_steps!r} must be an integer >= 1")
+    schedule = Schedule() if schedule is None else schedule
+    if mode in _FULL_MODEL:
+        if local_steps > 1:
+            return Coverage("Theorem 3", "DDP with local steps (every block held by all K workers)")
+        return Coverage("Corollary (DDP)", "minibatch SGD on all K workers")
+    if mode in _FORWARD_MASKED:
+        return Coverage(None, "forward masking: no theorem covers it (docs/theory.md §6)")
+    if overlap:
+        return Coverage("Theorem 6", f"backward masking, overlap averaging every {local_steps} local steps, "
+                                     f"{_schedule_words(schedule)}; consensus by Theorem 4")
+    redrawn = schedule.kind == "permute" and schedule.every == local_steps
+    drawn = "mask redrawn every update" if redrawn else f"mask in force at each update ({_schedule_words(schedule)})"
+    if local_steps > 1:
+        return Coverage("Theorem 3", f"backward masking, {local_steps} local steps then stepwise averaging, {drawn}")
+    return Coverage("Theorem 2'" if redrawn else "Theorem 1", f"backward masking, stepwise averaging, {drawn}")
+
+
+def covered_bound_ratio(
+    mode: str, mask: Mask | None, *, steps: int, local_steps: int = 1, overlap: bool = False
+) -> float | None:
+    """The covering theorem's bound over DDP's, each at its best step size; None if not covered.
+
+    Unit constant totals (L = sigma = zeta = D = 1, and G = 1 for local steps or overlap averaging)
+    split across blocks in the worst way (docs/theory.md, Proposition 1), as `sdp verify` does.
+    ``inf`` when the theorem gives no finite bound (e.g. overlap averaging with a static mask).
+    `mask` may be None for ``ddp``/``fsdp``, whose ratio is 1.
+
+    >>> m = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
+    >>> covered_bound_ratio("bsdp", m, steps=100) is None
+    True
+    >>> covered_bound_ratio("bbsdp", m, steps=100) > 1
+    True
+    """
+    coverage = covering_theorem(mode, None if mask is None else mask.schedule, local_steps=local_steps,
+                                overlap=overlap)
+    if not coverage.covered:
+        return None
+    if mode in _FULL_MODEL and local_steps == 1:
+        return 1.0
+    if mask is None:
+        raise TheoryError(f"mode={mode!r} with local_steps={local_steps} needs the run's mask")
+    if mode in _FULL_MODEL:
+        mask = Mask(np.ones_like(mask.matrix), block_sizes=mask.block_sizes, schedule=mask.schedule)
+    grad = 1.0 if (local_steps > 1 or overlap) else None
+    constants = worst_case_constants(mask, smoothness=1.0, sigma=1.0, zeta=1.0, suboptimality=1.0, grad_bound=grad)
+    full = Mask(np.ones_like(mask.matrix), block_sizes=mask.block_sizes)
+    ddp = ddp_bound(mask, constants, eta=optimal_step_size(full, constants, steps=steps), steps=steps).total
+    if overlap:
+        eta = _best_overlap_eta(mask, constants, steps=steps, local_steps=local_steps)
+        total = overlap_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
+    else:
+        eta = optimal_step_size(mask, constants, steps=steps, local_steps=local_steps)
+        total = sdp_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
+    return total / ddp if math.isfinite(total) else math.inf
+
+
+def _best_overlap_eta(mask: Mask, constants: ProblemConstants, *, steps: int, local_steps: int) -> float:
+    eta_max = 1.0 / (12.0 * constants.smoothness * local_steps)
+
+    def total(eta: float) -> float:
+        value = overlap_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
+        return value if math.isfinite(value) else 1e300
+
+    res = minimize_scalar(total, bounds=(eta_max * 1e-6, eta_max), method="bounded")
+    return float(res.x) if total(float(res.x)) < total(eta_max) else eta_max
+
+
+def _schedule_words(schedule: Schedule) -> str:
+    if schedule.is_static:
+        return "static mask"
+    return f"{schedule.kind} every {schedule.every} steps"
+
