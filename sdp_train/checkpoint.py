@@ -61,11 +61,15 @@ def identity(cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> 
 def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint to resume from: `path` itself if it is one, else its newest valid ``step_N``.
 
+    `path` may also be a run's output directory, meaning its ``checkpoints``.
+
     A ``step_N`` below `path` that is incomplete or damaged is skipped with a warning that names it
     and the reason, and the next older one is tried. A checkpoint named explicitly (a ``step_N``
     directory, or any directory holding a manifest or rank files) must itself be valid.
     """
     path = Path(path)
+    if (path / "checkpoints").is_dir() and not _steps(path):  # a run's --out directory: its checkpoints
+        path = path / "checkpoints"
     if (path / MANIFEST).exists() or _step_of(path) is not None or any(path.glob("rank*.pt")):
         problem = checkpoint_problem(path)
         if problem is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -44,11 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sdp",
         description="Subnetwork Data Parallelism: design masks, verify them, train with them.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    for sub in (parser, *subparsers.choices.values()):
+        sub.allow_abbrev = False  # ``--step`` is not ``--steps``: a typo must fail, not guess
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sdp-toolkit")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

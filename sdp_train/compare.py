@@ -286,7 +286,8 @@ def _train(p: Planned, label: str, log) -> dict[str, Any]:
     (run_dir / "summary.json").unlink(missing_ok=True)
     config_path = run_dir / "config.json"
     config_path.write_text(json.dumps(p.config.to_dict(), indent=1), encoding="utf-8")
-    argv = [sys.executable, "-m", "sdp_train.cli", "train", "--config", str(config_path)]
+    # --overwrite: a run whose summary did not match this comparison is trained again from scratch
+    argv = [sys.executable, "-m", "sdp_train.cli", "train", "--config", str(config_path), "--overwrite"]
     log(f"{label}: training {p.config.steps} steps (log: {run_dir / 'log.txt'})")
     t0 = time.monotonic()
     with open(run_dir / "log.txt", "w", encoding="utf-8") as out:

@@ -235,6 +235,7 @@ def _write_atomic(path: Path, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text + "\n")
             f.flush()
+            os.fchmod(f.fileno(), 0o644)  # as metrics.jsonl; mkstemp's 0600 would hide it from others
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -11,10 +11,13 @@ line from rank 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
-from sdp_train.config import MODES, NONFINITE_POLICIES, TrainConfig, load_config_file
+from sdp_train.config import BASELINES, MODES, NONFINITE_POLICIES, TrainConfig, load_config_file
+from sdp_train.errors import ConfigError
+from sdp_train.rundir import LOCKED_ENV, OutLock, check_out_dir, clear_previous_run, die_with_parent
 
 _FLAGS = {  # flag -> (TrainConfig field, type)
     "--model": ("model", str), "--mode": ("mode", str), "--active": ("active", float), "--mask": ("mask", str),
@@ -34,6 +37,7 @@ _SWITCHES = {  # flag -> (TrainConfig field, help)
     "--ac": ("activation_checkpointing", "recompute each residual block's activations in backward"),
     "--fsdp": ("fsdp", "with --mode bsdp: shard each held block among its holders (FSDP2)"),
 }
+_OVERWRITE_HELP = "replace the results of an earlier run in --out (summary, metrics, checkpoints)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help=f"(default {docs[name].default!r})", **kwargs)
     for flag, (name, text) in _SWITCHES.items():
         p.add_argument(flag, dest=name, action="store_true", default=None, help=text)
+    p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     p.set_defaults(func=run)
 
 
@@ -54,28 +59,94 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = load_config_file(args.config) if args.config else {}
     names = [name for name, _ in _FLAGS.values()] + [name for name, _ in _SWITCHES.values()]
     values.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    if values.get("mode") in BASELINES and ("active" in values or "mask" in values):
+        given = ", ".join(f"{k}={values[k]!r}" for k in ("active", "mask") if k in values)
+        raise ConfigError(f"mode={values['mode']!r} trains the full model on every worker: {given} would be "
+                          f"ignored; drop it, or choose an SDP mode (bsdp, nsdp, bbsdp)")
     if "mask" in values and "active" not in values:
         values["active"] = None
     return TrainConfig.from_dict(values, source=args.config or "command line")
 
 
 def run(args: argparse.Namespace) -> int:
-    from sdp_train.dist import get_dist_info, launch_local, under_torchrun
+    from sdp_train.dist import get_dist_info, launch_local, restart_attempt, under_torchrun
     from sdp_train.errors import NonFiniteError
     from sdp_train.loop import train
     from sdp_train.train import prepare
 
     cfg = config_from_args(args)
-    if under_torchrun() or cfg.workers == 1:
+    if under_torchrun():
+        die_with_parent()  # a SIGKILLed launcher takes its ranks with it
+    owner = not (under_torchrun() and (os.environ.get(LOCKED_ENV) or not get_dist_info().is_main))
+    lock = None
+    if owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
+        prep = prepare(cfg)  # refuse bad configs and masks before starting any process
+        lock = _claim_out_dir(cfg, args.overwrite, first_attempt=restart_attempt() == 0)
+        if restart_attempt() == 0:
+            report_mask(prep)
+    try:
+        if under_torchrun() or cfg.workers == 1:
+            try:
+                train(cfg)
+            except NonFiniteError as exc:  # raised on every rank in the same step; reported once
+                if get_dist_info().is_main:
+                    print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
+                return 1
+            return 0
+        os.environ[LOCKED_ENV] = str(os.getpid())  # the ranks' launcher (this process) holds --out
         try:
-            train(cfg)
-        except NonFiniteError as exc:  # raised on every rank in the same step; reported once
-            if get_dist_info().is_main:
-                print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
-            return 1
-        return 0
-    prepare(cfg)  # refuse bad configs and masks before starting any process
-    return launch_local(["train", *_argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
+            return launch_local(["train", *_argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
+        finally:
+            del os.environ[LOCKED_ENV]
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool) -> OutLock:
+    """Check ``--out``, lock it for this run, and (with --overwrite) clear an earlier run's results.
+
+    A restarted attempt of a torchrun group (rank 0 died, so its lock went with it) takes the lock
+    again without the checks: the results there are its own run's.
+    """
+    check_out_dir(cfg.out, resume=cfg.resume is not None or not first_attempt, overwrite=True)
+    lock = OutLock(cfg.out)
+    stale = lock.acquire()
+    try:
+        if first_attempt:
+            check_out_dir(cfg.out, resume=cfg.resume is not None, overwrite=overwrite)
+            if overwrite and cfg.resume is None:
+                removed = clear_previous_run(cfg.out)
+                if removed:
+                    print(f"sdp train: --overwrite: removed {', '.join(removed)} of an earlier run in {cfg.out}",
+                          file=sys.stderr, flush=True)
+    except BaseException:
+        lock.release()
+        raise
+    if stale and first_attempt:
+        print(f"sdp train: {cfg.out}: took over the lock of a run that no longer runs ({stale})",
+              file=sys.stderr, flush=True)
+    return lock
+
+
+def report_mask(prep) -> None:
+    """Print the mask a run trains with, and warn where it is not what was asked for or certifies nothing."""
+    mask, cfg = prep.mask, prep.config
+    if mask is None:
+        return
+    from masklab.analysis import is_connected, spectral_gap
+
+    gap, connected = spectral_gap(mask), is_connected(mask)
+    source = cfg.mask or f"designed for --active {cfg.active}"
+    print(f"sdp train: mask {mask.workers} workers x {mask.blocks} blocks ({source}): C = {mask.active_fraction:.4g}, "
+          f"coverage {int(mask.coverage.min())}..{int(mask.coverage.max())}, spectral gap {gap:.4g}"
+          f"{'' if connected else ', mixing graph disconnected'}", flush=True)
+    if cfg.mask is None and cfg.active is not None and abs(mask.active_fraction - cfg.active) > 1e-9:
+        print(f"sdp train: warning: --active {cfg.active} became C = {mask.active_fraction:.4g}: with "
+              f"{mask.workers} workers every block has a whole number of holders", file=sys.stderr, flush=True)
+    if not connected:
+        print("sdp train: warning: the mask's mixing graph is disconnected (spectral gap 0): some groups of "
+              "workers share no block", file=sys.stderr, flush=True)
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:

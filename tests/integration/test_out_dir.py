@@ -1,0 +1,125 @@
+"""``--out`` belongs to one run: finished runs are not overwritten silently, two runs never share a
+directory, a killed launcher takes its ranks with it, and the CLI refuses what it would ignore.
+
+Each test fails on the code before these guarantees: a second run into a finished run's directory
+replaced it silently, two concurrent runs both exited 0 with a mixed metrics.jsonl, and the ranks
+of a SIGKILLed launcher trained on to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sdp_train.cli import main
+from sdp_train.config import TrainConfig
+from sdp_train.rundir import LOCK_NAME
+from sdp_train.train import prepare
+from sdp_train.train_cli import report_mask
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model", "llama-debug", "--mode", "bsdp", "--active", "0.5", "--batch-size", "2", "--seq-len", "16",
+        "--max-data-bytes", "100000", "--eval-batches", "1", "--memory-steps", "0"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+
+
+def _sdp(*argv: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sdp_train.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, **kw)
+
+
+def _one_process_run(out: Path, *extra: str) -> int:
+    return main(["train", *TINY, "--workers", "1", "--steps", "2", "--out", str(out), *extra])
+
+
+@pytest.mark.slow
+def test_out_dir_lifecycle_stale_lock_refusal_overwrite_and_resume_from_the_run_directory(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text("pid 999999 on host gone, since 2026-01-01T00:00:00Z\n")  # a dead run's
+    assert _one_process_run(out) == 0
+    assert "took over the lock of a run that no longer runs (pid 999999" in capsys.readouterr().err
+    first = (out / "summary.json").read_text()
+    assert _one_process_run(out, "--lr", "0.01") == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert (out / "summary.json").read_text() == first  # nothing lost
+    assert _one_process_run(out, "--lr", "0.01", "--overwrite", "--checkpoint-every", "1") == 0
+    assert json.loads((out / "summary.json").read_text())["config"]["lr"] == 0.01
+    assert oct((out / "summary.json").stat().st_mode & 0o777) == oct((out / "metrics.jsonl").stat().st_mode & 0o777)
+    assert main(["train", *TINY, "--workers", "1", "--steps", "3", "--lr", "0.01", "--out", str(out),
+                 "--resume", str(out)]) == 0  # the run directory means its checkpoints
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
+    capsys.readouterr()
+    assert _one_process_run(out, "--overwrite") == 0
+    assert not (out / "checkpoints").exists()  # an old run's checkpoints cannot be adopted later
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_directory_in_use_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    first = _sdp("train", *TINY, "--workers", "1", "--steps", "100000", "--out", str(out))
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second = _sdp("train", *TINY, "--workers", "1", "--steps", "2", "--out", str(out), "--overwrite")
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        assert "is in use by another run (pid" in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "ddp", "--active", "0.3"], "would be ignored"),
+    (["--mode", "fsdp", "--mask", "m.json"], "would be ignored"),
+])
+def test_baseline_modes_refuse_mask_arguments_they_would_ignore(tmp_path, capsys, argv, message):
+    assert main(["train", "--model", "llama-debug", *argv, "--out", str(tmp_path / "r")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_abbreviated_flags_are_refused_and_version_exists(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--step", "3"])
+    assert exc.value.code == 2 and "unrecognized arguments: --step" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("sdp ")
+
+
+def test_the_mask_is_printed_and_a_rounded_active_fraction_or_disconnected_graph_warned(tmp_path, capsys):
+    report_mask(prepare(TrainConfig(model="llama-debug", mode="bsdp", workers=4, active=0.3, out=str(tmp_path))))
+    captured = capsys.readouterr()
+    assert "mask 4 workers x 4 blocks" in captured.out and "C = 0.25" in captured.out
+    assert "--active 0.3 became C = 0.25" in captured.err
+    report_mask(prepare(TrainConfig(model="llama-debug", mode="bsdp", workers=2, active=0.5, out=str(tmp_path))))
+    assert "disconnected" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    out = tmp_path / "run"
+    launcher = _sdp("train", *TINY, "--workers", "2", "--steps", "100000", "--out", str(out))
+    deadline = time.monotonic() + 180
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[1][-4000:]
+        time.sleep(0.5)
+    launcher.kill()
+    launcher.communicate()
+    time.sleep(5)  # the kernel's SIGKILL to the ranks is immediate; a rank still writing would grow the file
+    size = (out / "metrics.jsonl").stat().st_size
+    time.sleep(3)
+    assert (out / "metrics.jsonl").stat().st_size == size, "ranks kept training after their launcher died"
+    alive = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not alive, f"ranks still running: {alive}"
