@@ -80,7 +80,8 @@ def predict_comm(config: ModelConfig, mode: str, held_by_rank: Sequence[Mapping[
                 count.add("broadcast", total, workers)
     if mode in ("bsdp", "nsdp", "bbsdp"):
         buffers = [n for n in shapes if n not in bmap.parameter_names and n.endswith(("running_mean", "running_var"))]
-        _bucket_bytes(plan_buckets(held_by_rank, buffers, shapes=shapes), shapes, counts, 4)
+        plans = plan_buckets(held_by_rank, buffers, shapes=shapes, layers_per_bucket=len(buffers) + 1)
+        _bucket_bytes(plans, shapes, counts, 4)
     return counts
 
 

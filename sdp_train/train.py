@@ -8,8 +8,8 @@ full model, trains only held blocks and broadcasts their new values after each s
 checkpointing and FSDP are applied by `sdp_train.parallelize`. Validation always
 uses the full assembled model, which only rank 0 builds (`Run.full_state`). Under SDP, BatchNorm
 running statistics are averaged among each block's (channel's) holders after every step
-(`sdp_train.sync.BufferAverager`), so evaluation and checkpoints see the holders' mean. Everything a run needs is checked by `prepare` before any
-process group exists.
+(`sdp_train.sync.BufferAverager`), so evaluation and checkpoints see the holders' mean.
+Everything a run needs is checked by `prepare` before any process group exists.
 """
 
 from __future__ import annotations
@@ -225,7 +225,9 @@ class Run:
                         block_meshes=block_meshes, root_mesh=world_mesh)
             shapes = block_map(mc).shapes
             plans = [] if cfg.fsdp else plan_buckets(self.held_by_rank, self.param_names, shapes=shapes)
-            buffer_plans = plan_buckets(self.held_by_rank, _float_buffer_names(mc), shapes=shapes)
+            buffers = _float_buffer_names(mc)  # averaged after the step: no layer bound needed
+            buffer_plans = plan_buckets(self.held_by_rank, buffers, shapes=shapes,
+                                        layers_per_bucket=len(buffers) + 1)
             groups = (create_groups(plans + buffer_plans, info.world_size) if info.world_size > 1
                       else {p.holders: None for p in plans + buffer_plans})
             if not cfg.fsdp:  # with FSDP, each block's reduce-scatter over its holders is the average
