@@ -1,5 +1,7 @@
 """``sdp design`` and ``sdp inspect``: build or read a mask and print its certificate.
 
+The certificate names, for every number, the theorem that uses it (`masklab.report.USED_BY`).
+
 Registered into the ``sdp`` command by `sdp_train.cli`. Bad arguments raise masklab's
 ValueError subclasses; the dispatcher prints them as one line and exits non-zero. A file is
 written only after the mask has been built and analysed, so a failing run writes nothing.
@@ -21,8 +23,10 @@ MAX_ENTRIES = 2**22  # K * B: a 1024 x 4096 mask
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "design",
-        help="design a mask with a certified spectral gap",
-        description="Design a K x B mask (exact 2-design where one exists, else a search) and print its certificate.",
+        help="design a mask and print its certificate",
+        description="Design a K x B mask (exact 2-design where one exists, else a search) and print its "
+        "certificate. Each number says which theorem of docs/theory.md uses it: coverage and masking error "
+        "bound stepwise training; the spectral gap matters only for overlap averaging.",
     )
     p.add_argument("--workers", "-K", type=int, required=True, metavar="K", help="number of workers")
     p.add_argument("--blocks", "-B", type=int, required=True, metavar="B", help="number of maskable blocks")
