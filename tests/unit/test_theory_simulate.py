@@ -57,10 +57,11 @@ def test_measured_gradient_norm_stays_under_bound(mask, data):
     assert result.measured + Z * result.stderr <= bound.total
 
 
-@pytest.mark.parametrize("schedule", [Schedule("static"), Schedule("permute", 1)])
-def test_bound_is_within_factor_ten_of_measured_on_quadratic(schedule):
+@pytest.mark.parametrize(("schedule", "factor"), [(Schedule("static"), 5.0), (Schedule("permute", 1), 2.0)])
+def test_bound_is_within_a_small_factor_of_measured_on_quadratic(schedule, factor):
     """K = 8, four blocks of 8 coordinates each held by 4 workers, isotropic quadratic (L = 1,
-    condition 1), sigma = zeta = D = 1, eta = 0.5, T = 100: bound / measured is about 4.3."""
+    condition 1), sigma = zeta = D = 1, eta = 0.5, T = 100: bound / measured is 4.3 static and 1.5
+    permuted every step (Theorem 2')."""
     m = np.zeros((8, 4), dtype=np.uint8)
     for j in range(4):
         m[[(2 * j + t) % 8 for t in range(4)], j] = 1
@@ -69,7 +70,7 @@ def test_bound_is_within_factor_ten_of_measured_on_quadratic(schedule):
                              condition=1.0, seed=0)
     result = simulate(problem, mask, eta=0.5, steps=100, seeds=64, seed=0)
     bound = sdp_bound(mask, problem.constants, eta=0.5, steps=100).total
-    assert result.measured + Z * result.stderr <= bound <= 10 * result.measured
+    assert result.measured + Z * result.stderr <= bound <= factor * result.measured
 
 
 def test_simulator_matches_closed_form_on_isotropic_quadratic():
