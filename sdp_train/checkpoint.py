@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from sdp_train.dist import get_dist_info
+from sdp_train.dist import get_dist_info, run_id
 from sdp_train.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ MANIFEST = "manifest.json"
 def identity(cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> dict[str, Any]:
     """What a checkpoint and the run resuming from it must agree on (JSON-normalised)."""
     ident = {"model_config": asdict(model_config), "mode": cfg.mode, "world_size": cfg.workers,
-             "fsdp": cfg.fsdp, "mask": None if mask is None else mask.matrix.astype(int).tolist()}
+             "fsdp": cfg.fsdp, "mask": None if mask is None else mask.matrix.astype(int).tolist(),
+             "seed": cfg.seed}  # the data order continues from the checkpoint's: another seed would not
     return json.loads(json.dumps(ident))
 
 
@@ -81,10 +82,18 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def latest_valid_checkpoint(root: str | Path) -> Path | None:
-    """The newest ``root/step_N`` that `checkpoint_problem` accepts, warning about each newer one it skips."""
+def latest_valid_checkpoint(root: str | Path, *, run_id: str | None = None) -> Path | None:
+    """The newest ``root/step_N`` that `checkpoint_problem` accepts, warning about each newer one it skips.
+
+    With `run_id`, only checkpoints that this very launch wrote count (a restarted attempt must not
+    continue another run's trajectory); others are skipped with a warning.
+    """
     for _, candidate in sorted(_steps(Path(root)), reverse=True):
         problem = checkpoint_problem(candidate)
+        if problem is None and run_id is not None:
+            written_by = json.loads((candidate / MANIFEST).read_text(encoding="utf-8")).get("run_id")
+            if written_by != run_id:
+                problem = f"it was written by another launch (run id {written_by!r}, this one {run_id!r})"
         if problem is None:
             return candidate
         _warn(f"checkpoint {candidate} skipped: {problem}; trying the previous one")
@@ -130,7 +139,7 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None, *,
-                    finished_ok: bool = False) -> dict[str, Any]:
+                    finished_ok: bool = False, same_config: bool = False) -> dict[str, Any]:
     """The manifest of checkpoint ``path``; ConfigError naming every field that differs from this run.
 
     A checkpoint at the run's last step is refused (nothing left to train) unless `finished_ok`:
@@ -138,8 +147,12 @@ def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mas
     """
     manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     current = identity(cfg, model_config, mask)
-    diffs = [f"{key}: checkpoint {manifest['identity'][key]!r}, this run {value!r}"
-             for key, value in current.items() if manifest["identity"][key] != value]
+    diffs = [f"{key}: checkpoint {manifest['identity'].get(key)!r}, this run {value!r}"
+             for key, value in current.items() if manifest["identity"].get(key) != value]
+    if same_config:  # a restart continues the very run it belongs to: every field must agree
+        config, saved = cfg.to_dict(), manifest.get("config", {})
+        diffs += [f"config.{key}: checkpoint {saved.get(key)!r}, this run {value!r}"
+                  for key, value in config.items() if saved.get(key) != value]
     if diffs:
         raise ConfigError(f"cannot resume from {path}: it was written by a different run; " + "; ".join(diffs))
     if manifest["step"] > cfg.steps or (manifest["step"] == cfg.steps and not finished_ok):
@@ -177,7 +190,7 @@ def save_checkpoint(run: Run, batches: Batches, step: int, root: Path, *, keep: 
         dist.all_gather_object(gathered, files)
         files = {k: v for part in gathered for k, v in part.items()}
     if run.info.is_main:
-        manifest = {"step": step, "identity": identity(run.cfg, run.model_config, run.mask),
+        manifest = {"step": step, "run_id": run_id(), "identity": identity(run.cfg, run.model_config, run.mask),
                     "config": run.cfg.to_dict(), "files": files}
         _write_atomic(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         if keep > 0:

@@ -82,6 +82,12 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def run_id() -> str | None:
+    """The launch this process belongs to: torchrun's rendezvous run id, the same on every rank and node
+    and across the elastic agent's restarts, new for every launch (None outside a launcher)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") if under_torchrun() else None
+
+
 def init_distributed(device: torch.device) -> DistInfo:
     """Create the default process group if launched by torchrun (gloo on CPU, nccl on CUDA).
 

@@ -44,7 +44,7 @@ from sdp_train.checkpoint import check_resumable, latest_valid_checkpoint, load_
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, init_distributed, print0,
-                             restart_attempt)
+                             restart_attempt, run_id)
 from sdp_train.memory import MemoryMeter, format_bytes
 from sdp_train.models import model_class
 from sdp_train.train import Prepared, Run, loss_fn, prepare
@@ -153,13 +153,13 @@ def _resume_after_restart(prep: Prepared) -> Prepared:
     cfg, attempt = prep.config, restart_attempt()
     if attempt == 0 or not cfg.checkpoint_every:
         return prep
-    found = latest_valid_checkpoint(Path(cfg.out) / "checkpoints")
+    found = latest_valid_checkpoint(Path(cfg.out) / "checkpoints", run_id=run_id())
     if found is None:
         start = "the start" if prep.resume_from is None else str(prep.resume_from)
         print0(f"sdp train: restart {attempt}: no valid checkpoint under {Path(cfg.out) / 'checkpoints'}; "
                f"starting again from {start}")
         return prep
-    check_resumable(found, cfg, prep.model_config, prep.mask, finished_ok=True)
+    check_resumable(found, cfg, prep.model_config, prep.mask, finished_ok=True, same_config=True)
     print0(f"sdp train: restart {attempt}: resuming from {found}")
     return dataclasses.replace(prep, resume_from=found)
 

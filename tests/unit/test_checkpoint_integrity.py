@@ -140,8 +140,6 @@ def test_restarted_attempt_resumes_from_the_newest_valid_checkpoint(two_checkpoi
     (two_checkpoints / "step_6").mkdir()  # the failed attempt was writing this one
     assert _resume_after_restart(prep).resume_from == two_checkpoints / "step_4"
     assert "step_6 skipped: it has no manifest.json" in capsys.readouterr().err
-    done = prepare(TrainConfig(**{**TINY, "steps": 4, "out": str(tmp_path)}))  # failed after its last checkpoint
-    assert _resume_after_restart(done).resume_from == two_checkpoints / "step_4"
     no_ckpt = prepare(TrainConfig(**{**TINY, "checkpoint_every": 0, "out": str(tmp_path)}))
     assert _resume_after_restart(no_ckpt).resume_from is None
 
@@ -178,3 +176,27 @@ def test_nonfinite_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path
     assert all(not p.grad.any() for p in run.model.parameters())  # the NaN gradients are gone
     (after,) = _train_steps(run, batches, range(2, 3))
     assert not after["skipped"] and math.isfinite(after["loss"]) and math.isfinite(after["grad_norm"])
+
+
+def test_a_restart_resumes_only_checkpoints_of_its_own_launch_and_config(two_checkpoints, tmp_path, monkeypatch,
+                                                                          capsys):
+    """An older run's checkpoints in --out (another launch, or another config) are never continued.
+
+    Before: a restart compared model, mode, world size, fsdp and mask only, and resumed another
+    run's final checkpoint (trained with another --lr) and reported its loss as its own.
+    """
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    other_lr = prepare(TrainConfig(**{**TINY, "lr": 0.001, "out": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=r"config.lr: checkpoint 0.003, this run 0.001"):
+        _resume_after_restart(other_lr)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                        "TORCHELASTIC_RUN_ID": "a-later-launch"}.items():
+        monkeypatch.setenv(name, value)
+    prep = prepare(TrainConfig(**{**TINY, "out": str(tmp_path)}))
+    assert _resume_after_restart(prep).resume_from is None
+    assert "written by another launch (run id None, this one 'a-later-launch')" in capsys.readouterr().err
+
+
+def test_an_explicit_resume_with_another_seed_is_refused(two_checkpoints, tmp_path):
+    with pytest.raises(ConfigError, match="seed: checkpoint 0, this run 5"):
+        prepare(TrainConfig(**{**TINY, "seed": 5, "resume": str(two_checkpoints), "out": str(tmp_path)}))
