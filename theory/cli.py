@@ -176,12 +176,12 @@ def _text(mask: Mask, r: dict) -> str:
                 f"(sigma^2 and zeta^2 all on block {at['zeta']!r}, G^2 on block {at['grad']!r})")
     fm = r["flop_matched"]
     if fm["reachable"]:
-        matched = (f"FLOP-matched at eta = {fm['eta']:.6g}: SDP needs {fm['sdp_steps']:.6g} steps to reach DDP's "
-                   f"bound after {fm['ddp_steps']} ({fm['compute_ratio']:.4g} x DDP's compute at "
+        matched = (f"FLOP-matched at eta = {fm['eta']:.6g}: SDP needs {fm['sdp_steps']:.6g} steps to reach stepwise "
+                   f"DDP's bound after {fm['ddp_steps']} ({fm['compute_ratio']:.4g} x DDP's compute at "
                    f"{fm['compute_fraction']:.4g} per step, backward masking)")
     else:
         matched = (f"FLOP-matched at eta = {fm['eta']:.6g}: never (infinite steps): SDP's floor lies at or above "
-                   f"DDP's bound {fm['ddp_bound']:.6g} after {fm['ddp_steps']} steps")
+                   f"stepwise DDP's bound {fm['ddp_bound']:.6g} after {fm['ddp_steps']} steps")
     lines = [
         f"mask: {mask!r}",
         said,
