@@ -34,7 +34,7 @@ from sdp_train.sdp_blocks import MLPSpec, find_blocks
 from sdp_train.sdp_export import assemble, save_safetensors
 from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
 from sdp_train.sdp_parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
-from sdp_train.sync import ParamBroadcaster, SyncEngine, create_groups, plan_buckets
+from sdp_train.sync import BufferAverager, ParamBroadcaster, SyncEngine, create_groups, plan_buckets
 
 MASKINGS = ("forward", "backward")
 
@@ -121,9 +121,13 @@ class SubnetworkDataParallel(nn.Module):
         self.device = _materialise(module, device, init, init_state is not None)
         if init_state is not None:
             self.load_full_state_dict(init_state)
-        self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names)
-        self.groups = (create_groups(self.plans, self.world_size) if self.world_size > 1
-                       else {p.holders: None for p in self.plans})
+        shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
+        self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names, shapes=shapes)
+        buffer_names = [n for n, (_, dtype) in self.layout.tensors.items()
+                        if dtype.is_floating_point and n not in set(self.layout.parameter_names)]
+        buffer_plans = plan_buckets(self.held_by_rank, buffer_names) if buffer_names else []
+        self.groups = (create_groups([*self.plans, *buffer_plans], self.world_size) if self.world_size > 1
+                       else {p.holders: None for p in [*self.plans, *buffer_plans]})
         if init_state is None and self.world_size > 1:
             broadcast_from_holders(module, self.plans, self.local_index, self.groups, self.rank)
         # 4. activation checkpointing, inside each held block
@@ -133,6 +137,7 @@ class SubnetworkDataParallel(nn.Module):
         # 5. gradient averaging among holders: FSDP2 over holder meshes, or the sync engine
         self.engine: SyncEngine | None = None
         self.broadcaster: ParamBroadcaster | None = None
+        self.buffer_averager: BufferAverager | None = None
         self.optimizers_registered = 0
         self._bytes_of_old_engines = 0
         self._sync_enabled = True
@@ -142,6 +147,9 @@ class SubnetworkDataParallel(nn.Module):
             apply_holder_fsdp(module, self.mask, block_names, self.rank, self.device)
         else:
             self.engine = self._new_engine()
+            if buffer_plans and self.world_size > 1 and masking == "forward":
+                # running statistics (BatchNorm) move with each holder's own batches: average them too
+                self.buffer_averager = BufferAverager(module, buffer_plans, self.local_index, self.groups, self.rank)
             if masking == "backward" and self.world_size > 1:
                 self.broadcaster = ParamBroadcaster(module, self.plans, self.world_size)
                 self.broadcaster.broadcast()  # non-holders' frozen copies start from the holders' values
@@ -184,6 +192,8 @@ class SubnetworkDataParallel(nn.Module):
     def _finish_sync(self) -> None:
         self._finish_queued = False
         self._sq_norm = self.engine.finish()
+        if self.buffer_averager is not None:
+            self.buffer_averager.average()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -288,6 +298,8 @@ class SubnetworkDataParallel(nn.Module):
             total += self.engine.comm_bytes
         if self.broadcaster is not None:
             total += self.broadcaster.comm_bytes
+        if self.buffer_averager is not None:
+            total += self.buffer_averager.bytes.buffer
         return total
 
 

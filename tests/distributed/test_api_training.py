@@ -137,6 +137,31 @@ class TinySwin(nn.Module):
         return self.head(self.norm(h).mean(dim=(1, 2)))
 
 
+class BatchNormBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.linear = nn.BatchNorm1d(width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(self.norm(x))
+
+
+class BatchNormNet(nn.Module):
+    """Residual blocks with BatchNorm: running statistics that each holder updates from its own batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.layers = nn.ModuleList(BatchNormBlock(8) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
 def llama_config():
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
@@ -342,6 +367,10 @@ def accumulation_and_clipping_ranks(out: Path, rank: int) -> None:
                                   autocast_dtype=torch.bfloat16)
     loss_of("custom", bf16, *batch("custom", 0, rank)).backward()
     saved["bf16"] = {"grads": _grads(bf16), "bytes": bf16.comm_bytes}
+    torch.manual_seed(0)
+    bn = SubnetworkDataParallel(BatchNormNet(), mask=Mask(BLOCK_MASK))
+    loss_of("custom", bn, *batch("custom", 0, rank)).backward()
+    saved["batchnorm"] = {n: t.clone() for n, t in bn.module.state_dict().items() if "running" in n}
     torch.save(saved, out / f"accumulation_rank{rank}.pt")
 
 
@@ -510,3 +539,10 @@ def test_a_worker_model_has_no_tensor_of_its_dropped_blocks(ranks_out, kind):
     for r, saved in enumerate(_load(ranks_out, f"{kind}_block")):
         held = {j for j in range(4) if any(n.startswith(f"{names[j]}.") for n in saved["state"])}
         assert held == set(np.flatnonzero(BLOCK_MASK[r]).tolist()), r
+
+
+def test_holders_average_their_batchnorm_running_statistics(ranks_out):
+    a, b = (saved["batchnorm"] for saved in _load(ranks_out, "accumulation"))
+    for name in ("layers.1.norm.running_mean", "layers.3.norm.running_var"):  # blocks held by both workers
+        assert torch.equal(a[name], b[name]), name
+    assert "layers.2.norm.running_mean" not in a and "layers.0.norm.running_mean" not in b
