@@ -16,6 +16,8 @@ import argparse
 import json
 import math
 
+import numpy as np
+
 from masklab.io import load_mask
 from masklab.mask import Mask
 from theory.bounds import (
@@ -23,9 +25,11 @@ from theory.bounds import (
     ddp_bound,
     flop_matched_steps,
     optimal_step_size,
+    redraws_every_update,
     sdp_bound,
 )
-from theory.constants import load_constants, worst_case_blocks, worst_case_constants
+from theory.consensus import optimal_overlap_step_size, overlap_bound, overlap_flop_matched_steps
+from theory.constants import load_constants, worst_case_blocks, worst_case_constants, worst_case_split
 from theory.errors import TheoryError
 from theory.problems import make_logistic, make_quadratic
 from theory.simulate import simulate
@@ -58,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--local-steps", type=int, default=1, metavar="H", help="local steps per averaging (1)")
     p.add_argument("--grad-bound", type=float, default=None, metavar="G",
                    help="bound G on a worker's stochastic gradient norm (total, RMS); needed when H > 1")
+    p.add_argument("--overlap", action="store_true",
+                   help="bound the mean of the copies under overlap averaging (Theorem 6: copies kept, holders "
+                   "average every H local steps, copies start equal); needs G")
     p.add_argument("--simulate", choices=("quadratic", "logistic"), default=None,
                    help="also simulate SDP on a generated problem and compare with the bound")
     p.add_argument("--seeds", type=int, default=16, help="simulation replicas (default 16)")
@@ -70,11 +77,19 @@ def run(args: argparse.Namespace) -> int:
     mask = load_mask(args.mask)
     constants, source = _constants(mask, args)
     h = args.local_steps
-    terms = sdp_bound(mask, constants, eta=args.eta, steps=args.steps, local_steps=h)
+    if args.overlap:
+        if args.simulate is not None:
+            raise TheoryError("--simulate runs stepwise averaging; it cannot check the --overlap bound")
+        terms = overlap_bound(mask, constants, eta=args.eta, steps=args.steps, local_steps=h)
+        eta_best = optimal_overlap_step_size(mask, constants, steps=args.steps, local_steps=h)
+        best = overlap_bound(mask, constants, eta=eta_best, steps=args.steps, local_steps=h)
+        match = overlap_flop_matched_steps(mask, constants, eta=eta_best, ddp_steps=args.steps, local_steps=h)
+    else:
+        terms = sdp_bound(mask, constants, eta=args.eta, steps=args.steps, local_steps=h)
+        eta_best = optimal_step_size(mask, constants, steps=args.steps, local_steps=h)
+        best = sdp_bound(mask, constants, eta=eta_best, steps=args.steps, local_steps=h)
+        match = flop_matched_steps(mask, constants, eta=eta_best, ddp_steps=args.steps, local_steps=h)
     ddp = ddp_bound(mask, constants, eta=args.eta, steps=args.steps, local_steps=h)
-    eta_best = optimal_step_size(mask, constants, steps=args.steps, local_steps=h)
-    best = sdp_bound(mask, constants, eta=eta_best, steps=args.steps, local_steps=h)
-    match = flop_matched_steps(mask, constants, eta=eta_best, ddp_steps=args.steps, local_steps=h)
     report = {
         "step_size_ok": terms.step_size_ok,
         "eta": args.eta,
@@ -86,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "ddp_bound": ddp.total,
         "ratio_to_ddp": terms.total / ddp.total if ddp.total > 0 else math.inf,
         "constants": source,
+        "theorem": "Theorem 6 (overlap averaging)" if args.overlap else _stepwise_theorem(mask, h),
         "bound_at_eta_best": best.total,
         "flop_matched": {
             "eta": eta_best, "ddp_steps": match.ddp_steps, "ddp_bound": match.ddp_bound,
@@ -102,6 +118,12 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_VIOLATED if report.get("violated") else 0
 
 
+def _stepwise_theorem(mask: Mask, local_steps: int) -> str:
+    if local_steps > 1:
+        return "Theorem 3 (local steps, stepwise averaging)"
+    return "Theorem 2' (mask redrawn every update)" if redraws_every_update(mask) else "Theorem 1 (mask in force)"
+
+
 def _constants(mask: Mask, args: argparse.Namespace) -> tuple[ProblemConstants, dict]:
     totals = {"--sigma": args.sigma, "--zeta": args.zeta, "--grad-bound": args.grad_bound}
     if args.constants is not None:
@@ -116,9 +138,21 @@ def _constants(mask: Mask, args: argparse.Namespace) -> tuple[ProblemConstants, 
                         ("--suboptimality", args.suboptimality)):
         if value is None:
             raise TheoryError(f"{flag} is required without --constants")
-    constants = worst_case_constants(mask, smoothness=args.smoothness, sigma=args.sigma, zeta=args.zeta,
-                                     suboptimality=args.suboptimality, grad_bound=args.grad_bound)
-    at = worst_case_blocks(mask)
+    totals = {"smoothness": args.smoothness, "sigma": args.sigma, "zeta": args.zeta,
+              "suboptimality": args.suboptimality, "grad_bound": args.grad_bound}
+    if args.overlap:
+        if args.grad_bound is None:
+            raise TheoryError("--overlap needs --grad-bound: Theorem 6 bounds the copies' drift with it")
+
+        def overlap_total(c: ProblemConstants) -> float:
+            return overlap_bound(mask, c, eta=args.eta, steps=args.steps, local_steps=args.local_steps).total
+
+        constants = worst_case_split(mask, overlap_total, **totals)
+        at = {"sigma": int(np.argmax(constants.sigma_sq)), "zeta": int(np.argmax(constants.zeta_sq)),
+              "grad": int(np.argmax(constants.grad_sq))}
+    else:
+        constants = worst_case_constants(mask, **totals)
+        at = worst_case_blocks(mask)
     return constants, {"source": "worst-case split of totals",
                        "worst_case_blocks": {k: mask.block_names[j] for k, j in at.items()}}
 
@@ -173,7 +207,7 @@ def _text(mask: Mask, r: dict) -> str:
     else:
         at = src["worst_case_blocks"]
         said = (f"constants: the worst case over every split of the totals across blocks "
-                f"(sigma^2 and zeta^2 all on block {at['zeta']!r}, G^2 on block {at['grad']!r})")
+                f"(sigma^2 on block {at['sigma']!r}, zeta^2 on block {at['zeta']!r}, G^2 on block {at['grad']!r})")
     fm = r["flop_matched"]
     if fm["reachable"]:
         matched = (f"FLOP-matched at eta = {fm['eta']:.6g}: SDP needs {fm['sdp_steps']:.6g} steps to reach stepwise "
@@ -184,6 +218,7 @@ def _text(mask: Mask, r: dict) -> str:
                    f"stepwise DDP's bound {fm['ddp_bound']:.6g} after {fm['ddp_steps']} steps")
     lines = [
         f"mask: {mask!r}",
+        f"theorem: {r['theorem']}",
         said,
         f"step size: eta = {r['eta']:.6g} {'satisfies' if r['step_size_ok'] else 'VIOLATES'} "
         f"0 < eta <= {r['eta_max']:.6g}; best eta for this T: {r['eta_best']:.6g}",

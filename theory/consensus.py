@@ -22,11 +22,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.optimize import minimize_scalar
 
 from masklab.mask import Mask
 from theory.bounds import (
     BoundTerms,
+    FlopMatch,
     ProblemConstants,
+    backward_masking_compute_fraction,
+    ddp_bound,
     _check_eta_steps,
     _check_mask_constants,
     update_statistics,
@@ -210,14 +214,56 @@ def overlap_bound(
     if constants.grad_sq is None:
         raise AssumptionError("overlap averaging needs a bound on the per-worker gradient second moment "
                               "(grad_sq, `--grad-bound`): Theorem 6 bounds the copies' drift with it")
+    rounds = steps // local_steps
+    xi0 = np.zeros(mask.blocks) if initial is None else np.asarray(initial, dtype=float)
+    xi_bar = float(consensus_deviation_bound(mask, xi0, rounds=rounds - 1, eta=eta, local_steps=local_steps,
+                                             grad_sq=constants.grad_sq).mean())
+    return _overlap_terms(mask, constants, eta=eta, steps=steps, local_steps=local_steps, xi_bar=xi_bar)
+
+
+def optimal_overlap_step_size(mask: Mask, constants: ProblemConstants, *, steps: int, local_steps: int = 1) -> float:
+    """The eta in (0, 1/(12 L H)] that minimises Theorem 6's bound for horizon `steps` (copies start equal)."""
+    eta_max = 1.0 / (12.0 * constants.smoothness * local_steps)
+
+    def total(eta: float) -> float:
+        value = overlap_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
+        return value if math.isfinite(value) else 1e300
+
+    res = minimize_scalar(total, bounds=(eta_max * 1e-6, eta_max), method="bounded")
+    return float(res.x) if total(float(res.x)) < total(eta_max) else eta_max
+
+
+def overlap_flop_matched_steps(
+    mask: Mask,
+    constants: ProblemConstants,
+    *,
+    eta: float,
+    ddp_steps: int,
+    local_steps: int = 1,
+) -> FlopMatch:
+    """Local steps T that make Theorem 6's bound (copies start equal) reach stepwise DDP's after `ddp_steps`.
+
+    The consensus term uses the largest deviation bound over a period, which holds at every horizon,
+    so T = (K/c_min) 4 D / (eta (DDP - floor)) suffices; ``inf`` when that floor is at or above
+    DDP's bound. Each local step is a backward-masked step: compute fraction (2 + C)/3.
+    """
+    ddp = ddp_bound(mask, constants, eta=eta, steps=ddp_steps).total
+    period = consensus_period(mask, local_steps=local_steps)
+    xi_sup = float(consensus_deviation_bound(mask, np.zeros(mask.blocks), rounds=period, eta=eta,
+                                             local_steps=local_steps, grad_sq=constants.grad_sq).max())
+    probe = _overlap_terms(mask, constants, eta=eta, steps=local_steps, local_steps=local_steps, xi_bar=xi_sup)
+    floor = probe.bias + probe.variance + probe.consensus
+    gap = ddp - floor
+    needed = math.inf if not gap > 0 else probe.optimization * local_steps / gap
+    return FlopMatch(ddp_steps, ddp, needed, backward_masking_compute_fraction(mask))
+
+
+def _overlap_terms(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int, local_steps: int,
+                   xi_bar: float) -> BoundTerms:
     h, k, lip, lw = local_steps, mask.workers, constants.smoothness, constants.local_smoothness
     c = mask.coverage.astype(float)
     lam = c / k  # the step each block's mean takes, relative to DDP's
     eps_sq, _, kappa = update_statistics(mask, local_steps=h)
-    rounds = steps // h
-    xi0 = np.zeros(mask.blocks) if initial is None else np.asarray(initial, dtype=float)
-    xi_bar = float(consensus_deviation_bound(mask, xi0, rounds=rounds - 1, eta=eta, local_steps=h,
-                                             grad_sq=constants.grad_sq).mean())
     s_h = (h - 1) * h * (2 * h - 1) / 6.0
     scale = k / c.min()  # ||a||^2 <= (K / c_min) ||a||^2_Lambda
     zeta = constants.zeta_sq

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,52 @@ def worst_case_constants(
         suboptimality=suboptimality,
         grad_sq=None if grad_bound is None else on(at["grad"], grad_bound),
     )
+
+
+def worst_case_split(
+    mask: Mask,
+    bound_total: Callable[[ProblemConstants], float],
+    *,
+    smoothness: float,
+    sigma: float,
+    zeta: float,
+    suboptimality: float,
+    grad_bound: float | None = None,
+) -> ProblemConstants:
+    """The worst split of the totals for any bound that is affine in the per-block constants.
+
+    Each total goes to the block whose vertex gives the largest `bound_total` (Proposition 1 holds
+    for every affine bound with non-negative coefficients); 3 B + 1 evaluations. Used for Theorem 6,
+    whose worst blocks differ from Theorems 1-3's (noise is worst on a most-covered block there).
+
+    >>> from theory.bounds import sdp_bound
+    >>> m = Mask([[1, 1], [1, 0]])
+    >>> c = worst_case_split(m, lambda c: sdp_bound(m, c, eta=0.5, steps=10).total, smoothness=1.0,
+    ...                      sigma=1.0, zeta=1.0, suboptimality=1.0)
+    >>> c.zeta_sq.tolist()
+    [0.0, 1.0]
+    """
+    worst = worst_case_constants(mask, smoothness=smoothness, sigma=sigma, zeta=zeta, suboptimality=suboptimality,
+                                 grad_bound=grad_bound)
+    zero = np.zeros(mask.blocks)
+    base = {"sigma_sq": zero, "zeta_sq": zero, "grad_sq": None if grad_bound is None else zero}
+    chosen = {}
+    for name, total in (("sigma_sq", sigma), ("zeta_sq", zeta), ("grad_sq", grad_bound)):
+        if total is None:
+            chosen[name] = None
+            continue
+        values = []
+        for j in range(mask.blocks):
+            vertex = np.zeros(mask.blocks)
+            vertex[j] = total**2
+            trial = {**base, name: vertex}
+            values.append(bound_total(ProblemConstants(smoothness, trial["sigma_sq"], trial["zeta_sq"],
+                                                       suboptimality, grad_sq=trial["grad_sq"])))
+        vertex = np.zeros(mask.blocks)
+        vertex[int(np.argmax(values))] = total**2
+        chosen[name] = vertex
+    return ProblemConstants(worst.smoothness, chosen["sigma_sq"], chosen["zeta_sq"], worst.suboptimality,
+                            grad_sq=chosen["grad_sq"])
 
 
 def load_constants(

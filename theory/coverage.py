@@ -17,10 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from masklab.mask import Mask, Schedule
-from scipy.optimize import minimize_scalar
-
-from theory.bounds import ProblemConstants, ddp_bound, optimal_step_size, sdp_bound
-from theory.consensus import overlap_bound
+from theory.bounds import ddp_bound, optimal_step_size, sdp_bound
+from theory.consensus import optimal_overlap_step_size, overlap_bound
 from theory.constants import worst_case_constants
 from theory.errors import TheoryError
 
@@ -103,23 +101,12 @@ def covered_bound_ratio(
     full = Mask(np.ones_like(mask.matrix), block_sizes=mask.block_sizes)
     ddp = ddp_bound(mask, constants, eta=optimal_step_size(full, constants, steps=steps), steps=steps).total
     if overlap:
-        eta = _best_overlap_eta(mask, constants, steps=steps, local_steps=local_steps)
+        eta = optimal_overlap_step_size(mask, constants, steps=steps, local_steps=local_steps)
         total = overlap_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
     else:
         eta = optimal_step_size(mask, constants, steps=steps, local_steps=local_steps)
         total = sdp_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
     return total / ddp if math.isfinite(total) else math.inf
-
-
-def _best_overlap_eta(mask: Mask, constants: ProblemConstants, *, steps: int, local_steps: int) -> float:
-    eta_max = 1.0 / (12.0 * constants.smoothness * local_steps)
-
-    def total(eta: float) -> float:
-        value = overlap_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
-        return value if math.isfinite(value) else 1e300
-
-    res = minimize_scalar(total, bounds=(eta_max * 1e-6, eta_max), method="bounded")
-    return float(res.x) if total(float(res.x)) < total(eta_max) else eta_max
 
 
 def _schedule_words(schedule: Schedule) -> str:

@@ -27,7 +27,7 @@ from theory.bounds import constants_from_totals, sdp_bound
 from theory.constants import load_constants, worst_case_constants
 from theory.errors import TheoryError
 from theory.problems import make_quadratic
-from theory.simulate import simulate
+from theory.simulate import simulate, simulate_consensus
 
 Z = 3.0
 
@@ -183,3 +183,33 @@ def test_permute_schedule_worst_split_is_also_the_least_covered_block():
         c = constants_from_totals(mask, smoothness=1.0, sigma=1.0, zeta=1.0, suboptimality=1.0)
         c = type(c)(1.0, one, one, 1.0)
         assert sdp_bound(mask, c, eta=0.3, steps=50).total <= sdp_bound(mask, worst, eta=0.3, steps=50).total
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(mask=masks(max_workers=5, max_blocks=3), data=st.data())
+def test_verify_overlap_never_prints_less_than_measured_for_any_split(mask, data):
+    h = data.draw(st.sampled_from([1, 2]), label="local_steps")
+    kind = data.draw(st.sampled_from(["permute", "cyclic"]), label="kind")
+    mask = mask.replace(block_sizes=[2] * mask.blocks, schedule=Schedule(kind, h))
+    b = mask.blocks
+    raw = np.asarray(data.draw(st.lists(st.floats(0.0, 1.0), min_size=2 * b, max_size=2 * b), label="split")) + 1e-3
+    problem = make_quadratic([2] * b, mask.workers, smoothness=1.0, sigma=0.5, zeta=1.0, suboptimality=1.0,
+                             sigma_split=raw[:b] / raw[:b].sum(), zeta_split=raw[b:] / raw[b:].sum(), seed=7)
+    eta, steps = 0.5 / (12 * h), 10 * h
+    res = simulate_consensus(problem, mask, rounds=10, eta=eta, local_steps=h, initial_spread=0.0, seeds=32, seed=8)
+    grad_total = float(np.sqrt(res.grad_sq_seen.sum()))  # A6 along the run, as a total
+    printed = _verify(mask, ["--smoothness", "1", "--sigma", "0.5", "--zeta", "1", "--suboptimality", "1",
+                             "--grad-bound", repr(grad_total * (1 + 1e-9)), "--eta", repr(eta), "--steps", str(steps),
+                             "--local-steps", str(h), "--overlap"])
+    assert printed["theorem"].startswith("Theorem 6")
+    assert res.measured + Z * res.stderr <= printed["bound"]
+
+
+def test_verify_overlap_needs_a_gradient_bound_and_says_when_no_gap_exists():
+    mask = _issue_mask()
+    argv = ["--smoothness", "1", "--sigma", "0.5", "--zeta", "1", "--suboptimality", "1", "--eta", "0.01",
+            "--steps", "20", "--overlap"]
+    with pytest.raises(TheoryError, match="--overlap needs --grad-bound"):
+        _verify(mask, argv)
+    out = _verify(mask, [*argv, "--grad-bound", "1"])  # static mask: no positive mixing gap
+    assert out["bound"] == float("inf") and out["flop_matched"]["reachable"] is False
