@@ -295,3 +295,12 @@ def test_a_meta_device_model_with_non_persistent_buffers_needs_an_init_function(
         model = llama()
     with pytest.raises(ConfigError, match=r"non-persistent buffers \['model.rotary_emb.inv_freq'"):
         SubnetworkDataParallel(model, active=1.0, init_state=full.state_dict())
+
+
+def test_importing_the_package_stays_torch_free_until_the_api_is_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, sdp_train; assert 'torch' not in sys.modules; "
+            "from sdp_train import SDP, SubnetworkDataParallel; assert SDP is SubnetworkDataParallel")
+    subprocess.run([sys.executable, "-c", code], check=True)
