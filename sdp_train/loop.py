@@ -45,6 +45,7 @@ from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, init_distributed, print0,
                              restart_attempt, run_id)
+from sdp_train.errors import ConfigError
 from sdp_train.memory import MemoryMeter, format_bytes
 from sdp_train.models import model_class
 from sdp_train.train import Prepared, Run, loss_fn, prepare
@@ -57,8 +58,6 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     device = default_device()
     info = get_dist_info()
     if info.world_size != cfg.workers:
-        from sdp_train.errors import ConfigError
-
         raise ConfigError(f"--workers {cfg.workers} but the launcher started {info.world_size} ranks")
     torch.manual_seed(cfg.seed)
     info = init_distributed(device)
@@ -164,18 +163,50 @@ def _resume_after_restart(prep: Prepared) -> Prepared:
     return dataclasses.replace(prep, resume_from=found)
 
 
+def metrics_history(out: str | Path, start: int, *, report: bool = True) -> list[dict[str, Any]]:
+    """The records of steps ``0 .. start-1`` in ``out/metrics.jsonl``, which a run resumed at `start` keeps.
+
+    Lines after them (steps the checkpoint does not cover, or a line half-written when a run was
+    killed) are dropped, with a note on stderr when any was damaged. A damaged or missing line among
+    the kept steps is a ConfigError naming the file and line: the resume refuses rather than
+    continue with a history that has a hole. A missing file means no history.
+    """
+    path = Path(out) / "metrics.jsonl"
+    if not start or not path.is_file():
+        return []
+    kept: list[dict[str, Any]] = []
+    dropped = 0
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if len(kept) == start:
+            dropped += 1
+            continue
+        try:
+            record = json.loads(line)
+            step = record["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{path}:{lineno}: damaged metrics line ({type(exc).__name__}: {exc}); the resume "
+                              f"at step {start} keeps the lines of steps 0..{start - 1}: repair the file, or "
+                              f"remove it to resume without that history") from None
+        if step != len(kept):
+            raise ConfigError(f"{path}:{lineno}: expected the line of step {len(kept)}, found step {step!r}")
+        kept.append(record)
+    if dropped and report:
+        print0(f"sdp train: {path}: kept steps 0..{start - 1} (the checkpoint's), dropped {dropped} later line(s)")
+    return kept
+
+
 def _open_metrics(out: Path, start: int):
-    """metrics.jsonl for writing, and the records it keeps: none (fresh), or (resuming) the steps before `start`."""
+    """metrics.jsonl for writing, and the records it keeps: none (fresh), or (resuming) the steps before `start`.
+
+    The kept history is read and checked before anything is removed or rewritten.
+    """
+    kept = metrics_history(out, start)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
-    path = out / "metrics.jsonl"
-    kept = []
-    if start and path.is_file():
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] < start]
-    f = open(path, "w", encoding="utf-8")
-    f.writelines(line + "\n" for line in kept)
+    f = open(out / "metrics.jsonl", "w", encoding="utf-8")
+    f.writelines(json.dumps(record) + "\n" for record in kept)
     f.flush()
-    return f, [json.loads(line) for line in kept]
+    return f, kept
 
 
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ line from rank 0.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import fields
@@ -71,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     from sdp_train.dist import get_dist_info, launch_local, restart_attempt, under_torchrun
     from sdp_train.errors import NonFiniteError
-    from sdp_train.loop import train
+    from sdp_train.checkpoint import MANIFEST
+    from sdp_train.loop import metrics_history, train
     from sdp_train.train import prepare
 
     cfg = config_from_args(args)
@@ -81,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     lock = None
     if owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
         prep = prepare(cfg)  # refuse bad configs and masks before starting any process
+        if prep.resume_from is not None:  # its history must be readable before anything is replaced
+            manifest = json.loads((prep.resume_from / MANIFEST).read_text(encoding="utf-8"))
+            metrics_history(cfg.out, manifest["step"], report=False)
         lock = _claim_out_dir(cfg, args.overwrite, first_attempt=restart_attempt() == 0)
         if restart_attempt() == 0:
             report_mask(prep)

@@ -123,3 +123,23 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     assert (out / "metrics.jsonl").stat().st_size == size, "ranks kept training after their launcher died"
     alive = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not alive, f"ranks still running: {alive}"
+
+
+@pytest.mark.slow
+def test_a_resume_over_a_damaged_metrics_file_names_file_and_line_and_deletes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--workers", "1", "--steps", "3", "--checkpoint-every", "2", "--out", str(out)]) == 0
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0][:-5], *lines[1:]]) + "\n")  # step 0's line cut short
+    summary = (out / "summary.json").read_text()
+    capsys.readouterr()
+    resume = ["train", *TINY, "--workers", "1", "--steps", "4", "--out", str(out), "--resume", str(out)]
+    assert main(resume) == 2
+    err = capsys.readouterr().err
+    assert f"{metrics}:1: damaged metrics line" in err and len(err.strip().splitlines()) == 1, err
+    assert (out / "summary.json").read_text() == summary  # nothing deleted
+    metrics.write_text("\n".join([*lines, '{"step": 3, "lo']) + "\n")  # a line half-written after the checkpoint
+    assert main(resume) == 0
+    assert "kept steps 0..2 (the checkpoint's), dropped 1 later line(s)" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2, 3]
