@@ -5,8 +5,8 @@
 ``grads``: for each (model, mode, mask) in SPEC, one forward/backward on this rank's batch, the
 sync engine's averaged gradients saved with the batch (full-model names, this rank's local
 tensors and their full-model index) for the test to compare with a single-process reference.
-``steps``: a few optimizer steps of each (model, mode, mask) case; every rank saves its state dict.
-``fsdp_bytes``: a few FSDP steps, saving each step's buffer and wire bytes and intercepted ops.
+``steps``: a few optimizer steps of each (model, mode, mask) case; every rank saves its state dict
+and each step's bytes.
 ``eval_memory``: one step of each config in SPEC, then the validation under the memory tracker.
 ``overlap``: one backward per case, logging the order of gradient events and all_reduce launches.
 ``train``: the training loop for each config in SPEC, one after another in one process group.
@@ -51,23 +51,8 @@ def grads_case(spec: dict, info, device, out: Path) -> None:
 
 
 def steps_case(spec: dict, info, device, out: Path) -> None:
-    """`spec["steps"]` optimizer steps of each case; every rank saves its full state dict after them."""
-    for i, case in enumerate(spec["cases"]):
-        cfg = TrainConfig(model=case["model"], mode=case["mode"], workers=info.world_size, batch_size=2,
-                          seq_len=16, active=None, mask=case["mask"], out=str(out), warmup_steps=1,
-                          model_overrides=case.get("model_overrides", {}))
-        prep = prepare(cfg)
-        run = Run(prep, info, device)
-        initial = {n: t.clone() for n, t in run.model.state_dict().items()}
-        batches = build_batches(prep.data, split="train", seed=0, rank=info.rank, world_size=info.world_size)
-        for step in range(spec["steps"]):
-            inputs, targets = next(batches)
-            run.step(step, inputs, targets)
-        torch.save({"initial": initial, "final": run.model.state_dict()}, out / f"steps{i}_rank{info.rank}.pt")
-
-
-def fsdp_bytes_case(spec: dict, info, device, out: Path) -> None:
-    """A few FSDP steps; per step: buffer and wire bytes, and how many ops the byte counter intercepted."""
+    """`spec["steps"]` optimizer steps of each case; every rank saves its state dict before and after
+    them, and per step its buffer and wire bytes and the ops FSDP's byte counter intercepted."""
     import sdp_train.train as train_module
 
     calls = [0]
@@ -78,19 +63,26 @@ def fsdp_bytes_case(spec: dict, info, device, out: Path) -> None:
         return original(self, func, types, args, kwargs)
 
     train_module.FSDPCollectiveBytes.__torch_dispatch__ = counted
-    cfg = TrainConfig(model="llama-debug", mode="fsdp", workers=info.world_size, batch_size=2, seq_len=16,
-                      out=str(out), warmup_steps=1)
-    prep = prepare(cfg)
-    run = Run(prep, info, device)
-    batches = build_batches(prep.data, split="train", seed=0, rank=info.rank, world_size=info.world_size)
-    steps = []
-    for step in range(spec["steps"]):
-        inputs, targets = next(batches)
-        before = (run.comm_bytes, run.wire_bytes, calls[0])
-        run.step(step, inputs, targets)
-        steps.append({"comm_bytes": run.comm_bytes - before[0], "wire_bytes": run.wire_bytes - before[1],
-                      "intercepted": calls[0] - before[2]})
-    (out / f"fsdp_bytes_rank{info.rank}.json").write_text(json.dumps(steps))
+    for i, case in enumerate(spec["cases"]):
+        cfg = TrainConfig(model=case["model"], mode=case["mode"], workers=info.world_size, batch_size=2,
+                          seq_len=16, active=None, mask=case.get("mask"), out=str(out), warmup_steps=1,
+                          model_overrides=case.get("model_overrides", {}))
+        prep = prepare(cfg)
+        run = Run(prep, info, device)
+        initial = {n: t.clone() for n, t in run.model.state_dict().items()}
+        batches = build_batches(prep.data, split="train", seed=0, rank=info.rank, world_size=info.world_size)
+        steps = []
+        for step in range(spec["steps"]):
+            inputs, targets = next(batches)
+            before = (run.comm_bytes, run.wire_bytes, calls[0])
+            run.step(step, inputs, targets)
+            steps.append({"comm_bytes": run.comm_bytes - before[0], "wire_bytes": run.wire_bytes - before[1],
+                          "intercepted": calls[0] - before[2]})
+        sharded = cfg.mode == "fsdp"  # its states are shards: only the bytes are compared
+        torch.save({"initial": {} if sharded else initial, "final": {} if sharded else run.model.state_dict(),
+                    "steps": steps}, out / f"steps{i}_rank{info.rank}.pt")
+        del run
+        gc.collect()
 
 
 class LiveBytes(TorchDispatchMode):
@@ -179,8 +171,9 @@ def main() -> None:
     device = default_device()
     info = init_distributed(device)
     try:
-        {"grads": grads_case, "steps": steps_case, "fsdp_bytes": fsdp_bytes_case,
-         "eval_memory": eval_memory_case, "overlap": overlap_case, "train": train_case}[case](spec, info, device, out)
+        cases = {"grads": grads_case, "steps": steps_case, "eval_memory": eval_memory_case, "overlap": overlap_case,
+                 "train": train_case}
+        cases[case](spec, info, device, out)
     finally:
         destroy_distributed()
 

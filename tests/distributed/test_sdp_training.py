@@ -137,33 +137,77 @@ def test_comm_bytes_are_the_held_blocks_with_several_holders(grad_runs, case):
         assert expected_wire < result["comm_bytes"] * 2 * (K - 1) / K  # some buckets have fewer than K holders
 
 
-def test_fsdp_bytes_are_counted_on_the_first_step_only_and_wire_is_the_ring_share(tmp_path):
-    """FSDP's dispatch-mode byte counter must not tax later steps; K = 2: all-gather and
-    reduce-scatter send (c - 1) / c = 1/2 of their buffers, the stats all-reduce 2 (c - 1) / c = 1."""
-    run_rank_script(2, "fsdp_bytes", {"steps": 3}, tmp_path)
-    for r in range(2):
-        steps = json.loads((tmp_path / f"fsdp_bytes_rank{r}.json").read_text())
-        assert steps[0]["intercepted"] > 0
-        assert [s["intercepted"] for s in steps[1:]] == [0, 0]
-        assert len({s["comm_bytes"] for s in steps}) == 1
-        stats = 8
-        for s in steps:
-            assert s["wire_bytes"] == pytest.approx((s["comm_bytes"] - stats) / 2 + stats)
+RESNET_OVERRIDES = {"width_multiplier": 0.125, "in_channels": 1}
+RESNET = get_model_config("resnet18-cifar", **RESNET_OVERRIDES)
+RESNET_MASKS = {  # coverage 1 to 4 per block (channel group), every worker non-empty
+    "block": np.array([[1, 1, 0, 1, 1], [1, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=np.uint8),
+    "neuron": np.tile(np.array([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 0], [0, 0, 0, 1]], dtype=np.uint8), (1, 5)),
+}
+STEP_CASES = ["llama-bbsdp", "llama-fsdp", "resnet-bsdp", "resnet-nsdp", "resnet-bbsdp"]
 
 
-def test_bbsdp_every_rank_has_bit_identical_full_parameters_after_steps(tmp_path):
+@pytest.fixture(scope="module")
+def step_runs(tmp_path_factory) -> list[list[dict]]:
+    """Two optimizer steps of every STEP_CASES run on K gloo ranks, in one launch."""
+    out = tmp_path_factory.mktemp("steps")
+    cases = [{"model": "llama-debug", "mode": "bbsdp", "mask": str(save_mask(Mask(_masks()["block"]), out / "b.json"))},
+             {"model": "llama-debug", "mode": "fsdp"}]
+    for mode, level in (("bsdp", "block"), ("nsdp", "neuron"), ("bbsdp", "block")):
+        cases.append({"model": "resnet18-cifar", "model_overrides": RESNET_OVERRIDES, "mode": mode,
+                      "mask": str(save_mask(Mask(RESNET_MASKS[level]), out / f"resnet-{mode}.json"))})
+    run_rank_script(K, "steps", {"steps": 2, "cases": cases}, out)
+    return [[torch.load(out / f"steps{i}_rank{r}.pt", weights_only=True) for r in range(K)] for i in range(len(cases))]
+
+
+def test_bbsdp_every_rank_has_bit_identical_full_parameters_after_steps(step_runs):
     """Bb-SDP broadcasts each block's new values from a holder: after a step, all full models agree."""
-    mask = _masks()["block"]
-    path = save_mask(Mask(mask), tmp_path / "bbsdp.json")
-    run_rank_script(K, "steps", {"steps": 2, "cases": [{"model": "llama-debug", "mode": "bbsdp", "mask": str(path)}]},
-                    tmp_path)
-    ranks = [torch.load(tmp_path / f"steps0_rank{r}.pt", weights_only=True) for r in range(K)]
+    ranks = step_runs[STEP_CASES.index("llama-bbsdp")]
     names = set(block_map(LLAMA).parameter_names)
     assert set(ranks[0]["final"]) >= names
     for name in sorted(names):
         assert not torch.equal(ranks[0]["final"][name], ranks[0]["initial"][name]), f"{name} was not trained"
         for r in range(1, K):
             assert torch.equal(ranks[r]["final"][name], ranks[0]["final"][name]), f"rank {r} differs in {name}"
+
+
+def test_fsdp_bytes_are_counted_on_the_first_step_only_and_wire_is_the_ring_share(step_runs):
+    """FSDP's dispatch-mode byte counter must not tax later steps; with K ranks all-gather and
+    reduce-scatter send (K - 1) / K of their buffers, the stats all-reduce 2 (K - 1) / K."""
+    for r, result in enumerate(step_runs[STEP_CASES.index("llama-fsdp")]):
+        steps = result["steps"]
+        assert steps[0]["intercepted"] > 0 and [s["intercepted"] for s in steps[1:]] == [0], f"rank {r}"
+        assert len({s["comm_bytes"] for s in steps}) == 1
+        stats = 8
+        for s in steps:
+            expected = (K - 1) / K * (s["comm_bytes"] - stats) + 2 * (K - 1) / K * stats
+            assert s["wire_bytes"] == pytest.approx(expected), f"rank {r}"
+
+
+@pytest.mark.parametrize("case", ["resnet-bsdp", "resnet-nsdp", "resnet-bbsdp"])
+def test_batchnorm_statistics_are_identical_among_the_holders_of_every_entry(step_runs, case):
+    """Running statistics are averaged among the holders of each block (channel): after steps on
+    different batches every entry is bit-identical on all the ranks that hold it."""
+    mode = case.split("-")[1]
+    level = "neuron" if mode == "nsdp" else "block"
+    ranks = step_runs[STEP_CASES.index(case)]
+    held = [held_tensors(RESNET, RESNET_MASKS[level][r], level) for r in range(K)]
+    compared = moved = 0
+    for name in block_map(RESNET).shapes:
+        if not name.endswith(("running_mean", "running_var")):
+            continue
+        values: dict[int, list[torch.Tensor]] = {}  # full position -> each holder's value
+        for r in range(K):
+            if name not in held[r]:
+                continue
+            value, spec = ranks[r]["final"][name], held[r][name]
+            moved += int(not torch.equal(value, ranks[r]["initial"][name]))
+            for local, i in enumerate(range(value.shape[0]) if spec.is_whole else spec.index):
+                values.setdefault(i, []).append(value[local])
+        for i, vs in values.items():
+            for v in vs[1:]:
+                assert torch.equal(v, vs[0]), f"{mode}: {name}[{i}] differs among its holders"
+                compared += 1
+    assert compared > 0 and moved > 0
 
 
 def _train_cfg(out: Path, **kw) -> dict:
