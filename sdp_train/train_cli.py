@@ -60,8 +60,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = load_config_file(args.config) if args.config else {}
     names = [name for name, _ in _FLAGS.values()] + [name for name, _ in _SWITCHES.values()]
     values.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
-    if values.get("mode") in BASELINES and ("active" in values or "mask" in values):
-        given = ", ".join(f"{k}={values[k]!r}" for k in ("active", "mask") if k in values)
+    if values.get("mode") in BASELINES and any(values.get(k) is not None for k in ("active", "mask")):
+        given = ", ".join(f"{k}={values[k]!r}" for k in ("active", "mask") if values.get(k) is not None)
         raise ConfigError(f"mode={values['mode']!r} trains the full model on every worker: {given} would be "
                           f"ignored; drop it, or choose an SDP mode (bsdp, nsdp, bbsdp)")
     if "mask" in values and "active" not in values:
