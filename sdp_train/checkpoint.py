@@ -113,19 +113,19 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"it has no {MANIFEST}, so its write was interrupted"
     except (UnicodeDecodeError, json.JSONDecodeError):
         return f"its {MANIFEST} is not valid JSON (its bytes were altered)"
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not files:
-        return f"its {MANIFEST} lists no rank files with checksums"
-    try:
-        ranks = {f"rank{r}.pt" for r in range(int(manifest["identity"]["world_size"]))}
-    except (KeyError, TypeError, ValueError):
-        return f"its {MANIFEST} has no identity.world_size"
+    except RecursionError:
+        return f"its {MANIFEST} is nested too deeply to be one of ours"
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        return f"its {MANIFEST} {problem}"
+    files = manifest["files"]
+    ranks = {f"rank{r}.pt" for r in range(manifest["identity"]["world_size"])}
     if set(files) != ranks:
         return f"its {MANIFEST} lists files {sorted(files)}, expected one per rank {sorted(ranks)}"
     for name, expected in sorted(files.items()):
         file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
+        if file.is_symlink() or not file.is_file():
+            return f"{name} is missing" if not file.is_symlink() else f"{name} is a symbolic link, not a rank file"
         try:
             size, sha256 = int(expected["size"]), str(expected["sha256"])
         except (KeyError, TypeError, ValueError):
@@ -135,6 +135,28 @@ def checkpoint_problem(path: Path) -> str | None:
         with open(file, "rb") as f:
             if hashlib.file_digest(f, "sha256").hexdigest() != sha256:
                 return f"{name} does not match its sha256 checksum in the manifest (its bytes were altered)"
+    return None
+
+
+MAX_WORLD_SIZE = 4096  # as TrainConfig.workers
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with a parsed manifest's fields (types and ranges), before any of them is used."""
+    if not isinstance(manifest, dict):
+        return f"is a JSON {type(manifest).__name__}, not an object"
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= 2**40:
+        return f"has step={step!r}; expected an integer in [0, 2**40]"
+    ident = manifest.get("identity")
+    if not isinstance(ident, dict) or not {"mode", "world_size", "model_config"} <= set(ident):
+        return "has no identity with mode, world_size and model_config"
+    world = ident["world_size"]
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD_SIZE:
+        return f"has identity.world_size={world!r}; expected an integer in [1, {MAX_WORLD_SIZE}]"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "lists no rank files with checksums"
     return None
 
 
@@ -233,11 +255,10 @@ def _warn(message: str) -> None:
 
 def load_checkpoint(run: Run, batches: Batches, path: Path) -> int:
     """Restore this rank's state from checkpoint ``path``; return the step to continue from."""
-    state = torch.load(path / f"rank{run.info.rank}.pt", weights_only=True, map_location=run.device)
+    file = path / f"rank{run.info.rank}.pt"
+    state = torch.load(file, weights_only=True, map_location=run.device)
     local = run.model.state_dict()
-    if set(state["model"]) != set(local):
-        raise ConfigError(f"checkpoint {path} rank {run.info.rank} holds tensors {sorted(state['model'])[:5]}..., "
-                          f"this rank's model {sorted(local)[:5]}...; they must be the same")
+    _check_rank_state(file, state, local, run)
     with torch.no_grad():
         for name, tensor in local.items():
             _local(tensor).copy_(state["model"][name])
@@ -254,6 +275,54 @@ def load_checkpoint(run: Run, batches: Batches, path: Path) -> int:
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)
     return int(state["step"])
+
+
+def _check_rank_state(file: Path, state: Any, local: dict[str, torch.Tensor], run: Run) -> None:
+    """ConfigError naming `file` and the field unless `state` fits this rank's model and the manifest.
+
+    Shapes and dtypes are compared before any tensor is copied (``copy_`` would broadcast a scalar
+    into a 128 x 128 weight), the step against the manifest's, the data position and RNG state by type.
+    """
+    def bad(field: str, why: str) -> ConfigError:
+        return ConfigError(f"checkpoint file {file}: {field}: {why}")
+
+    if not isinstance(state, dict) or not {"step", "model", "optimizer", "data", "rng"} <= set(state):
+        raise bad("keys", f"expected step, model, optimizer, data and rng, found "
+                          f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+    manifest = json.loads((file.parent / MANIFEST).read_text(encoding="utf-8"))
+    if state["step"] != manifest["step"]:
+        raise bad("step", f"{state['step']!r}, but the manifest says {manifest['step']} (rank files of different "
+                          f"checkpoints, or swapped)")
+    data = state["data"]
+    if not isinstance(data, dict) or data.get("step") != manifest["step"]:  # one batch per training step
+        raise bad("data.step", f"{data.get('step') if isinstance(data, dict) else data!r}, but the checkpoint is "
+                               f"at step {manifest['step']}")
+    model = state["model"]
+    if not isinstance(model, dict) or set(model) != set(local):
+        names = sorted(model)[:5] if isinstance(model, dict) else type(model).__name__
+        raise bad("model", f"holds tensors {names}..., this rank's model {sorted(local)[:5]}...; they must be the "
+                           f"same (a rank file of another rank?)")
+    for name, tensor in local.items():
+        saved, want = model[name], _local(tensor)
+        if not isinstance(saved, torch.Tensor) or saved.shape != want.shape or saved.dtype != want.dtype:
+            got = (f"{tuple(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor)
+                   else type(saved).__name__)
+            raise bad(f"model.{name}", f"{got}, this rank's model has {tuple(want.shape)} {want.dtype}")
+    if not isinstance(state["rng"], dict) or not isinstance(state["rng"].get("torch"), torch.Tensor) \
+            or state["rng"]["torch"].dtype != torch.uint8:
+        raise bad("rng.torch", "not a torch RNG state (a uint8 tensor)")
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) \
+            or not isinstance(optimizer.get("param_groups"), list):
+        raise bad("optimizer", "not an optimizer state dict (state, param_groups)")
+    params = [_local(p) for group in run.optimizer.param_groups for p in group["params"]]
+    for index, values in optimizer["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(values, dict):
+            raise bad(f"optimizer.state[{index!r}]", f"no such parameter (this rank has {len(params)})")
+        for key, value in values.items():
+            if key != "step" and (not isinstance(value, torch.Tensor) or value.shape != params[index].shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise bad(f"optimizer.state[{index}].{key}", f"{got}, the parameter is {tuple(params[index].shape)}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

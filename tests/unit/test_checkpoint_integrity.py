@@ -200,3 +200,68 @@ def test_a_restart_resumes_only_checkpoints_of_its_own_launch_and_config(two_che
 def test_an_explicit_resume_with_another_seed_is_refused(two_checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="seed: checkpoint 0, this run 5"):
         prepare(TrainConfig(**{**TINY, "seed": 5, "resume": str(two_checkpoints), "out": str(tmp_path)}))
+
+
+def _rewrite_manifest(path: Path, change) -> None:
+    manifest = json.loads((path / MANIFEST).read_text())
+    change(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: m["identity"].update(world_size=10**15), "identity.world_size=1000000000000000; expected"),
+    (lambda m: m.update(step=-1), "step=-1; expected an integer"),
+    (lambda m: m.pop("step"), "step=None; expected an integer"),
+    (lambda m: m["identity"].pop("mode"), "no identity with mode"),
+])
+def test_crafted_manifest_fields_are_refused_naming_the_field(two_checkpoints, change, message):
+    step = two_checkpoints / "step_4"
+    _rewrite_manifest(step, change)
+    with pytest.raises(ConfigError, match=message):
+        find_checkpoint(step)
+
+
+def test_a_deeply_nested_manifest_is_refused_not_a_recursion_error(two_checkpoints):
+    step = two_checkpoints / "step_4"
+    (step / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        find_checkpoint(step)
+    assert find_checkpoint(two_checkpoints) == two_checkpoints / "step_2"  # the previous one is used instead
+
+
+def test_a_rank_file_replaced_by_a_symlink_is_refused(two_checkpoints):
+    step = two_checkpoints / "step_4"
+    (step / "rank0.pt").unlink()
+    (step / "rank0.pt").symlink_to(two_checkpoints / "step_2" / "rank0.pt")
+    with pytest.raises(ConfigError, match="rank0.pt is a symbolic link"):
+        find_checkpoint(step)
+
+
+def _recraft_rank_file(path: Path, change) -> None:
+    """Alter rank0.pt and recompute its size and sha256 in the manifest, so only content checks can tell."""
+    file = path / "rank0.pt"
+    state = torch.load(file, weights_only=True)
+    change(state)
+    torch.save(state, file)
+    digest = __import__("hashlib").sha256(file.read_bytes()).hexdigest()
+    _rewrite_manifest(path, lambda m: m["files"]["rank0.pt"].update(size=file.stat().st_size, sha256=digest))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda s: s["model"].update({next(k for k, v in s["model"].items() if v.dim() == 2): torch.tensor(1.0)}),
+     r"model\..*: \(\) torch.float32, this rank's model has \("),
+    (lambda s: s.update(step=2), "step: 2, but the manifest says 4"),
+    (lambda s: s["data"].update(step=10**30), "data.step: 10{30}, but the checkpoint is at step 4"),
+    (lambda s: s["rng"].update(torch=torch.zeros(3)), "rng.torch: not a torch RNG state"),
+    (lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(1)), r"optimizer.state\[0\].exp_avg"),
+])
+def test_crafted_rank_files_with_a_valid_checksum_are_refused_before_any_tensor_is_loaded(
+        two_checkpoints, tmp_path, change, message):
+    step = two_checkpoints / "step_4"
+    _recraft_rank_file(step, change)
+    run, batches = _run(tmp_path)
+    before = {n: t.clone() for n, t in run.model.state_dict().items()}
+    with pytest.raises(ConfigError, match=message) as err:
+        load_checkpoint(run, batches, step)
+    assert str(step / "rank0.pt") in str(err.value)
+    assert all(torch.equal(before[n], t) for n, t in run.model.state_dict().items())  # nothing half-loaded
