@@ -54,8 +54,10 @@ def paths(tmp_path):
 
 
 @pytest.fixture
-def no_training(monkeypatch):
-    """Replace training and launching by `prepare` + `_WouldStart`."""
+def no_training(monkeypatch, tmp_path):
+    """Replace training and launching by `prepare` + `_WouldStart`, in `tmp_path` (an accepted relative
+    ``--out`` is locked, so created, there and not in the checkout)."""
+    monkeypatch.chdir(tmp_path)
     def fake_train(cfg: TrainConfig):
         prepare(cfg)
         raise _WouldStart
