@@ -1,9 +1,10 @@
 """Write a comparison's report: compare.json, a Markdown table (compare.md) and PNG plots.
 
-Every ratio is to the DDP run of the same comparison. ``bound x DDP`` is the convergence bound of
-docs/theory.md for the run's mask under unit problem constants (L = sigma = zeta = 1,
-f(x0) - f* = 1) at the bound-optimal step size, divided by DDP's: it ranks masks, it does not
-predict a language model's loss. Validation loss is that of the full assembled model on the same
+Every ratio is to the DDP run of the same comparison. ``bound x DDP`` is the bound of the theorem
+of docs/theory.md that covers the run (`theory.coverage.covered_bound_ratio`) under unit problem
+constants (L = sigma = zeta = 1, f(x0) - f* = 1) at the bound-optimal step size, divided by DDP's:
+it ranks masks, it does not predict a language model's loss. Runs no theorem covers (forward-masked
+B-/N-SDP) get none. Validation loss is that of the full assembled model on the same
 held-out batches for every run.
 
 Plots: ``compare_loss.png`` (validation loss against steps and against training FLOPs per rank)
@@ -107,7 +108,10 @@ def markdown_table(report: dict[str, Any]) -> str:
         "Ratios (x) are to DDP in the same comparison. Memory is the measured peak of the largest rank "
         "(MiB: parameters / gradients / optimizer / activations). Buffer MiB/step: the sizes of the buffers "
         "passed to collectives per rank; wire MiB/step: what one rank sends under the ring model "
-        "(all-reduce 2(c-1)/c of its buffer, all-gather / reduce-scatter / broadcast (c-1)/c; docs/design.md).",
+        "(all-reduce 2(c-1)/c of its buffer, all-gather / reduce-scatter / broadcast (c-1)/c; docs/design.md). "
+        "bound x: the bound of the theorem that covers the run (docs/theory.md), over DDP's, under unit "
+        "constants; '-' where no theorem covers it (forward-masked B-/N-SDP, whose subnetworks are not the "
+        "backward-masked algorithm the theorems bound).",
         "",
         "| run | C | steps | val loss | x | train FLOPs x | peak MiB | x | P / G / O / A | buffer MiB/step | x "
         "| wire MiB/step | x | step s | x | bound x |",
