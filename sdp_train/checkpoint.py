@@ -194,6 +194,9 @@ def save_checkpoint(run: Run, batches: Batches, step: int, root: Path, *, keep: 
     path = root / f"step_{step}"
     name = f"rank{run.info.rank}.pt"
     if run.info.is_main:
+        for link in (root, path):  # never write through a link planted in --out: replace it
+            if link.is_symlink():
+                link.unlink()
         path.mkdir(parents=True, exist_ok=True)
         (path / MANIFEST).unlink(missing_ok=True)
     _barrier()

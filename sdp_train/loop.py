@@ -172,7 +172,7 @@ def metrics_history(out: str | Path, start: int, *, report: bool = True) -> list
     continue with a history that has a hole. A missing file means no history.
     """
     path = Path(out) / "metrics.jsonl"
-    if not start or not path.is_file():
+    if not start or path.is_symlink() or not path.is_file():  # a link is not this run's file (replaced)
         return []
     kept: list[dict[str, Any]] = []
     dropped = 0
@@ -203,7 +203,10 @@ def _open_metrics(out: Path, start: int):
     kept = metrics_history(out, start)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)
-    f = open(out / "metrics.jsonl", "w", encoding="utf-8")
+    path = out / "metrics.jsonl"
+    if path.is_symlink():  # never write through a link planted in --out: replace it by a real file
+        path.unlink()
+    f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w", encoding="utf-8")
     f.writelines(json.dumps(record) + "\n" for record in kept)
     f.flush()
     return f, kept

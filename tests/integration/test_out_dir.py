@@ -143,3 +143,21 @@ def test_a_resume_over_a_damaged_metrics_file_names_file_and_line_and_deletes_no
     assert main(resume) == 0
     assert "kept steps 0..2 (the checkpoint's), dropped 1 later line(s)" in capsys.readouterr().out
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_links_planted_in_out_are_replaced_never_written_through(tmp_path):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    assert _one_process_run(out, "--steps", "1", "--checkpoint-every", "1") == 0
+    elsewhere.mkdir()
+    victim = elsewhere / "victim.txt"
+    victim.write_text("keep me")
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to(victim)
+    (out / "checkpoints" / "step_2").symlink_to(elsewhere)
+    assert main(["train", *TINY, "--workers", "1", "--steps", "2", "--checkpoint-every", "1", "--out", str(out),
+                 "--resume", str(out / "checkpoints" / "step_1")]) == 0
+    assert victim.read_text() == "keep me" and sorted(p.name for p in elsewhere.iterdir()) == ["victim.txt"]
+    assert not (out / "metrics.jsonl").is_symlink() and (out / "metrics.jsonl").read_text()
+    assert not (out / "checkpoints" / "step_2").is_symlink()
+    assert (out / "checkpoints" / "step_2" / "manifest.json").is_file()
