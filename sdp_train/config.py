@@ -91,6 +91,9 @@ class TrainConfig:
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
     `max_restarts`, a stop is a worker failure like any other and uses up a restart."""
+    max_consecutive_skips: int = 10
+    """With ``nonfinite='skip'``: this many non-finite steps in a row end the run as ``stop`` would
+    (a diverged run does not come back by skipping)."""
     out: str = "runs/latest"
     """Output directory (metrics.jsonl, summary.json, checkpoints/)."""
 
@@ -111,6 +114,7 @@ class TrainConfig:
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
         _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
                           "keep_checkpoints", "max_restarts")
+        _positive_int(self, "max_consecutive_skips")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if self.active is not None and (isinstance(self.active, bool) or not (

@@ -45,7 +45,7 @@ from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, init_distributed, print0,
                              restart_attempt, run_id)
-from sdp_train.errors import ConfigError
+from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.memory import MemoryMeter, format_bytes
 from sdp_train.models import model_class
 from sdp_train.train import Prepared, Run, loss_fn, prepare
@@ -78,6 +78,7 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
     progress = _Progress(cfg.steps, enabled=info.is_main)
     records: list[dict[str, Any]] = []
     val_history: list[dict[str, float]] = []
+    consecutive_skips = 0
     try:
         for step in range(start, cfg.steps):
             inputs, targets = (t.to(device) for t in next(batches))
@@ -96,6 +97,10 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
                 val_history.append({"step": step, "val_loss": evaluate(run, prep)})
                 record["val_loss"] = val_history[-1]["val_loss"]
             records.append(record)
+            consecutive_skips = consecutive_skips + 1 if stats["skipped"] else 0
+            if consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank: stats are all-reduced
+                raise NonFiniteError(f"step {step}: {consecutive_skips} non-finite steps in a row "
+                                     f"(max_consecutive_skips={cfg.max_consecutive_skips}); the run has diverged")
             if metrics_file is not None:
                 metrics_file.write(json.dumps(_json_safe(record)) + "\n")
                 metrics_file.flush()
@@ -142,9 +147,15 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
            f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB of collective buffers per step per rank "
            f"({(summary['wire_bytes_per_step'] or 0) / 1e6:.3f} MB sent, ring model), peak memory "
-           f"{format_bytes(max(p.get('total', 0) for p in summary['peak_memory_bytes']))} on the largest rank"
+           f"{_peak_text(summary['peak_memory_bytes'])}"
            f"{f', {len(skipped)} step(s) skipped (non-finite)' if skipped else ''} -> {out}")
     return summary
+
+
+def _peak_text(peaks: list[dict[str, int]]) -> str:
+    largest = max((p.get("total", 0) for p in peaks), default=0)
+    # nothing measured: memory_steps=0, or a restart from the final checkpoint trained no step
+    return f"{format_bytes(largest)} on the largest rank" if largest else "not measured (no step measured)"
 
 
 def _resume_after_restart(prep: Prepared) -> Prepared:

@@ -30,7 +30,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--max-data-bytes": ("max_data_bytes", int), "--memory-steps": ("memory_steps", int),
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
-    "--nonfinite": ("nonfinite", str),
+    "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
 }
 _CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES}
 _SWITCHES = {  # flag -> (TrainConfig field, help)
