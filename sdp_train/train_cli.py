@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     lock = None
     if owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
         prep = prepare(cfg)  # refuse bad configs and masks before starting any process
+        check_data(prep)
         if prep.resume_from is not None:  # its history must be readable before anything is replaced
             manifest = json.loads((prep.resume_from / MANIFEST).read_text(encoding="utf-8"))
             metrics_history(cfg.out, manifest["step"], report=False)
@@ -132,6 +133,20 @@ def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool) ->
         print(f"sdp train: {cfg.out}: took over the lock of a run that no longer runs ({stale})",
               file=sys.stderr, flush=True)
     return lock
+
+
+def check_data(prep) -> None:
+    """Open the data as the first and the last rank will, both splits, so a shard too small or
+    unreadable for some rank is refused here in one line instead of by every rank after launch.
+
+    The last rank gets the fewest items (items are dealt out in rank order).
+    """
+    from sdp_train.data import build_batches
+
+    workers = prep.config.workers
+    for split in ("train", "val"):
+        for rank in sorted({0, workers - 1}):
+            build_batches(prep.data, split=split, seed=prep.config.seed, rank=rank, world_size=workers)
 
 
 def report_mask(prep) -> None:

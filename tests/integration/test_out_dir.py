@@ -161,3 +161,32 @@ def test_links_planted_in_out_are_replaced_never_written_through(tmp_path):
     assert not (out / "metrics.jsonl").is_symlink() and (out / "metrics.jsonl").read_text()
     assert not (out / "checkpoints" / "step_2").is_symlink()
     assert (out / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+def _shards(root: Path, train_tokens: int, val_tokens: int) -> Path:
+    root.mkdir()
+    (root / "train0.bin").write_bytes(bytes(2 * train_tokens))
+    (root / "val0.bin").write_bytes(bytes(2 * val_tokens))
+    return root
+
+
+@pytest.mark.parametrize(("setup", "message"), [
+    (lambda t: ["--data", f"bin:{_shards(t / 'small', 1000, 10000)}"], "train split in"),
+    (lambda t: ["--data", f"bin:{_shards(t / 'smallval', 100000, 10)}"], "val split in"),
+    (lambda t: ["--out", str(_touch(t / "a-file"))], "exists and is not a directory"),
+    (lambda t: ["--out", str(t / ("x" * 230))], "the directory name is 230 bytes"),
+])
+def test_bad_data_or_out_is_refused_in_the_launcher_in_one_line_creating_nothing(tmp_path, capsys, setup, message):
+    extra = setup(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    argv = ["train", "--model", "llama-debug", "--mode", "bsdp", "--workers", "4", "--out", str(tmp_path / "run"),
+            *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sdp train: error:") and message in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing created
+
+
+def _touch(path: Path) -> Path:
+    path.write_text("x")
+    return path
