@@ -74,7 +74,8 @@ PRESETS: dict[str, Preset] = {
                         warmup_steps=10, sweep=(0.375, 0.69), heterogeneous=True, eval_every=30,
                         eval_batches=8, max_data_bytes=1_000_000,
                         notes=("C = 1.0 is left out of this preset to fit its time budget: B-SDP with a complete "
-                               "mask follows DDP's trajectory exactly (tests/distributed/test_sdp_training.py), so "
+                               "mask follows DDP's trajectory to float32 rounding (tests/distributed/test_sdp_training.py), "
+                               "so "
                                "its loss is DDP's; the GPU presets train it.",)),
     # GPU presets: the paper's LLaMA shapes on 4 GPUs (one per rank). The stdlib default data is
     # small; for real pre-training data pass uint16 token shards: sdp compare --data bin:DIR.
