@@ -40,6 +40,7 @@ from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.parallelize import parallelize
+from sdp_train.sdp_export import owned_positions  # the lowest-ranked holder's part, shared with the API
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
 from sdp_train.sync import BufferAverager, ParamBroadcaster, SyncEngine, create_groups, plan_buckets
 from sdp_train.wire import ByteCount
@@ -465,27 +466,6 @@ def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: st
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def owned_positions(name: str, held_by_rank, rank: int) -> tuple[int | None, tuple[int, ...]] | None:
-    """Which part of tensor `name` `rank` is the lowest-ranked holder of.
-
-    Returns None (no part), ``(None, ())`` (the whole tensor) or ``(dim, full positions)``.
-    """
-    holders = [r for r, h in enumerate(held_by_rank) if name in h]
-    if rank not in holders:
-        return None
-    sliced = [held_by_rank[r][name] for r in holders if not held_by_rank[r][name].is_whole]
-    if not sliced:
-        return (None, ()) if holders[0] == rank else None
-    dim, full_size = sliced[0].dim, sliced[0].full_size
-    owner: dict[int, int] = {}
-    for r in holders:
-        spec = held_by_rank[r][name]
-        for i in range(full_size) if spec.is_whole else spec.index:
-            owner.setdefault(i, r)
-    mine = tuple(i for i in sorted(owner) if owner[i] == rank)
-    return (dim, mine) if mine else None
 
 
 def owned_slices(name: str, local: SliceSpec, held_by_rank, rank: int
