@@ -37,6 +37,15 @@ from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.wire import ByteCount
 
+if not hasattr(kernels, "BucketLayout"):
+    # Hugging Face's `kernels` distribution (a dependency of transformers >= 5.25) has the same
+    # import name; from outside this checkout it comes first on sys.path.
+    raise ImportError(
+        f"`import kernels` found {getattr(kernels, '__file__', kernels)!r}, which is not this "
+        "project's kernels package but another distribution with the same import name (Hugging "
+        "Face's `kernels`, required by transformers >= 5.25). Uninstall it (`pip uninstall "
+        "kernels`) and use transformers < 5.25; docs/api.md")
+
 
 class CollectiveError(RuntimeError):
     """A holder-group collective failed or timed out; names the rank and the bucket."""
