@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 # Imported here, before any process group exists: importing torch.distributed.tensor while a group
-# exists keeps that group referenced (and its threads running) until the process exits. The
-# helper is torch's own, for debugging; it is the one way to empty DTensor's sharding cache.
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+# exists keeps that group referenced (and its threads running) until the process exits.
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -129,6 +128,14 @@ def destroy_distributed() -> None:
     _clear_sharding_prop_cache()
     dist.destroy_process_group()
     gc.collect()
+
+
+def _clear_sharding_prop_cache() -> None:
+    """Empty DTensor's sharding-propagation caches, Python and C++ (what torch's debugging helper
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does, without importing that module,
+    which pulls in dynamo and inductor: about 0.7 s of every rank's start)."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def print0(*args, **kwargs) -> None:
