@@ -21,11 +21,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from masklab import Mask, design, load_mask
-from sdp_train.dist import collective_timeout
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.sdp_masking import ModelLayout
-from sdp_train.sync import BucketPlan
+from sdp_train.sync import BucketPlan, holder_set_groups
 
 
 def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, workers: int,
@@ -140,18 +139,6 @@ def _buffers_kept(block: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-def holder_groups(mask: Mask) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """One process group per distinct holder set of ``mask`` (singletons included), all with the
-    collective timeout; every rank creates them in one sorted order."""
-    holder_sets = sorted({mask.holder_set(j) for j in range(mask.blocks)})
-    groups = {}
-    for holders in holder_sets:
-        holders = tuple(int(k) for k in holders)
-        groups[holders] = (dist.group.WORLD if len(holders) == mask.workers
-                           else dist.new_group(ranks=list(holders), timeout=collective_timeout()))
-    return groups
-
-
 def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str], rank: int,
                       device: torch.device) -> None:
     """FSDP2 ``fully_shard`` of each held block over its holders, then of the root over every rank.
@@ -165,7 +152,7 @@ def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str],
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("fsdp=True needs torch.distributed: run under torchrun")
-    groups = holder_groups(mask)
+    groups = holder_set_groups((mask.holder_set(j) for j in range(mask.blocks)), mask.workers, singletons=True)
     for j, name in enumerate(block_names):
         holders = tuple(int(k) for k in mask.holder_set(j))
         if rank in holders:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -205,21 +205,31 @@ def _segment(atom: Atom, local: SliceSpec) -> tuple[str, tuple[int, ...]]:
     return ("rows" if atom.dim == 0 else "cols"), local.local_positions(atom.index)
 
 
-def create_groups(plans: Sequence[BucketPlan], world_size: int) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
-    """One process group per distinct holder set, created by every rank in one sorted order.
+def holder_set_groups(holder_sets: Iterable[Sequence[int]], world_size: int, *,
+                      singletons: bool) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """One process group per distinct holder set, each with the collective timeout.
 
-    The world's group serves the complete holder set; single holders need none (None). Uses the
-    default ``dist.new_group`` path: every rank calls it for every set, members or not.
+    The only creator of process groups in the project, so that ``SDP_COLLECTIVE_TIMEOUT_S``
+    bounds every collective. Every rank calls it with the same sets, members or not, and the
+    groups are created in one sorted order, as ``dist.new_group`` requires. The complete set
+    gets the world's group; a single holder gets a group of its own when `singletons` (FSDP
+    needs a mesh for it), else None (the sync engine sends nothing for it).
     """
     groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    for holders in sorted({p.holders for p in plans}):
-        if len(holders) == 1:
-            groups[holders] = None
-        elif len(holders) == world_size:
+    for holders in sorted({tuple(int(k) for k in h) for h in holder_sets}):
+        if len(holders) == world_size:
             groups[holders] = dist.group.WORLD
+        elif len(holders) == 1 and not singletons:
+            groups[holders] = None
         else:
             groups[holders] = dist.new_group(ranks=list(holders), timeout=collective_timeout())
     return groups
+
+
+def create_groups(plans: Sequence[BucketPlan], world_size: int) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """The sync engine's groups: one per distinct holder set of `plans` (`holder_set_groups`),
+    None for single holders."""
+    return holder_set_groups((p.holders for p in plans), world_size, singletons=False)
 
 
 def _weak_grad_hook(engine: weakref.ref) -> Callable[[torch.Tensor], None]:

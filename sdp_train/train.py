@@ -42,7 +42,8 @@ from sdp_train.models.blocks import SliceSpec
 from sdp_train.parallelize import parallelize
 from sdp_train.sdp_export import owned_positions  # the lowest-ranked holder's part, shared with the API
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
-from sdp_train.sync import BufferAverager, ParamBroadcaster, SyncEngine, create_groups, plan_buckets
+from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, create_groups, holder_set_groups,
+                            plan_buckets)
 from sdp_train.wire import ByteCount
 
 
@@ -452,15 +453,12 @@ class FSDPCollectiveBytes(TorchDispatchMode):
 def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: str) -> dict[str, DeviceMesh]:
     """Block name -> mesh over the block's holders, for the blocks `rank` holds (B-SDP + FSDP).
 
-    Every rank creates the process group of every distinct holder set (single holders included:
-    FSDP needs a mesh for them too), in one sorted order, as ``dist.new_group`` requires.
+    Every rank creates the process group of every distinct holder set (`holder_set_groups`;
+    single holders included: FSDP needs a mesh for them too).
     """
     holders_of = {name: tuple(int(k) for k in np.flatnonzero(mask.matrix[:, j]))
                   for j, name in enumerate(names)}
-    groups = {}
-    for holders in sorted(set(holders_of.values())):
-        full = len(holders) == mask.workers
-        groups[holders] = dist.group.WORLD if full else dist.new_group(ranks=list(holders))
+    groups = holder_set_groups(holders_of.values(), mask.workers, singletons=True)
     return {name: DeviceMesh.from_group(groups[h], device_type) for name, h in holders_of.items() if rank in h}
 
 
