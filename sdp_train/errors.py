@@ -7,6 +7,10 @@ class ConfigError(ValueError):
     """A model, subnetwork or data configuration is invalid (bad field, unknown name, wrong mask row)."""
 
 
+class BlockMapError(ConfigError):
+    """A user's block map or subnetwork does not fit the model or the mask (names, shapes, sizes)."""
+
+
 class DataError(ValueError):
     """A data set cannot provide what was asked (too few samples for a batch, bad split, ...)."""
 

@@ -3,7 +3,7 @@
 Like ``numpy.testing`` and ``torch.testing``, a failed check is an `AssertionError` whose message
 names the offending blocks/workers and every number involved; a check called with a bad argument
 (a negative threshold, ...) raises `MaskError`, a `ValueError`. Model-level checks (a user's
-``torch.nn.Module`` and block map) are in `masklab.testing.models`; this module needs no torch.
+``torch.nn.Module`` and block map) are in `sdp_train.testing`; this module needs no torch.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""Hypothesis strategies for SDP masks, schedules, exact designs and the theory's problem constants.
+"""Hypothesis strategies for SDP masks, schedules and exact designs.
 
 Masks are built from small integers, booleans and permutations, never from floats or rejection of
 large arrays, so Hypothesis shrinks a failing example to the fewest workers and blocks and to the
 simplest matrix (all holders forced to the lowest index). Every strategy returns objects that are
 valid by construction (`Mask` validates them again). This module does not check invariants (see
-`masklab.testing.asserts`) and imports `theory` lazily, so that masklab keeps no import of it.
+`masklab.testing.asserts`); the theory's problem constants and step sizes are drawn by
+`theory.testing`, above masklab.
 """
 
 from __future__ import annotations
-
-import math
-from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
@@ -23,7 +21,7 @@ from masklab.mask import SCHEDULE_KINDS, Mask, Schedule
 IntLike = int | st.SearchStrategy[int] | None
 ActiveLike = float | tuple[float, float] | None
 
-__all__ = ["balanced_masks", "block_designs", "masks", "problem_constants", "schedules", "step_sizes"]
+__all__ = ["balanced_masks", "block_designs", "masks", "schedules"]
 
 
 def schedules(*, kinds: tuple[str, ...] = SCHEDULE_KINDS, max_every: int = 5) -> st.SearchStrategy[Schedule]:
@@ -104,38 +102,6 @@ def block_designs(*, max_workers: int = 13) -> st.SearchStrategy[Mask]:
         raise MaskError(f"max_workers={max_workers!r} must be >= 4: the smallest exact design has K=4")
     entries = exact_designs(max_workers)
     return st.sampled_from(entries).map(lambda e: design(e[0], e[1], coverage=e[2]))
-
-
-def problem_constants(
-    *, blocks: IntLike = None, max_blocks: int = 10, max_value: float = 10.0, local_steps: bool = False
-) -> st.SearchStrategy[Any]:
-    """`theory.bounds.ProblemConstants` with L in [0.01, max_value] and per-block sigma^2, zeta^2.
-
-    Parameters
-    ----------
-    blocks : int or strategy of int, optional
-        B, the length of ``sigma_sq`` / ``zeta_sq``; must equal the mask's B where both are used.
-    max_value : float
-        Upper end of L, of each sigma_j and zeta_j, and of f(x_0) - f*.
-    local_steps : bool
-        Also draw the local-step constants (worker smoothness >= L, per-block G_j^2).
-    """
-    if not (math.isfinite(max_value) and max_value >= 0.01):
-        raise MaskError(f"max_value={max_value!r} must be a finite number >= 0.01")
-    return _problem_constants(_sizes(blocks, max_blocks, "blocks"), max_value, local_steps)
-
-
-def step_sizes(smoothness: float, *, local_steps: int = 1, min_fraction: float = 1e-3) -> st.SearchStrategy[float]:
-    """Step sizes eta in [min_fraction * eta_max, eta_max], eta_max = `max_step_size` for L = `smoothness`.
-
-    The floor keeps eta away from subnormal floats, for which the bound's 1/(eta T) term overflows.
-    """
-    from theory.bounds import max_step_size
-
-    if not 0.0 < min_fraction <= 1.0:
-        raise MaskError(f"min_fraction={min_fraction!r} must be in (0, 1]")
-    eta_max = max_step_size(smoothness, local_steps=local_steps)
-    return st.floats(min_fraction, 1.0).map(lambda f: f * eta_max)
 
 
 # -- internals ---------------------------------------------------------------------------------
@@ -224,20 +190,3 @@ def _balanced_mask(draw, k_s, b_s, window, schedule_s) -> Mask:
         for t in range(c):
             m[order[(j * c + t) % k], j] = 1
     return Mask(m, schedule=draw(schedule_s))
-
-
-@st.composite
-def _problem_constants(draw, b_s, max_value: float, local_steps: bool) -> Any:
-    from theory.bounds import ProblemConstants
-
-    b = draw(b_s)
-    positive = st.floats(0.01, max_value)
-    per_block = st.lists(st.floats(0.0, max_value), min_size=b, max_size=b).map(lambda v: np.square(v))
-    smoothness = draw(positive)
-    extra: dict[str, Any] = {}
-    if local_steps:
-        extra = {"worker_smoothness": smoothness * draw(st.floats(1.0, 4.0)), "grad_sq": draw(per_block)}
-    return ProblemConstants(
-        smoothness=smoothness, sigma_sq=draw(per_block), zeta_sq=draw(per_block),
-        suboptimality=draw(positive), **extra,
-    )

@@ -1,4 +1,7 @@
-"""masklab.testing: strategies shrink and honour their options, checks fail loudly, the plugin works."""
+"""The property-testing kit (masklab.testing, theory.testing, sdp_train.testing).
+
+Strategies shrink and honour their options, checks fail loudly, the plugin works.
+"""
 
 from __future__ import annotations
 
@@ -19,24 +22,21 @@ from masklab.analysis import block_masking_errors, is_connected, spectral_gap, s
 from masklab.errors import MaskError
 from masklab.mask import Mask, Schedule
 from masklab.testing import (
-    BlockMapError,
     assert_covers,
-    assert_holder_average,
     assert_masking_error_at_most,
     assert_spectral_gap_at_least,
-    assert_subnetwork_consistent,
     assert_valid_mask,
     balanced_masks,
     block_designs,
-    from_sdp_train,
     masks,
-    problem_constants,
     schedules,
-    step_sizes,
 )
-from masklab.testing import models as kit_models
+from sdp_train import testing as model_checks
+from sdp_train.testing import BlockMapError, assert_holder_average, assert_subnetwork_consistent, from_sdp_train
 from sdp_train.models import get_model_config
 from theory.bounds import sdp_bound
+from theory.errors import TheoryError
+from theory.testing import problem_constants, step_sizes
 
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.filter_too_much])
 REPO = Path(__file__).resolve().parents[2]
@@ -125,6 +125,19 @@ def test_problem_constants_and_step_sizes_satisfy_the_theorem_conditions(data):
 )
 def test_strategy_arguments_are_rejected_with_their_values(make, message):
     with pytest.raises(MaskError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: problem_constants(blocks=0), "blocks=0 must be an integer >= 1"),
+        (lambda: problem_constants(max_value=0.0), "max_value=0.0 must be a finite number >= 0.01"),
+        (lambda: step_sizes(1.0, min_fraction=0.0), r"min_fraction=0.0 must be in \(0, 1\]"),
+    ],
+)
+def test_theory_strategy_arguments_are_rejected_with_their_values(make, message):
+    with pytest.raises(TheoryError, match=message):
         make()
 
 
@@ -226,7 +239,7 @@ def test_llama_sdp_step_updates_every_block_by_its_holders_mean(level):
 def test_holder_average_check_fails_when_blocks_are_divided_by_k_instead_of_coverage(level, monkeypatch):
     model, blocks, subnetwork = _llama(level)
     mask = LLAMA_MASKS[level]
-    monkeypatch.setattr(kit_models, "_average_over_holders", lambda grad_sum, holders: grad_sum / mask.workers)
+    monkeypatch.setattr(model_checks, "_average_over_holders", lambda grad_sum, holders: grad_sum / mask.workers)
     with pytest.raises(AssertionError, match=r"differs from the per-block holder mean"):
         assert_holder_average(model, mask, _batches(mask.workers), blocks=blocks, subnetwork=subnetwork,
                               loss=_lm_loss)

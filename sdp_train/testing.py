@@ -1,6 +1,9 @@
 """Model-level SDP checks for a user's own ``torch.nn.Module``, block map and subnetwork builder.
 
-The protocol (docs/testing.md) has three parts, all plain Python:
+The property-testing kit's model half (docs/testing.md), beside `masklab.testing` (masks and
+their invariants) and `theory.testing` (problem constants); it lives here because a check of a
+model is the runtime's business, and masklab imports nothing above itself. The protocol has three
+parts, all plain Python:
 
 - ``blocks``: a sequence with one entry per mask column; entry j lists the parts block j owns as
   ``(tensor name, dim, index)``: the whole state-dict tensor when ``dim`` is None, else the
@@ -9,14 +12,15 @@ The protocol (docs/testing.md) has three parts, all plain Python:
 - ``subnetwork(model, held) -> nn.Module``: worker's physical subnetwork for the boolean mask
   row ``held``, initialised from ``model``'s current values, with the full model's tensor names.
   A sliced tensor is declared by a ``full_index()`` method on the returned module mapping its name
-  to ``(dim, index)`` (or an object with ``.dim`` and ``.index``, such as sdp_train's SliceSpec);
+  to ``(dim, index)`` (or an object with ``.dim`` and ``.index``, such as `SliceSpec`);
   undeclared tensors are whole.
 - the reference: the full model with every part of the non-held blocks zeroed (`zero_blocks`).
   Zeroing is removal whenever a block's output is a product with its owned weights: a hidden
   neuron whose in- and out-weights are zero adds nothing, and a residual branch whose output
   projection is zero is the identity. Pass ``reference=`` where that does not hold.
 
-torch is imported inside the functions, so ``import masklab.testing`` needs no torch.
+torch is imported inside the functions, so ``import sdp_train.testing`` stays as light as
+``import sdp_train``. Not here: strategies (hypothesis), which need no model.
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ from typing import Any
 import numpy as np
 
 from masklab.mask import Mask
-from masklab.testing.errors import BlockMapError
+from sdp_train.errors import BlockMapError
 
 Part = tuple[str, int | None, tuple[int, ...]]
 BlockParts = Sequence[Sequence[Part]]
 SubnetworkFn = Callable[[Any, np.ndarray], Any]
 
-__all__ = ["assert_holder_average", "assert_subnetwork_consistent", "block_parts", "from_sdp_train", "zero_blocks"]
+__all__ = [
+    "BlockMapError", "assert_holder_average", "assert_subnetwork_consistent", "block_parts", "from_sdp_train",
+    "zero_blocks",
+]
 
 
 def block_parts(block_map: Any, level: str) -> tuple[tuple[Part, ...], ...]:

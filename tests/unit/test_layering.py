@@ -1,0 +1,94 @@
+"""The packages' layering (shared/DESIGN.md section 1), read from the source, not trusted to review.
+
+The import graph is built with ``ast`` over every source file of the four packages, counting
+imports inside functions and under ``if TYPE_CHECKING:`` too: a cycle or an upward import hidden
+in a function body or a type annotation is still one (the review of 2026-12-03 found both).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("masklab", "theory", "kernels", "sdp_train")
+ALLOWED = {  # package -> the project packages it may import
+    "masklab": set(),
+    "theory": {"masklab"},
+    "kernels": set(),
+    # DESIGN: sdp_train uses masklab and kernels. It is also the application layer: the `sdp`
+    # command dispatches to theory's subcommands and `sdp compare` reports the covering
+    # theorem's bound (theory.coverage). theory never imports sdp_train, so the arrows still
+    # point one way.
+    "sdp_train": {"masklab", "kernels", "theory"},
+}
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of the four packages."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imported_modules(name: str, source: str, known: set[str], *, is_package: bool = False) -> set[str]:
+    """The project modules `name` imports anywhere in `source` (``from p import m`` counts as p.m when m is a module)."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+    return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imported_modules(name, path.read_text(encoding="utf-8"), set(modules),
+                                   is_package=path.name == "__init__.py")
+            for name, path in modules.items()}
+
+
+def test_the_import_graph_sees_imports_inside_functions_and_type_checking_blocks():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import sync\n"
+        "if TYPE_CHECKING:\n"
+        "    from sdp_train.train import Run\n"
+        "def f():\n"
+        "    import theory.bounds\n"
+        "    from ..masklab import io\n"
+    )
+    known = {"sdp_train.sync", "sdp_train.train", "theory.bounds", "masklab.io"}
+    assert imported_modules("sdp_train.x", source, known) == known
+
+
+def test_every_package_imports_only_the_packages_below_it():
+    wrong = sorted(f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
+                   if target.split(".")[0] not in ALLOWED[module.split(".")[0]] | {module.split(".")[0]})
+    assert wrong == []
+
+
+def test_importing_every_masklab_module_loads_neither_sdp_train_nor_theory():
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import masklab\n"
+        "names = [m.name for m in pkgutil.walk_packages(masklab.__path__, 'masklab.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('sdp_train', 'theory'))\n"
+        "assert len(names) > 10, names\n"
+        "assert loaded == [], loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
