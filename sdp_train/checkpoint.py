@@ -32,13 +32,13 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from sdp_train.dist import get_dist_info, run_id
+from sdp_train.dist import DistInfo, get_dist_info, run_id
 from sdp_train.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,9 +46,21 @@ if TYPE_CHECKING:
     from sdp_train.config import TrainConfig
     from sdp_train.data.batches import Batches
     from sdp_train.models import ModelConfig
-    from sdp_train.train import Run
 
 MANIFEST = "manifest.json"
+
+
+class RunState(Protocol):
+    """What a checkpoint saves and restores of a run (`sdp_train.train.Run` is one); train imports
+    this module, so this module names no type of train's."""
+
+    info: DistInfo
+    cfg: TrainConfig
+    model_config: ModelConfig
+    mask: Mask | None
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
 
 
 def identity(cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> dict[str, Any]:
@@ -183,7 +195,7 @@ def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mas
     return manifest
 
 
-def save_checkpoint(run: Run, batches: Batches, step: int, root: Path, *, keep: int = 0) -> Path:
+def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, keep: int = 0) -> Path:
     """Write every rank's state after ``step`` steps to ``root/step_{step}``; collective.
 
     Rank files first (each rank sends rank 0 its file's size and sha256), then rank 0 writes the
@@ -256,7 +268,7 @@ def _warn(message: str) -> None:
         print(f"sdp: warning: {message}", file=sys.stderr, flush=True)
 
 
-def load_checkpoint(run: Run, batches: Batches, path: Path) -> int:
+def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
     """Restore this rank's state from checkpoint ``path``; return the step to continue from."""
     file = path / f"rank{run.info.rank}.pt"
     state = torch.load(file, weights_only=True, map_location=run.device)
@@ -280,7 +292,7 @@ def load_checkpoint(run: Run, batches: Batches, path: Path) -> int:
     return int(state["step"])
 
 
-def _check_rank_state(file: Path, state: Any, local: dict[str, torch.Tensor], run: Run) -> None:
+def _check_rank_state(file: Path, state: Any, local: dict[str, torch.Tensor], run: RunState) -> None:
     """ConfigError naming `file` and the field unless `state` fits this rank's model and the manifest.
 
     Shapes and dtypes are compared before any tensor is copied (``copy_`` would broadcast a scalar
