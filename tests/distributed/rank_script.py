@@ -36,6 +36,7 @@ def grads_case(spec: dict, info, device, out: Path) -> None:
                           seq_len=16, active=None, mask=case["mask"], out=str(out))
         prep = prepare(cfg)
         run = Run(prep, info, device)
+        run.engine.backend = case["backend"]  # "triton" fails unless the Triton kernels really run
         inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
                                              world_size=info.world_size))
         before, wire_before = run.comm_bytes, run.wire_bytes
@@ -120,6 +121,7 @@ def eval_memory_case(spec: dict, info, device, out: Path) -> None:
     for i, cfg_dict in enumerate(spec["configs"]):
         prep = prepare(TrainConfig(**cfg_dict))
         run = Run(prep, info, device)
+        run.engine.backend = case["backend"]  # "triton" fails unless the Triton kernels really run
         inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
                                              world_size=info.world_size))
         run.step(0, inputs, targets)
@@ -149,6 +151,7 @@ def overlap_case(spec: dict, info, device, out: Path) -> None:
         prep = prepare(TrainConfig(model="llama-debug", mode=case["mode"], workers=info.world_size, batch_size=2,
                                    seq_len=16, active=0.5, out=str(out)))
         run = Run(prep, info, device)
+        run.engine.backend = case["backend"]  # "triton" fails unless the Triton kernels really run
         inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
                                              world_size=info.world_size))
         events.clear()

@@ -48,8 +48,11 @@ def grad_runs(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     cases = []
     for mode, level in CASES:
         path = save_mask(Mask(masks[level]), out / f"{mode}.json")
-        cases.append({"model": "llama-debug", "mode": mode, "mask": str(path)})
-    # The fused Triton kernels (interpreted on CPU) do the packing here, inside real collectives.
+        # The fused Triton kernels (interpreted on CPU: slow, so for one case) do B-SDP's packing
+        # inside real collectives; the others use the PyTorch reference. tests/kernels checks the
+        # kernels against the reference on every segment kind, N-SDP's sliced ones included.
+        backend = "triton" if mode == "bsdp" else "reference"
+        cases.append({"model": "llama-debug", "mode": mode, "mask": str(path), "backend": backend})
     run_rank_script(K, "grads", {"cases": cases}, out, interpret_triton=True)
     return out, masks
 
