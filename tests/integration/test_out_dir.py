@@ -8,8 +8,11 @@ of a SIGKILLed launcher trained on to the end.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,26 +42,40 @@ def _one_process_run(out: Path, *extra: str) -> int:
     return main(["train", *TINY, "--workers", "1", "--steps", "2", "--out", str(out), *extra])
 
 
-@pytest.mark.slow
-def test_out_dir_lifecycle_stale_lock_refusal_overwrite_and_resume_from_the_run_directory(tmp_path, capsys):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """One finished 3-step run with a checkpoint after every step, started over a dead run's lock.
+    Tests work on copies of it (`_copy_of`), so each launch they add is one of their own checks."""
+    out = tmp_path_factory.mktemp("finished") / "run"
     out.mkdir()
     (out / LOCK_NAME).write_text("pid 999999 on host gone, since 2026-01-01T00:00:00Z\n")  # a dead run's
-    assert _one_process_run(out) == 0
-    assert "took over the lock of a run that no longer runs (pid 999999" in capsys.readouterr().err
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _one_process_run(out, "--steps", "3", "--checkpoint-every", "1") == 0
+    assert "took over the lock of a run that no longer runs (pid 999999" in err.getvalue()
+    return out
+
+
+def _copy_of(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "run", symlinks=True))
+
+
+@pytest.mark.slow
+def test_out_dir_lifecycle_stale_lock_refusal_overwrite_and_resume_from_the_run_directory(
+        finished_run, tmp_path, capsys):
+    out = _copy_of(finished_run, tmp_path)
     first = (out / "summary.json").read_text()
     assert _one_process_run(out, "--lr", "0.01") == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
     assert (out / "summary.json").read_text() == first  # nothing lost
-    assert _one_process_run(out, "--lr", "0.01", "--overwrite", "--checkpoint-every", "1") == 0
+    assert main(["train", *TINY, "--workers", "1", "--steps", "4", "--out", str(out),
+                 "--resume", str(out)]) == 0  # the run directory means its checkpoints
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 3
+    capsys.readouterr()
+    assert _one_process_run(out, "--lr", "0.01", "--overwrite") == 0
     assert json.loads((out / "summary.json").read_text())["config"]["lr"] == 0.01
     assert oct((out / "summary.json").stat().st_mode & 0o777) == oct((out / "metrics.jsonl").stat().st_mode & 0o777)
-    assert main(["train", *TINY, "--workers", "1", "--steps", "3", "--lr", "0.01", "--out", str(out),
-                 "--resume", str(out)]) == 0  # the run directory means its checkpoints
-    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
-    capsys.readouterr()
-    assert _one_process_run(out, "--overwrite") == 0
     assert not (out / "checkpoints").exists()  # an old run's checkpoints cannot be adopted later
 
 
@@ -126,14 +143,12 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resume_over_a_damaged_metrics_file_names_file_and_line_and_deletes_nothing(tmp_path, capsys):
-    out = tmp_path / "run"
-    assert main(["train", *TINY, "--workers", "1", "--steps", "3", "--checkpoint-every", "2", "--out", str(out)]) == 0
+def test_a_resume_over_a_damaged_metrics_file_names_file_and_line_and_deletes_nothing(finished_run, tmp_path, capsys):
+    out = _copy_of(finished_run, tmp_path)
     metrics = out / "metrics.jsonl"
     lines = metrics.read_text().splitlines()
     metrics.write_text("\n".join([lines[0][:-5], *lines[1:]]) + "\n")  # step 0's line cut short
     summary = (out / "summary.json").read_text()
-    capsys.readouterr()
     resume = ["train", *TINY, "--workers", "1", "--steps", "4", "--out", str(out), "--resume", str(out)]
     assert main(resume) == 2
     err = capsys.readouterr().err
@@ -146,14 +161,14 @@ def test_a_resume_over_a_damaged_metrics_file_names_file_and_line_and_deletes_no
 
 
 @pytest.mark.slow
-def test_links_planted_in_out_are_replaced_never_written_through(tmp_path):
-    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
-    assert _one_process_run(out, "--steps", "1", "--checkpoint-every", "1") == 0
+def test_links_planted_in_out_are_replaced_never_written_through(finished_run, tmp_path):
+    out, elsewhere = _copy_of(finished_run, tmp_path), tmp_path / "elsewhere"
     elsewhere.mkdir()
     victim = elsewhere / "victim.txt"
     victim.write_text("keep me")
     (out / "metrics.jsonl").unlink()
     (out / "metrics.jsonl").symlink_to(victim)
+    shutil.rmtree(out / "checkpoints" / "step_2")
     (out / "checkpoints" / "step_2").symlink_to(elsewhere)
     assert main(["train", *TINY, "--workers", "1", "--steps", "2", "--checkpoint-every", "1", "--out", str(out),
                  "--resume", str(out / "checkpoints" / "step_1")]) == 0
