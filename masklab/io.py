@@ -2,8 +2,12 @@
 
 Rows are stored as strings of '0'/'1' (one per worker), which keeps a K = 1024, B = 4096 mask at
 about 4 MB and diff-able. Loading checks every field and fails with a `MaskFileError` that names
-the file and the field; it never lets a json/numpy traceback escape. Saving is atomic (temporary
-file, fsync, rename), so an interrupted save never leaves a half-written mask behind.
+the file and the field; it never lets a json/numpy traceback escape. Saving is atomic, so an
+interrupted save never leaves a half-written mask behind.
+
+`atomic_write` (with `atomic_write_bytes` / `atomic_write_text`) is the project's one writer of
+whole files: masks and plots here, and the runtime's summaries, reports and exported models. It
+lives in masklab because every package may import masklab.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,19 +90,95 @@ def save_mask(mask: Mask, path: str | os.PathLike[str]) -> Path:
     if not isinstance(mask, Mask):
         raise TypeError(f"save_mask expects a masklab.Mask, got {type(mask).__name__}")
     path = check_destination(path)
-    parent = path.parent
-    text = json.dumps(mask_to_dict(mask), indent=1)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    return atomic_write_text(path, json.dumps(mask_to_dict(mask), indent=1) + "\n")
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> Path:
+    """Create or replace the file `path` whole: ``write(name)`` fills a fresh file beside it.
+
+    The temporary file (``.NAME.*.tmp`` in the same directory, created exclusively, so never
+    through a planted link; mode 0644) is fsynced, renamed over `path` (which replaces a link at
+    `path` instead of following it), and the directory is fsynced, so the new content survives a
+    crash once this returns. A reader sees the old content or the new, never part of either. If
+    `write` raises, the temporary file is removed and `path` keeps its old content (or stays
+    absent); the exception propagates.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        The destination; its directory must exist.
+    write : callable
+        ``write(name)`` writes the content to the file named ``name`` (which exists and is empty),
+        e.g. ``lambda name: fig.savefig(name, format="png")``.
+
+    Returns
+    -------
+    Path
+        `path`.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     p = atomic_write_text(Path(d) / "a.txt", "new")
+    ...     try:
+    ...         atomic_write(p, lambda name: 1 / 0)
+    ...     except ZeroDivisionError:
+    ...         pass
+    ...     (p.read_text(), sorted(q.name for q in Path(d).iterdir()))
+    ('new', ['a.txt'])
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other readers
+        finally:
+            os.close(fd)
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_directory(path.parent)
     return path
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """`atomic_write` of `data`; returns `path`."""
+    def write(name: str) -> None:
+        with os.fdopen(os.open(name, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW), "wb") as f:
+            f.write(data)
+
+    return atomic_write(path, write)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """`atomic_write` of `text` as UTF-8, exactly as given (no newline added); returns `path`."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (POSIX; skipped where a directory cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename itself has happened
+    finally:
+        os.close(fd)
 
 
 def check_destination(path: str | os.PathLike[str]) -> Path:

@@ -6,7 +6,6 @@ matplotlib is imported inside the function (Agg backend), so importing masklab s
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import scipy.linalg
 
 from masklab import analysis
 from masklab.errors import MaskError
+from masklab.io import atomic_write
 from masklab.mask import Mask
 
 MAX_SPECTRUM = 2048  # full spectra beyond this many workers are not worth a dense solve for a plot
@@ -75,15 +75,7 @@ def plot_mask(mask: Mask, path: str | os.PathLike[str], *, seed: int = 0) -> Pat
     ax_g.set_axis_off()
     fig.suptitle(f"{mask.construction or 'mask'} ({mask.schedule.kind})")
     fig.tight_layout()
-    # written beside `path` and renamed, so a failed save never leaves a truncated PNG at `path`
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    try:  # a failed save never leaves a truncated PNG at `path`
+        return atomic_write(path, lambda name: fig.savefig(name, format="png", dpi=110))
     finally:
         plt.close(fig)
-    return path

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from masklab.io import atomic_write
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
 
@@ -102,8 +103,6 @@ def save_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike[
         path = path / "model.safetensors"
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({n: t.contiguous() for n, t in state.items()}, str(tmp),
-              metadata={"format": "pt", "writer": json.dumps("sdp_train")})
-    os.replace(tmp, path)
-    return path
+    tensors = {n: t.contiguous() for n, t in state.items()}
+    metadata = {"format": "pt", "writer": json.dumps("sdp_train")}
+    return atomic_write(path, lambda name: save_file(tensors, name, metadata=metadata))
