@@ -213,6 +213,35 @@ def cotraining_gap(mask: Mask) -> float:
     return float(1.0 - np.sort(mu)[0])
 
 
+def process_group_holder_sets(mask: Mask, *, singletons: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The holder sets that need a process group of their own, sorted: one per distinct S_j.
+
+    A block held by every worker is averaged over the world's group, and a block with a single
+    holder needs no communication, so neither gets a group; with ``singletons=True`` single
+    holders count too (FSDP shards a block over a mesh even when only one worker holds it). Each
+    group on NCCL is one communicator on every member's device (docs/design.md §5). Computed on
+    ``mask.matrix`` (round 0 of a schedule; the runtime trains static masks).
+
+    Parameters
+    ----------
+    mask : Mask
+    singletons : bool
+        Count holder sets of one worker (B-SDP composed with FSDP).
+
+    Examples
+    --------
+    >>> m = Mask([[1, 1, 0, 1, 1], [1, 0, 1, 1, 0], [0, 1, 1, 1, 0]])
+    >>> process_group_holder_sets(m)
+    ((0, 1), (0, 2), (1, 2))
+    >>> len(process_group_holder_sets(m, singletons=True))
+    4
+    """
+    columns = np.unique(mask.matrix.astype(bool), axis=1).T  # one row per distinct holder set
+    sets = (tuple(int(k) for k in np.flatnonzero(col)) for col in columns)
+    smallest = 1 if singletons else 2
+    return tuple(sorted(s for s in sets if smallest <= len(s) < mask.workers))
+
+
 def to_networkx(mask: Mask):
     """The mixing graph as a ``networkx.Graph`` with edge attribute ``weight`` = a_kl."""
     import networkx as nx

@@ -1,6 +1,7 @@
 """``sdp design`` and ``sdp inspect``: build or read a mask and print its certificate.
 
-The certificate names, for every number, the theorem that uses it (`masklab.report.USED_BY`).
+The certificate names, for every number, the theorem that uses it (`masklab.report.USED_BY`);
+below it, the number of process groups the mask needs (`masklab.analysis.process_group_holder_sets`).
 
 Registered into the ``sdp`` command by `sdp_train.cli`. Bad arguments raise masklab's
 ValueError subclasses; the dispatcher prints them as one line and exits non-zero. A file is
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from masklab.analysis import process_group_holder_sets
 from masklab.errors import DesignError
 from masklab.mask import SCHEDULE_KINDS, Mask, Schedule
 from masklab.report import analyze
@@ -89,7 +91,12 @@ def _emit(mask: Mask, args: argparse.Namespace) -> None:
         from masklab.plot import plot_mask
 
         plot_mask(mask, args.plot, seed=getattr(args, "seed", 0))
+    groups = len(process_group_holder_sets(mask))
+    fsdp_groups = len(process_group_holder_sets(mask, singletons=True))
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps(report.to_dict() | {"process_groups": groups, "process_groups_fsdp": fsdp_groups},
+                         indent=2))
     else:
         print(report.to_text())
+        print(f"process groups: {groups} (B-SDP+FSDP: {fsdp_groups}), one per distinct holder set of 2 to K-1 "
+              "workers (with FSDP, single holders too); on NCCL each is a communicator on its members' devices")

@@ -8,6 +8,7 @@ among its holders (with ``--fsdp``, each held block is gathered once and reduce-
 its holders instead); Bb-SDP broadcasts every bucket not held by all workers to every rank;
 ResNets average their BatchNorm statistics among holders (`sdp_train.sync.BufferAverager`); every
 mode all-reduces the step's [loss, gradient norm^2]. Wire bytes follow `sdp_train.wire`'s model.
+`process_group_holder_sets` lists the process groups those collectives run on (besides the world's).
 
 Not here: memory (`sdp_train.plan`), or timing: the bytes say nothing about overlap or latency.
 """
@@ -79,10 +80,51 @@ def predict_comm(config: ModelConfig, mode: str, held_by_rank: Sequence[Mapping[
             for count in counts:  # in ``broadcast``, every rank takes part in every bucket's broadcast
                 count.add("broadcast", total, workers)
     if mode in ("bsdp", "nsdp", "bbsdp"):
-        buffers = [n for n in shapes if n not in bmap.parameter_names and n.endswith(("running_mean", "running_var"))]
-        plans = plan_buckets(held_by_rank, buffers, shapes=shapes, layers_per_bucket=len(buffers) + 1)
-        _bucket_bytes(plans, shapes, counts, 4)
+        _bucket_bytes(_buffer_plans(config, held_by_rank), shapes, counts, 4)
     return counts
+
+
+def process_group_holder_sets(config: ModelConfig, mode: str, held_by_rank: Sequence[Mapping[str, SliceSpec]] | None,
+                              workers: int, *, fsdp: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The holder sets the runtime creates a process group for, sorted (the world's group aside).
+
+    The sync engine (and the BatchNorm averager) needs one per distinct holder set of its buckets
+    held by 2 to K-1 ranks (`sdp_train.sync.create_groups`); with `fsdp`, every held block is
+    sharded over a mesh of its holders, single holders included. DDP and FSDP use the world's
+    group only. For a mask whose columns are the model's maskable units these are
+    `masklab.analysis.process_group_holder_sets` of the mask (a test holds the two equal, and both
+    to the groups a run creates).
+
+    Parameters
+    ----------
+    config : ModelConfig
+    mode : {"ddp", "fsdp", "bsdp", "nsdp", "bbsdp"}
+    held_by_rank : sequence of mapping, optional
+        SDP: each rank's held tensors (``subnet.held_tensors``); None for the baselines.
+    workers : int
+    fsdp : bool
+        B-SDP composed with FSDP2 over each block's holders.
+    """
+    if held_by_rank is None or mode in ("ddp", "fsdp") or workers == 1:
+        return ()
+    bmap = block_map(config)
+    if fsdp:
+        firsts = [next(n for n, _ in b.tensors if n in bmap.parameter_names) for b in bmap.blocks["block"]]
+        sets = {tuple(r for r, held in enumerate(held_by_rank) if name in held) for name in firsts}
+    else:
+        params = [n for n in bmap.shapes if n in bmap.parameter_names]
+        sets = {p.holders for p in plan_buckets(held_by_rank, params, shapes=bmap.shapes)}
+    sets |= {p.holders for p in _buffer_plans(config, held_by_rank) if len(p.holders) > 1}
+    smallest = 1 if fsdp else 2
+    return tuple(sorted(s for s in sets if smallest <= len(s) < workers))
+
+
+def _buffer_plans(config: ModelConfig, held_by_rank: Sequence[Mapping[str, SliceSpec]]) -> list[BucketPlan]:
+    """The BatchNorm averager's buckets (`sdp_train.sync.BufferAverager`): one per holder set."""
+    bmap = block_map(config)
+    shapes = bmap.shapes
+    buffers = [n for n in shapes if n not in bmap.parameter_names and n.endswith(("running_mean", "running_var"))]
+    return plan_buckets(held_by_rank, buffers, shapes=shapes, layers_per_bucket=len(buffers) + 1)
 
 
 def _bucket_bytes(plans: list[BucketPlan], shapes: Mapping[str, tuple[int, ...]], counts: list[ByteCount],
