@@ -10,6 +10,10 @@ from the same designed mask: `design_for_model`, seed 0) and adds up, in bytes:
   buckets (one copy of the held gradients), Bb-SDP's broadcast buffers (every block not held by
   all workers);
 - activations, from `sdp_train.plan_activations`;
+- on CUDA, the NCCL communicators of the process groups the rank belongs to (the world's and one
+  per holder-set group it is in, `sdp_train.plan_comm.process_group_holder_sets`), at an estimated
+  `NCCL_COMMUNICATOR_BYTES` each (``SDP_NCCL_COMMUNICATOR_BYTES`` overrides it); gloo's are host
+  memory and count 0;
 - FSDP2's transient state: the root's parameters stay unsharded from forward to the end of
   backward and its head gradients are unsharded until then; a block is gathered for its backward
   while the next one is prefetched (with holder-set meshes every held block stays unsharded until
@@ -23,14 +27,15 @@ step (AdamW's foreach temporary of the largest parameter group). The CPU tracker
 (`sdp_train.memory`) counts the same tensors; `tests/distributed/test_plan_vs_measured.py` checks
 the totals against it, and docs/plan.md lists the formulas.
 
-Not here: the CUDA context, NCCL buffers, cuBLAS workspaces and allocator fragmentation (a GPU
-needs headroom beyond the prediction), mixed precision, and tuning anything to fit a budget.
+Not here: the CUDA context, cuBLAS workspaces and allocator fragmentation (a GPU needs headroom
+beyond the prediction), mixed precision, and tuning anything to fit a budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -48,10 +53,20 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, get_model_config, model_class, subnet_kwargs
 from sdp_train.parallelize import residual_blocks
 from sdp_train.plan_activations import ActivationModel, activation_model
-from sdp_train.plan_comm import predict_comm
+from sdp_train.plan_comm import predict_comm, process_group_holder_sets
 from sdp_train.subnet import check_held, held_tensors
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEVICES = ("cpu", "cuda")
+NCCL_COMMUNICATOR_BYTES = 688 * 2**20
+"""Device memory of one NCCL communicator, an estimate. NCCL allocates per-channel buffers when a
+communicator connects (the runtime's groups connect eagerly: `sdp_train.dist.init_distributed`
+binds the device), outside PyTorch's caching allocator, and the size grows with the channel count
+and topology: 544 MiB for 2-rank and 688 MiB for 3- and 4-rank groups on 4 A100s with NVLink
+(NVIDIA/nccl#964), about 390 MiB for a 1-rank group on an RTX 3060 (sgl-project/sglang#35538).
+Groups split from the default one without NCCL_COMM_SPLIT_SHARE_RESOURCES=1 do not share their
+buffers (docs/design.md §5). Set ``SDP_NCCL_COMMUNICATOR_BYTES`` to what a machine measures."""
+COMMUNICATOR_BYTES_ENV = "SDP_NCCL_COMMUNICATOR_BYTES"
 STEP_BYTES = 4  # AdamW's per-tensor step counter (float32 scalar)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -77,6 +92,30 @@ def parse_bytes(text: str | int) -> int:
     return value
 
 
+def communicator_bytes(device: str) -> int:
+    """Device memory `predict` counts per process-group communicator on ``device``.
+
+    0 on ``"cpu"`` (gloo's state is host memory); on ``"cuda"`` ``SDP_NCCL_COMMUNICATOR_BYTES``
+    (a size as `parse_bytes` reads it, or 0) if set, else `NCCL_COMMUNICATOR_BYTES`.
+
+    >>> communicator_bytes("cpu")
+    0
+    """
+    if device not in DEVICES:
+        raise ConfigError(f"device {device!r} is not one of {DEVICES}")
+    text = os.environ.get(COMMUNICATOR_BYTES_ENV)
+    if device == "cpu":
+        return 0
+    if text is None:
+        return NCCL_COMMUNICATOR_BYTES
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{COMMUNICATOR_BYTES_ENV}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class _Worker:
     model: nn.Module  # on the meta device
@@ -88,7 +127,7 @@ class _Worker:
 def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float | None = 0.5, ac: bool = False,
             fsdp: bool = False, batch_size: int = 8, seq_len: int = 64, dtype: str = "float32",
             mask: Mask | str | Path | None = None, model_overrides: Mapping[str, Any] | None = None,
-            image_size: int = 8, seed: int = 0) -> dict[str, Any]:
+            image_size: int = 8, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """Predicted peak memory of the largest rank, in bytes, with its breakdown.
 
     Parameters
@@ -115,6 +154,9 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
         Image side for vision models (8: the digits ``sdp train`` uses by default; 32: CIFAR).
     seed : int
         Seed of the mask design.
+    device : {"cpu", "cuda"}
+        Where the ranks run: on ``"cuda"`` each rank's NCCL communicators are counted
+        (`communicator_bytes` each), on ``"cpu"`` gloo's are not.
 
     Returns
     -------
@@ -122,11 +164,14 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
         ``parameters``, ``gradients``, ``optimizer`` (at the peak; FSDP's unsharded parameters and
         gradients included), ``activations`` (the largest set of saved activations, which may be
         reached at another moment), ``other`` (communication buffers and backward temporaries at
-        the peak), ``total``, ``persistent`` (parameters / gradients / optimizer between steps),
+        the peak), ``communicators`` (``communicator_count`` communicators of the largest rank, at
+        ``communicator_bytes`` each; 0 on cpu), ``total``, ``persistent`` (parameters / gradients /
+        optimizer between steps),
         ``peak_at``, ``rank`` (the largest rank) and ``per_rank`` totals; ``comm_bytes_per_step``
         and ``wire_bytes_per_step``: buffer and wire bytes per step of the rank that sends most
-        (`sdp_train.plan_comm`); ``eval_peak``: rank 0's peak during validation, which assembles
-        the full model on rank 0 only.
+        (`sdp_train.plan_comm`); ``process_groups``: the process groups the run creates besides
+        the world's (one per distinct holder set, `plan_comm.process_group_holder_sets`);
+        ``eval_peak``: rank 0's peak during validation, which assembles the full model on rank 0 only.
     """
     config = _model_config(model, model_overrides, image_size)
     if mode not in MODES:
@@ -139,42 +184,49 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
                 activation_checkpointing=ac, seed=seed)
     if hasattr(config, "max_seq_len") and seq_len > config.max_seq_len:
         raise ConfigError(f"seq_len={seq_len} exceeds {config.name}'s max_seq_len={config.max_seq_len}")
+    per_communicator = communicator_bytes(device)
     matrix = None if mode in ("ddp", "fsdp") else _mask_matrix(config, mode, workers, active, mask, seed)
     elem = DTYPE_BYTES[dtype]
+    held = _held(config, mode, matrix, workers)
+    groups = process_group_holder_sets(config, mode, held, workers, fsdp=fsdp)
     results = [_predict_rank(_worker(config, mode, matrix, r, workers, fsdp), config, mode, matrix, workers, ac,
                              elem, batch_size, seq_len, image_size)
                for r in range(workers if matrix is not None else 1)]
+    for r, result in enumerate(results):  # the world's communicator, and one per holder-set group it is in
+        count = 1 + sum(r in s for s in groups) if workers > 1 else 0
+        result |= {"communicator_count": count, "communicators": count * per_communicator}
+        result["total"] += result["communicators"]
     rank = max(range(len(results)), key=lambda r: results[r]["total"])
     totals = [r["total"] for r in results] if matrix is not None else [results[0]["total"]] * workers
-    comm = _comm(config, mode, matrix, workers, fsdp, elem)
+    comm = predict_comm(config, mode, held, workers, fsdp=fsdp, elem=elem)
     busiest = max(range(workers), key=lambda r: comm[r].wire)
-    return {**results[rank], "rank": rank, "per_rank": totals,
+    return {**results[rank], "rank": rank, "per_rank": totals, "device": device, "process_groups": len(groups),
+            "communicator_bytes": per_communicator,
             "comm_bytes_per_step": comm[busiest].buffer, "wire_bytes_per_step": comm[busiest].wire,
             "eval_peak": _eval_peak(config, mode, workers, fsdp, results[0], elem, batch_size, seq_len, image_size)}
 
 
-def _comm(config: ModelConfig, mode: str, matrix: np.ndarray | None, workers: int, fsdp: bool, elem: int):
-    """`plan_comm.predict_comm` for this run's mask."""
-    held = None
-    if matrix is not None:
-        level = LEVEL_OF_MODE[mode]
-        with _no_init():
-            held = [held_tensors(config, matrix[r], level) for r in range(workers)]
-    return predict_comm(config, mode, held, workers, fsdp=fsdp, elem=elem)
+def _held(config: ModelConfig, mode: str, matrix: np.ndarray | None, workers: int):
+    """Each rank's held tensors (``subnet.held_tensors``) under this run's mask; None for the baselines."""
+    if matrix is None:
+        return None
+    level = LEVEL_OF_MODE[mode]
+    with _no_init():
+        return [held_tensors(config, matrix[r], level) for r in range(workers)]
 
 
 def _eval_peak(config: ModelConfig, mode: str, workers: int, fsdp: bool, rank0: dict[str, Any], elem: int,
                batch_size: int, seq_len: int, image_size: int) -> int:
-    """Rank 0's peak during validation: its training state, the assembled full model (unless it
-    already holds it: DDP or one rank) and a no-grad forward (one block's activations, the logits
-    and the loss's temporaries of one batch), an upper estimate."""
+    """Rank 0's peak during validation: its training state and communicators, the assembled full
+    model (unless it already holds it: DDP or one rank) and a no-grad forward (one block's
+    activations, the logits and the loss's temporaries of one batch), an upper estimate."""
     full = _meta_model(config, None, None)
     acts = activation_model(full, frozenset(), batch_size=batch_size, seq_len=seq_len, image_size=image_size,
                             elem=elem)
     forward = acts.stem + max((b.saved for b in acts.blocks), default=0) + acts.head + acts.loss_backward
     holds_full = (mode == "ddp" or workers == 1) and not fsdp
     assembled = 0 if holds_full else sum(t.numel() * elem for t in full.state_dict().values())
-    return sum(rank0["persistent"].values()) + rank0["buffers"] + assembled + forward
+    return sum(rank0["persistent"].values()) + rank0["buffers"] + rank0["communicators"] + assembled + forward
 
 
 DEFAULT_ACTIVE: tuple[float, ...] = (0.25, 0.375, 0.5, 0.69, 1.0)

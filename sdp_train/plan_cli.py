@@ -15,7 +15,7 @@ _DEFAULTS = TrainConfig()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from sdp_train.plan import DEFAULT_ACTIVE, DTYPE_BYTES
+    from sdp_train.plan import COMMUNICATOR_BYTES_ENV, DEFAULT_ACTIVE, DEVICES, DTYPE_BYTES
 
     p = subparsers.add_parser(
         "plan", help="predict peak memory per rank of DDP, FSDP and SDP, and which fit a device",
@@ -37,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"candidate active fractions (default {' '.join(map(str, DEFAULT_ACTIVE))})")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
                    help="element type of parameters, state and activations (default float32, what sdp train runs)")
+    p.add_argument("--device", default="cpu", choices=DEVICES,
+                   help="where the ranks run (default cpu): cuda adds each rank's NCCL communicators, an "
+                        f"estimate per communicator that {COMMUNICATOR_BYTES_ENV} overrides")
     p.add_argument("--image-size", type=int, default=8,
                    help="vision models: image side (default 8, the digits sdp train uses; 32 for CIFAR)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -46,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sdp_train.errors import ConfigError
     from sdp_train.memory import format_bytes
-    from sdp_train.plan import parse_bytes, plan_systems
+    from sdp_train.plan import COMMUNICATOR_BYTES_ENV, parse_bytes, plan_systems
 
     budget = parse_bytes(args.memory_per_device)
     for c in args.active:
@@ -54,32 +57,38 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--active {c} must lie in (0, 1]")
     rows = plan_systems(args.model, workers=args.workers, memory_per_device=budget, ac=args.ac, fsdp=args.fsdp,
                         actives=tuple(args.active), batch_size=args.batch_size, seq_len=args.seq_len,
-                        dtype=args.dtype, image_size=args.image_size)
+                        dtype=args.dtype, image_size=args.image_size, device=args.device)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{args.model}, {args.workers} workers, batch {args.batch_size}"
-          f"{f' x {args.seq_len} tokens' if args.model.startswith('llama') else ''}, {args.dtype}; "
+          f"{f' x {args.seq_len} tokens' if args.model.startswith('llama') else ''}, {args.dtype}, {args.device}; "
           f"peak per rank (largest rank) vs {args.memory_per_device} = {format_bytes(budget)} per device")
-    header = ("system", "C", "params", "grads", "optimizer", "activations", "total", "eval peak", "buffer/step",
-              "wire/step", "fits")
-    print(f"{header[0]:<16}{header[1]:>6}" + "".join(f"{h:>12}" for h in header[2:10]) + f"{header[10]:>6}")
+    header = ("system", "C", "groups", "params", "grads", "optimizer", "activations", "comms", "total", "eval peak",
+              "buffer/step", "wire/step", "fits")
+    print(f"{header[0]:<16}{header[1]:>6}{header[2]:>7}" + "".join(f"{h:>12}" for h in header[3:12])
+          + f"{header[12]:>6}")
     notes = []
     for row in rows:
         if row["total"] is None:
             notes.append(f"{row['system']} at C={row['active']:g}: {row['error']}")
             continue
         cells = "".join(f"{format_bytes(round(row[k])):>12}" for k in (
-            "parameters", "gradients", "optimizer", "activations", "total", "eval_peak", "comm_bytes_per_step",
-            "wire_bytes_per_step"))
-        print(f"{row['system']:<16}{row['active']:>6.3g}{cells}{'yes' if row['fits'] else 'no':>6}")
+            "parameters", "gradients", "optimizer", "activations", "communicators", "total", "eval_peak",
+            "comm_bytes_per_step", "wire_bytes_per_step"))
+        print(f"{row['system']:<16}{row['active']:>6.3g}{row['process_groups']:>7}{cells}"
+              f"{'yes' if row['fits'] else 'no':>6}")
     for note in notes:
         print(f"not designable: {note}")
     print("eval peak: rank 0 during validation (it alone assembles the full model); buffer/step and "
           "wire/step: bytes per step of the rank that sends most, wire under the ring model "
           "(all-reduce 2(c-1)/c of the buffer, all-gather / reduce-scatter / broadcast (c-1)/c)")
-    print("not counted: the CUDA context, NCCL buffers, cuBLAS workspaces, allocator fragmentation "
-          "(leave headroom; docs/plan.md)")
+    per = next((r["communicator_bytes"] for r in rows if r["total"] is not None), 0)
+    print(f"groups: process groups besides the world's, one per distinct holder set; comms: the largest rank's "
+          + (f"NCCL communicators (the world's and its groups') at {format_bytes(per)} each, an estimate "
+             f"({COMMUNICATOR_BYTES_ENV} overrides it)" if args.device == "cuda"
+             else "communicator memory, 0 on cpu (gloo; --device cuda counts NCCL's)"))
+    print("not counted: the CUDA context, cuBLAS workspaces, allocator fragmentation (leave headroom; docs/plan.md)")
     fitting = [f"{r['system']} (C={r['active']:g})" for r in rows if r["fits"]]
     print(f"fit: {', '.join(fitting) if fitting else 'none'}")
     return 0

@@ -15,7 +15,7 @@ from sdp_train.cli import main
 from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, build_model, get_model_config, model_class, num_params
-from sdp_train.plan import meaningful_actives, parse_bytes, plan_systems, predict
+from sdp_train.plan import NCCL_COMMUNICATOR_BYTES, meaningful_actives, parse_bytes, plan_systems, predict
 from sdp_train.plan_activations import activation_model
 from sdp_train.subnet import apply_backward_mask, build_worker_model
 from sdp_train.train import design_for_model
@@ -308,3 +308,54 @@ def test_evaluation_peak_adds_one_full_model_to_rank_zeros_state_only_where_rank
     assert ddp["eval_peak"] == sum(ddp["persistent"].values()) + ddp["buffers"] + forward  # no second copy
     rank0_state = p["eval_peak"] - full - forward
     assert 0 < rank0_state <= sum(p["persistent"].values()) + p["buffers"]  # at most the largest rank's
+
+
+@pytest.mark.parametrize(("mode", "fsdp", "active"), [("ddp", False, None), ("bsdp", False, 0.5), ("nsdp", False, 0.5),
+                                                      ("bbsdp", False, 0.5), ("bsdp", True, 0.25)])
+def test_a_cuda_plan_adds_each_ranks_communicators_at_the_per_communicator_bytes(monkeypatch, mode, fsdp, active):
+    monkeypatch.setenv("SDP_NCCL_COMMUNICATOR_BYTES", "100MiB")
+    cpu = predict("llama-debug", mode=mode, workers=4, active=active, fsdp=fsdp, **LLAMA)
+    cuda = predict("llama-debug", mode=mode, workers=4, active=active, fsdp=fsdp, device="cuda", **LLAMA)
+    assert cpu["communicators"] == 0 and cpu["communicator_bytes"] == 0  # gloo: host memory, not counted
+    assert cuda["communicator_bytes"] == 100 * 2**20
+    # every rank: the world's communicator and one per process group it belongs to
+    assert cuda["process_groups"] == cpu["process_groups"]
+    assert cuda["total"] - cpu["total"] == cuda["communicator_count"] * 100 * 2**20
+    assert 1 <= cuda["communicator_count"] <= 1 + cuda["process_groups"]
+    assert cuda["eval_peak"] > cpu["eval_peak"]
+    for c, g in zip(cpu["per_rank"], cuda["per_rank"]):
+        assert (g - c) % (100 * 2**20) == 0 and g > c
+    others = ("parameters", "gradients", "optimizer", "activations", "other")
+    assert {k: cuda[k] for k in others} == {k: cpu[k] for k in others}
+
+
+def test_the_communicator_count_is_one_per_group_of_the_rank_plus_the_world():
+    # holder sets {0,1} {0,2} {1,2}: every rank is in two groups, and in the world's
+    mask = Mask(np.array([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=np.uint8))
+    p = predict("llama-debug", mode="bsdp", workers=3, mask=mask, device="cuda", **LLAMA)
+    assert p["process_groups"] == 3 and p["communicator_count"] == 3
+    assert p["communicators"] == 3 * NCCL_COMMUNICATOR_BYTES
+    one = predict("llama-debug", mode="bsdp", workers=1, active=1.0, device="cuda", **LLAMA)
+    assert one["communicator_count"] == 0 and one["process_groups"] == 0  # one rank: no process group
+
+
+def test_bad_communicator_settings_are_refused_naming_them(monkeypatch):
+    with pytest.raises(ConfigError, match="device 'tpu'"):
+        predict("llama-debug", mode="ddp", workers=2, device="tpu")
+    monkeypatch.setenv("SDP_NCCL_COMMUNICATOR_BYTES", "lots")
+    with pytest.raises(ConfigError, match="SDP_NCCL_COMMUNICATOR_BYTES: memory size 'lots'"):
+        predict("llama-debug", mode="ddp", workers=2, device="cuda")
+    monkeypatch.setenv("SDP_NCCL_COMMUNICATOR_BYTES", "0")  # e.g. with NCCL_COMM_SPLIT_SHARE_RESOURCES=1
+    assert predict("llama-debug", mode="ddp", workers=2, device="cuda")["communicators"] == 0
+
+
+def test_cli_shows_process_groups_and_communicator_memory_on_cuda(capsys, monkeypatch):
+    monkeypatch.setenv("SDP_NCCL_COMMUNICATOR_BYTES", "1GiB")
+    assert main(["plan", "--model", "llama-debug", "--workers", "4", "--memory-per-device", "2GiB", "--device", "cuda",
+                 "--batch-size", "2", "--seq-len", "16", "--active", "0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "groups" in lines[1].split() and "comms" in lines[1].split()
+    ddp = next(line for line in lines if line.startswith("DDP ")).split()
+    bsdp = next(line for line in lines if line.startswith("B-SDP ")).split()
+    assert ddp[2] == "0" and ddp[-1] == "yes" and bsdp[2] == "4" and bsdp[-1] == "no"  # 3 x 1 GiB > 2 GiB
+    assert any("at 1.0 GiB each" in line for line in lines)
