@@ -11,7 +11,8 @@
    Every run gets the preset's model, data, seed, learning rate, schedule, batch and steps;
    nothing is tuned per system. The one exception is the FLOP-matched B-SDP run, which trains
    ``ceil(steps * F_ddp / F_bsdp)`` steps, F being the training FLOPs per step per rank.
-3. Report: ``DIR/compare.json``, ``DIR/compare.md`` and PNG plots (`sdp_train.compare_report`).
+3. Report: `build_report` makes it, `sdp_train.compare_report` writes ``DIR/compare.json``,
+   ``DIR/compare.md`` and PNG plots.
 
 FLOPs are the usual dense estimate, per token: 2N forward, 2N backward through the activations and
 2N for the weight gradients, N being the parameters the worker runs (embeddings and attention
@@ -233,6 +234,60 @@ def _mask_bytes(mask) -> bytes:
         return save_mask(mask, Path(tmp) / "m.json").read_bytes()
 
 
+# -- report --------------------------------------------------------------------------------------
+def build_report(preset_name: str, preset: Preset, planned: list[Planned],
+                 summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The comparison as one JSON-ready dict (`sdp_train.compare_report` writes it): settings, masks
+    with certificates, one row per run."""
+    ddp = summaries.get("ddp")
+    runs: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for p in planned:
+        name = p.spec.name
+        if p.duplicate_of is not None:
+            skipped[name] = f"its designed mask equals {p.duplicate_of}'s (C={p.spec.active} with K={preset.workers})"
+            continue
+        if name not in summaries:
+            skipped[name] = "its mask failed verification"
+            continue
+        s = summaries[name]
+        peak = max(s["peak_memory_bytes"], key=lambda q: q.get("total", 0))
+        row = {
+            "mode": p.spec.mode, "active": None if p.mask is None else float(p.mask.matrix.mean()),
+            "ac": p.spec.ac, "fsdp": p.spec.fsdp, "heterogeneous": p.spec.heterogeneous,
+            "flop_matched": p.spec.flop_matched, "steps": s["config"]["steps"],
+            "final_train_loss": s["final_train_loss"], "final_val_loss": s["final_val_loss"],
+            "peak_memory_bytes": peak, "comm_bytes_per_step": s["comm_bytes_per_step"],
+            "wire_bytes_per_step": s.get("wire_bytes_per_step"),
+            "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"],
+            "flops_per_step": p.flops_per_step, "training_flops": p.flops_per_step * s["config"]["steps"],
+            "val_history": [*s.get("val_history", []), {"step": s["config"]["steps"] - 1,
+                                                         "val_loss": s["final_val_loss"]}],
+            "bound_vs_ddp": None if p.verification is None else p.verification["bound_vs_ddp"],
+            "mask_file": s["config"].get("mask"),
+        }
+        if ddp is not None:
+            ref = {"peak_memory": max(q.get("total", 0) for q in ddp["peak_memory_bytes"]),
+                   "comm_bytes_per_step": ddp["comm_bytes_per_step"],
+                   "wire_bytes_per_step": ddp.get("wire_bytes_per_step"), "step_time_s": ddp["step_time_s"],
+                   "final_val_loss": ddp["final_val_loss"],
+                   "training_flops": _ddp_flops(planned, ddp)}
+            values = {"peak_memory": peak.get("total", 0), **{k: row[k] for k in ref if k != "peak_memory"}}
+            for key, base in ref.items():
+                row[f"{key}_vs_ddp"] = values[key] / base if base and values[key] is not None else None
+        runs[name] = row
+    masks = {p.spec.name: p.verification for p in planned if p.verification is not None}
+    return {"preset": preset_name, "settings": preset_dict(preset), "date": today(), "machine": machine(),
+            "command": f"sdp compare --preset {preset_name}" + (f" --data {preset.data}" if preset.data != "auto" else ""),
+            "masks": masks, "runs": runs, "not_run": skipped,
+            "notes": list(preset.notes)}
+
+
+def _ddp_flops(planned: list[Planned], ddp_summary: dict[str, Any]) -> float:
+    ddp = next(p for p in planned if p.spec.name == "ddp")
+    return ddp.flops_per_step * ddp_summary["config"]["steps"]
+
+
 # -- training ------------------------------------------------------------------------------------
 def finished_summary(p: Planned) -> dict[str, Any] | None:
     """The run's summary.json if it finished with exactly this config and mask, else None."""
@@ -282,7 +337,7 @@ def compare(preset_name: str, out: Path, *, data: str | None = None, log=print) 
         else:
             summary = _train(p, f"[{i}/{len(todo)}] {p.spec.name}", log)
         summaries[p.spec.name] = summary
-    from sdp_train.compare_report import build_report, write_report
+    from sdp_train.compare_report import write_report  # imports torch (the memory categories)
 
     report = build_report(preset_name, preset, planned, summaries)
     report["wall_time_s"] = time.monotonic() - started

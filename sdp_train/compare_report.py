@@ -1,5 +1,8 @@
 """Write a comparison's report: compare.json, a Markdown table (compare.md) and PNG plots.
 
+The report is the dict `sdp_train.compare.build_report` makes; this module only renders it and
+imports nothing of `sdp_train.compare` (one direction: compare -> compare_report).
+
 Every ratio is to the DDP run of the same comparison. ``bound x DDP`` is the bound of the theorem
 of docs/theory.md that covers the run (`theory.coverage.covered_bound_ratio`) under unit problem
 constants (L = sigma = zeta = 1, f(x0) - f* = 1) at the bound-optimal step size, divided by DDP's:
@@ -15,78 +18,19 @@ per rank, median step time).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from sdp_train.loop import _write_atomic  # summary.json's writer: temp name, fsync, rename
+from masklab.io import atomic_write, atomic_write_text
 from sdp_train.memory import CATEGORIES
-
-if TYPE_CHECKING:
-    from sdp_train.compare import Planned, Preset
-
-
-def build_report(preset_name: str, preset: Preset, planned: list[Planned],
-                 summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The comparison as one JSON-ready dict: settings, masks with certificates, one row per run."""
-    from sdp_train.compare import machine, preset_dict, today
-
-    ddp = summaries.get("ddp")
-    runs: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    for p in planned:
-        name = p.spec.name
-        if p.duplicate_of is not None:
-            skipped[name] = f"its designed mask equals {p.duplicate_of}'s (C={p.spec.active} with K={preset.workers})"
-            continue
-        if name not in summaries:
-            skipped[name] = "its mask failed verification"
-            continue
-        s = summaries[name]
-        peak = max(s["peak_memory_bytes"], key=lambda q: q.get("total", 0))
-        row = {
-            "mode": p.spec.mode, "active": None if p.mask is None else float(p.mask.matrix.mean()),
-            "ac": p.spec.ac, "fsdp": p.spec.fsdp, "heterogeneous": p.spec.heterogeneous,
-            "flop_matched": p.spec.flop_matched, "steps": s["config"]["steps"],
-            "final_train_loss": s["final_train_loss"], "final_val_loss": s["final_val_loss"],
-            "peak_memory_bytes": peak, "comm_bytes_per_step": s["comm_bytes_per_step"],
-            "wire_bytes_per_step": s.get("wire_bytes_per_step"),
-            "step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"],
-            "flops_per_step": p.flops_per_step, "training_flops": p.flops_per_step * s["config"]["steps"],
-            "val_history": [*s.get("val_history", []), {"step": s["config"]["steps"] - 1,
-                                                         "val_loss": s["final_val_loss"]}],
-            "bound_vs_ddp": None if p.verification is None else p.verification["bound_vs_ddp"],
-            "mask_file": s["config"].get("mask"),
-        }
-        if ddp is not None:
-            ref = {"peak_memory": max(q.get("total", 0) for q in ddp["peak_memory_bytes"]),
-                   "comm_bytes_per_step": ddp["comm_bytes_per_step"],
-                   "wire_bytes_per_step": ddp.get("wire_bytes_per_step"), "step_time_s": ddp["step_time_s"],
-                   "final_val_loss": ddp["final_val_loss"],
-                   "training_flops": _ddp_flops(planned, ddp)}
-            values = {"peak_memory": peak.get("total", 0), **{k: row[k] for k in ref if k != "peak_memory"}}
-            for key, base in ref.items():
-                row[f"{key}_vs_ddp"] = values[key] / base if base and values[key] is not None else None
-        runs[name] = row
-    masks = {p.spec.name: p.verification for p in planned if p.verification is not None}
-    return {"preset": preset_name, "settings": preset_dict(preset), "date": today(), "machine": machine(),
-            "command": f"sdp compare --preset {preset_name}" + (f" --data {preset.data}" if preset.data != "auto" else ""),
-            "masks": masks, "runs": runs, "not_run": skipped,
-            "notes": list(preset.notes)}
-
-
-def _ddp_flops(planned: list[Planned], ddp_summary: dict[str, Any]) -> float:
-    ddp = next(p for p in planned if p.spec.name == "ddp")
-    return ddp.flops_per_step * ddp_summary["config"]["steps"]
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:
     """compare.json, compare.md and the two plots, each written whole or not at all."""
-    _write_atomic(out / "compare.json", json.dumps(report, indent=1))
-    _write_atomic(out / "compare.md", markdown_table(report))
+    atomic_write_text(out / "compare.json", json.dumps(report, indent=1) + "\n")
+    atomic_write_text(out / "compare.md", markdown_table(report) + "\n")
     plot(report, out)
 
 
@@ -191,10 +135,4 @@ def plot(report: dict[str, Any], out: Path) -> None:
 
 
 def _save(fig, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    atomic_write(path, lambda name: fig.savefig(name, format="png", dpi=110))
