@@ -87,8 +87,18 @@ def num_params(config: ModelConfig) -> int:
 
 
 def block_map(config: ModelConfig) -> BlockMap:
-    """The model's maskable blocks at both levels (built on the meta device: cheap for any size)."""
-    return _family(config)[1].block_map(config)
+    """The model's maskable blocks at both levels (built on the meta device: cheap for any size).
+
+    Maps are immutable and cached per config value: building one constructs the model on the meta
+    device, and a run asks for the same map many times.
+    """
+    key = (type(config), repr(config))
+    if key not in _BLOCK_MAPS:
+        _BLOCK_MAPS[key] = _family(config)[1].block_map(config)
+    return _BLOCK_MAPS[key]
+
+
+_BLOCK_MAPS: dict[tuple[type, str], BlockMap] = {}
 
 
 def subnet_kwargs(config: ModelConfig, held: np.ndarray, level: str) -> dict[str, object]:

@@ -16,6 +16,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -180,6 +181,10 @@ class BlockMap:
     """The subset of ``shapes`` that are ``nn.Parameter``s."""
     blocks: Mapping[str, tuple[Block, ...]]
     """Level (``"block"`` / ``"neuron"``) -> blocks in mask-column order."""
+
+    def __post_init__(self) -> None:  # read-only views: `block_map` shares one map per config
+        object.__setattr__(self, "shapes", MappingProxyType(dict(self.shapes)))
+        object.__setattr__(self, "blocks", MappingProxyType({k: tuple(v) for k, v in self.blocks.items()}))
 
     def num_blocks(self, level: str) -> int:
         """Number of mask columns B at ``level``."""
