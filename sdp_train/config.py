@@ -94,8 +94,17 @@ class TrainConfig:
     max_consecutive_skips: int = 10
     """With ``nonfinite='skip'``: this many non-finite steps in a row end the run as ``stop`` would
     (a diverged run does not come back by skipping)."""
+    log_every: int = 0
+    """Print a plain metrics line to stdout every N steps and at the last step, flushed (for logs
+    and pipes; replaces the progress bar). 0: a progress bar on a terminal, else a line every ~10%."""
+    tensorboard: bool = False
+    """Also write every metric for TensorBoard (torch's ``SummaryWriter``) into ``out/tensorboard``;
+    needs the ``tensorboard`` package (``pip install 'sdp-toolkit[tensorboard]'``)."""
+    save_model: bool = True
+    """Write the final full model to ``out/model.safetensors`` (``--no-save``: don't)."""
     out: str = "runs/latest"
-    """Output directory (metrics.jsonl, summary.json, checkpoints/)."""
+    """Output directory (metrics.jsonl, summary.json, mask.json, certificate.json, model.safetensors,
+    checkpoints/, tensorboard/)."""
 
     def __post_init__(self) -> None:
         for name in ("model", "construction", "data", "out"):
@@ -104,7 +113,7 @@ class TrainConfig:
         for name in ("mask", "resume"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a path string or null")
-        for name in ("heterogeneous", "activation_checkpointing", "fsdp"):
+        for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.model_overrides, dict) or not all(isinstance(k, str) for k in self.model_overrides):
@@ -113,7 +122,7 @@ class TrainConfig:
             raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
         _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
-                          "keep_checkpoints", "max_restarts")
+                          "keep_checkpoints", "max_restarts", "log_every")
         _positive_int(self, "max_consecutive_skips")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")

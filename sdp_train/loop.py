@@ -10,8 +10,11 @@ per rank, the parameter elements its optimizer updates (the held blocks and shar
 under SDP, the whole model under DDP, the local shards under FSDP); ``skipped_steps`` and
 ``num_skipped_steps``: the steps whose update ``nonfinite='skip'`` dropped; ``final_train_loss``:
 the loss of the last step not skipped; ``comm_bytes_per_step`` (buffer bytes) and
-``wire_bytes_per_step`` (bytes sent under ``wire_model``), medians per rank. Validation loss is
-that of the full assembled model.
+``wire_bytes_per_step`` (bytes sent under ``wire_model``), medians per rank; ``model_file``: the
+final full model's file name, ``model.safetensors`` (null under ``save_model=False``), written by
+rank 0 just before summary.json (`sdp_train.run_outputs`). Validation loss is that of the full
+assembled model, the very tensors the model file holds. While the run goes, rank 0 shows a
+progress bar, plain ``--log-every`` lines and TensorBoard scalars (`sdp_train.run_log`).
 
 Checkpoints and restarts: with ``checkpoint_every`` the loop writes ``DIR/checkpoints/step_N``
 (`sdp_train.checkpoint`, rotated to ``keep_checkpoints``). A resumed run keeps the metrics lines
@@ -29,8 +32,6 @@ import json
 import math
 import os
 import statistics
-import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from masklab.io import mask_to_dict
+from masklab.io import atomic_write_text, mask_to_dict
 from sdp_train.checkpoint import check_resumable, latest_valid_checkpoint, load_checkpoint, save_checkpoint
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
@@ -48,6 +49,8 @@ from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, 
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.memory import MemoryMeter, format_bytes
 from sdp_train.models import model_class
+from sdp_train.run_log import RunLog
+from sdp_train.run_outputs import MODEL_FILE, save_model
 from sdp_train.train import Prepared, Run, loss_fn, prepare
 from sdp_train.wire import WIRE_MODEL
 
@@ -75,7 +78,7 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
     start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
     meter = MemoryMeter(run.model, run.optimizer, device, extra=run.comm_buffers)
     metrics_file, history = _open_metrics(out, start) if info.is_main else (None, [])
-    progress = _Progress(cfg.steps, enabled=info.is_main)
+    log = RunLog(cfg, start=start, enabled=info.is_main)
     records: list[dict[str, Any]] = []
     val_history: list[dict[str, float]] = []
     consecutive_skips = 0
@@ -107,12 +110,13 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
             # after the metrics line: a checkpoint at step + 1 implies the lines of every step before it
             if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
-            progress.update(step, record, meter.peak.get("total"))
-        val_loss = evaluate(run, prep)
+            log.update(record, meter.peak.get("total"))
+        val_loss = evaluate(run, prep, save_to=out if cfg.save_model else None)
+        log.final(val_loss)
         trained = sum(p.numel() for p in _optimizer_params(run))
         per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
     finally:
-        progress.close()
+        log.close()
         if metrics_file is not None:
             metrics_file.close()
     if not info.is_main:
@@ -141,8 +145,9 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
         "restart_attempt": restart_attempt(),
         "config": cfg.to_dict(),
         "mask": None if prep.mask is None else mask_to_dict(prep.mask),
+        "model_file": MODEL_FILE if cfg.save_model else None,
     }
-    _write_atomic(out / "summary.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     final = summary["final_train_loss"]
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
            f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB of collective buffers per step per rank "
@@ -213,7 +218,8 @@ def _open_metrics(out: Path, start: int):
     """
     kept = metrics_history(out, start)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").unlink(missing_ok=True)
+    for stale in ("summary.json", MODEL_FILE):  # present only once this run has finished
+        (out / stale).unlink(missing_ok=True)
     path = out / "metrics.jsonl"
     if path.is_symlink():  # never write through a link planted in --out: replace it by a real file
         path.unlink()
@@ -244,8 +250,11 @@ def _gather(value: Any, world_size: int) -> list[Any]:
 
 
 @torch.no_grad()
-def evaluate(run: Run, prep: Prepared) -> float:
+def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
     """Mean validation loss of the full assembled model, evaluated on rank 0 only; every rank gets it.
+
+    With `save_to`, rank 0 also writes that full model to ``save_to/model.safetensors``
+    (`sdp_train.run_outputs.save_model`): the file holds exactly the model this loss scores.
 
     Rank 0 assembles the full model (`Run.full_state`) and scores the validation shards of every
     rank (``eval_batches`` each), so no other rank ever holds a full model copy; under SDP, rank 0
@@ -254,64 +263,33 @@ def evaluate(run: Run, prep: Prepared) -> float:
     ranks, also when training data is heterogeneous, so that runs with and without
     ``heterogeneous`` are scored on the same batches.
     """
-    cfg, info = prep.config, run.info
+    info = run.info
     full = run.full_state()
     total = torch.zeros(2, dtype=torch.float64, device=run.device)
     if full is not None:
+        if save_to is not None:
+            save_model(save_to, full)
         with torch.device("meta"):
             model = model_class(prep.model_config)(prep.model_config)
         model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
-        model.eval()
-        val_data = dataclasses.replace(prep.data, heterogeneous=False)
-        for rank in range(info.world_size):
-            val = build_batches(val_data, split="val", seed=cfg.seed, rank=rank, world_size=info.world_size)
-            for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
-                total[0] += loss_fn(model(inputs.to(run.device)), targets.to(run.device)).double()
-                total[1] += 1
+        total += validation_sums(model, prep, info.world_size, run.device)
         del model, full
     if info.world_size > 1:
         dist.broadcast(total, src=0)
     return float(total[0] / total[1])
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fchmod(f.fileno(), 0o644)  # as metrics.jsonl; mkstemp's 0600 would hide it from others
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class _Progress:
-    """Rank 0's progress bar (rich, on a terminal) or a line every ~10% of the run otherwise."""
-
-    def __init__(self, total: int, *, enabled: bool) -> None:
-        self.total, self.enabled, self.bar = total, enabled, None
-        if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
-            self.task = self.bar.add_task("train", total=total, info="")
-            self.bar.start()
-
-    def update(self, step: int, record: dict[str, Any], peak_bytes: int | None) -> None:
-        if not self.enabled:
-            return
-        info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
-        if peak_bytes:
-            info += f"  peak {format_bytes(peak_bytes)}"
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step + 1, info=info)
-        elif step == 0 or (step + 1) % max(1, self.total // 10) == 0 or step + 1 == self.total:
-            print(f"step {step + 1}/{self.total}  {info}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+@torch.no_grad()
+def validation_sums(model: torch.nn.Module, prep: Prepared, world_size: int, device: torch.device) -> torch.Tensor:
+    """``[sum of batch losses, number of batches]`` (float64) of a full `model` over every rank's
+    validation shard, ``eval_batches`` each: what the validation loss of a run averages."""
+    cfg = prep.config
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    val_data = dataclasses.replace(prep.data, heterogeneous=False)
+    for rank in range(world_size):
+        val = build_batches(val_data, split="val", seed=cfg.seed, rank=rank, world_size=world_size)
+        for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
+            total[0] += loss_fn(model(inputs.to(device)), targets.to(device)).double()
+            total[1] += 1
+    return total

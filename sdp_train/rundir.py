@@ -1,7 +1,7 @@
 """The output directory of one run: who owns it, what it may replace, and rank processes tied to their launcher.
 
 - `check_out_dir` refuses, before anything is launched or written, a new run into a directory that
-  holds another run's results (summary.json, metrics.jsonl or checkpoints) unless ``--overwrite``
+  holds another run's results (`RESULTS`: summary.json, metrics.jsonl, checkpoints, ...) unless ``--overwrite``
   (or ``--resume``) says what to do with them; `clear_previous_run` then removes them, so that a
   later restart can never adopt the old run's checkpoints.
 - `OutLock` makes one run at a time the owner of ``--out``: an exclusive ``flock`` on
@@ -29,7 +29,8 @@ from sdp_train.errors import ConfigError
 
 LOCK_NAME = ".sdp.lock"
 LOCKED_ENV = "SDP_OUT_LOCKED_BY"  # set for ranks whose launcher holds the lock
-RESULTS = ("summary.json", "metrics.jsonl", "checkpoints")
+RESULTS = ("summary.json", "metrics.jsonl", "checkpoints",  # sdp_train.loop, sdp_train.checkpoint
+           "model.safetensors", "mask.json", "certificate.json", "tensorboard")  # run_outputs, run_log
 
 
 def previous_results(out: Path) -> list[str]:

@@ -31,14 +31,21 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
+    "--log-every": ("log_every", int),
 }
 _CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES}
 _SWITCHES = {  # flag -> (TrainConfig field, help)
     "--heterogeneous": ("heterogeneous", "give each worker a different part of the data (by file / class)"),
     "--ac": ("activation_checkpointing", "recompute each residual block's activations in backward"),
     "--fsdp": ("fsdp", "with --mode bsdp: shard each held block among its holders (FSDP2)"),
+    "--tensorboard": ("tensorboard", "also write the metrics for TensorBoard into --out/tensorboard "
+                                     "(needs the tensorboard package)"),
 }
-_OVERWRITE_HELP = "replace the results of an earlier run in --out (summary, metrics, checkpoints)"
+_OFF_SWITCHES = {  # flag -> (TrainConfig field that it sets to False, help)
+    "--no-save": ("save_model", "do not write the final full model (--out/model.safetensors)"),
+}
+_OVERWRITE_HELP = ("replace the results of an earlier run in --out (summary, metrics, checkpoints, model, mask, "
+                   "certificate, tensorboard)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,13 +59,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help=f"(default {docs[name].default!r})", **kwargs)
     for flag, (name, text) in _SWITCHES.items():
         p.add_argument(flag, dest=name, action="store_true", default=None, help=text)
+    for flag, (name, text) in _OFF_SWITCHES.items():
+        p.add_argument(flag, dest=name, action="store_const", const=False, default=None, help=text)
     p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = load_config_file(args.config) if args.config else {}
-    names = [name for name, _ in _FLAGS.values()] + [name for name, _ in _SWITCHES.values()]
+    names = [name for name, _ in (*_FLAGS.values(), *_SWITCHES.values(), *_OFF_SWITCHES.values())]
     values.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
     if values.get("mode") in BASELINES and any(values.get(k) is not None for k in ("active", "mask")):
         given = ", ".join(f"{k}={values[k]!r}" for k in ("active", "mask") if values.get(k) is not None)
@@ -84,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
         prep = prepare(cfg)  # refuse bad configs and masks before starting any process
         check_data(prep)
+        check_outputs(cfg)
         if prep.resume_from is not None:  # its history must be readable before anything is replaced
             manifest = json.loads((prep.resume_from / MANIFEST).read_text(encoding="utf-8"))
             metrics_history(cfg.out, manifest["step"], report=False)
@@ -150,23 +160,40 @@ def check_data(prep) -> None:
 
 
 def report_mask(prep) -> None:
-    """Print the mask a run trains with, and warn where it is not what was asked for or certifies nothing."""
+    """Print the mask a run trains with and its certificate, save both in --out (`sdp_train.run_outputs`),
+    and warn where the mask is not what was asked for or certifies nothing."""
     mask, cfg = prep.mask, prep.config
     if mask is None:
         return
-    from masklab.analysis import is_connected, spectral_gap
+    from sdp_train.run_outputs import mask_lines, save_mask_and_certificate
 
-    gap, connected = spectral_gap(mask), is_connected(mask)
+    mask_path, cert_path, report = save_mask_and_certificate(cfg.out, mask)
     source = cfg.mask or f"designed for --active {cfg.active}"
     print(f"sdp train: mask {mask.workers} workers x {mask.blocks} blocks ({source}): C = {mask.active_fraction:.4g}, "
-          f"coverage {int(mask.coverage.min())}..{int(mask.coverage.max())}, spectral gap {gap:.4g}"
-          f"{'' if connected else ', mixing graph disconnected'}", flush=True)
+          f"coverage {report.coverage_min}..{report.coverage_max}, spectral gap {report.spectral_gap:.4g}"
+          f"{'' if report.connected else ', mixing graph disconnected'}", flush=True)
+    print("\n".join(mask_lines(mask, report)), flush=True)
+    print(f"sdp train: saved the mask to {mask_path} (--mask reuses it) and its certificate to {cert_path}",
+          flush=True)
     if cfg.mask is None and cfg.active is not None and abs(mask.active_fraction - cfg.active) > 1e-9:
         print(f"sdp train: warning: --active {cfg.active} became C = {mask.active_fraction:.4g}: with "
               f"{mask.workers} workers every block has a whole number of holders", file=sys.stderr, flush=True)
-    if not connected:
+    if not report.connected:
         print("sdp train: warning: the mask's mixing graph is disconnected (spectral gap 0): some groups of "
               "workers share no block", file=sys.stderr, flush=True)
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Refuse, before launching, a run whose final model or TensorBoard log could not be written."""
+    import importlib.util
+
+    if cfg.save_model:
+        from sdp_train.run_outputs import check_can_save_model
+
+        check_can_save_model()
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'sdp-toolkit[tensorboard]' "
+                          "(or pip install tensorboard), or drop --tensorboard")
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
@@ -175,4 +202,5 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) is not None:
             argv += [flag, str(getattr(args, name))]
     argv += [flag for flag, (name, _) in _SWITCHES.items() if getattr(args, name)]
+    argv += [flag for flag, (name, _) in _OFF_SWITCHES.items() if getattr(args, name) is False]
     return argv

@@ -1,5 +1,5 @@
 """`sdp train`: bad configs and masks are refused before any process starts; a real launch writes
-the documented files."""
+the documented files (metrics, summary, mask, certificate, the final model) and --log-every lines."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ import sys
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from masklab import Mask, Schedule, save_mask
+from masklab import Mask, Schedule, analyze, load_mask, save_mask
+from masklab.io import mask_to_dict
 from sdp_train.cli import main
 from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
+from sdp_train.loop import validation_sums
+from sdp_train.models import model_class
+from sdp_train.train import prepare
 from sdp_train.train_cli import config_from_args
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes"}
@@ -97,12 +103,12 @@ def test_train_config_rejects_bad_values():
 
 
 @pytest.mark.slow
-def test_sdp_train_launches_ranks_and_writes_metrics_and_summary(tmp_path):
+def test_sdp_train_launches_ranks_and_writes_metrics_summary_mask_certificate_and_model(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "sdp_train.cli", "train", "--model", "llama-debug", "--mode", "bsdp",
          "--active", "0.5", "--workers", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
-         "--max-data-bytes", "100000", "--eval-batches", "1", "--out", str(out)],
+         "--max-data-bytes", "100000", "--eval-batches", "1", "--log-every", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "TRITON_INTERPRET": "0"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -112,6 +118,22 @@ def test_sdp_train_launches_ranks_and_writes_metrics_and_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(summary)
     assert summary["mask"]["workers"] == 2 and summary["config"]["mode"] == "bsdp"
+    logged = [line for line in proc.stdout.splitlines() if line.startswith("step ")]  # --log-every 2, no terminal
+    assert [line.split()[1] for line in logged] == ["2/3", "3/3"], proc.stdout
+    assert f"loss={lines[1]['loss']:.5g}" in logged[0]
+    # the mask, printed and saved with its certificate; `sdp train --mask` takes the file back
+    mask = load_mask(out / "mask.json")
+    assert mask_to_dict(mask) == summary["mask"] and "  worker 1: " in proc.stdout
+    assert json.loads((out / "certificate.json").read_text()) == json.loads(json.dumps(analyze(mask).to_dict()))
+    # the final full model: the built-in model's keys, and the validation loss summary.json reports
+    assert summary["model_file"] == "model.safetensors"
+    state = load_file(out / "model.safetensors")
+    prep = prepare(TrainConfig.from_dict(summary["config"]))
+    model = model_class(prep.model_config)(prep.model_config)
+    assert set(state) == set(model.state_dict())
+    model.load_state_dict(state, strict=True)
+    sums = validation_sums(model, prep, world_size=2, device=torch.device("cpu"))
+    assert float(sums[0] / sums[1]) == pytest.approx(summary["final_val_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize(
