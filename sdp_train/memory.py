@@ -30,22 +30,23 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "other")
 PERSISTENT: tuple[str, ...] = ("parameters", "gradients", "optimizer")
-_REFS_OF = {  # our category -> MemTracker's reference types
-    "parameters": (_MemRefType.PARAM,),
-    "gradients": (_MemRefType.GRAD,),
-    "optimizer": (_MemRefType.OPT,),
-    "activations": (_MemRefType.ACT,),
-    "other": (_MemRefType.BUFFER, _MemRefType.TEMP, _MemRefType.OTH),
+_REFS_OF = {  # our category -> the names of MemTracker's reference types (`_MemRefType`)
+    "parameters": ("PARAM",),
+    "gradients": ("GRAD",),
+    "optimizer": ("OPT",),
+    "activations": ("ACT",),
+    "other": ("BUFFER", "TEMP", "OTH"),
 }
 
 
 def _category(snapshot: dict, category: str) -> int:
-    return sum(snapshot.get(ref, 0) for ref in _REFS_OF[category])
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return sum(snapshot.get(_MemRefType[ref], 0) for ref in _REFS_OF[category])
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -84,14 +85,15 @@ class MemoryMeter:
                  extra: Iterable[torch.Tensor] = ()) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.peak: dict[str, int] = {}
-        self.tracker = None
-        if device.type != "cuda":
-            self.tracker = _Tracker()
-            self.tracker.track_external(model, optimizer, *extra)
+        self.extra = tuple(extra)
+        self.tracker = None  # CPU: made at the first measured step (a run may measure none)
 
     @contextmanager
     def measure(self) -> Iterator[None]:
         """Track one step; the running peak over all measured steps is in `peak`."""
+        if self.device.type != "cuda" and self.tracker is None:
+            self.tracker = _tracker()
+            self.tracker.track_external(self.model, self.optimizer, *self.extra)
         if self.tracker is None:
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
@@ -114,6 +116,8 @@ class MemoryMeter:
         peak = self.tracker.get_tracker_snapshot("peak")
         snap = next(iter(peak.values()), {})
         out = {"total": snap.get("Total", 0), **{c: _category(snap, c) for c in CATEGORIES}}
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
         module_acts = [snapshot.get(_MemRefType.ACT, 0)
                        for stats in self.tracker.memory_tracking.values()
                        for states in stats.snapshots.values() for per_device in states
@@ -132,26 +136,33 @@ class MemoryMeter:
         return step, counted
 
 
-class _Tracker(MemTracker):
-    """MemTracker that installs its gradient hooks only on parameters that get gradients.
+def _tracker():
+    """A new `_Tracker`. torch's MemTracker module imports dynamo (about 0.6 s), so it is imported
+    only by a run that measures memory, not by the launcher or a run with ``--memory-steps 0``."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    Bb-SDP freezes the parameters of non-held blocks, and a frozen tensor takes no hooks.
-    """
+    class _Tracker(MemTracker):
+        """MemTracker that installs its gradient hooks only on parameters that get gradients.
 
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True
-                                         ) -> tuple[int, int]:
-        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-        if install_grad_hooks:
-            for param in module.parameters():
-                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(self._track_grad),
-                        param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)),
-                    )
-        return sizes
+        Bb-SDP freezes the parameters of non-held blocks, and a frozen tensor takes no hooks.
+        """
 
-    def _track_grad(self, grad: torch.Tensor) -> None:
-        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True
+                                             ) -> tuple[int, int]:
+            sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for param in module.parameters():
+                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                        self._param_to_grad_hook_handles[param] = (
+                            param.register_hook(self._track_grad),
+                            param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)),
+                        )
+            return sizes
+
+        def _track_grad(self, grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    return _Tracker()
 
 
 def format_bytes(n: int) -> str:
