@@ -3,11 +3,13 @@
 A reader sees the old content or the new, never part of either: an exception while writing
 leaves the old file as it was and no temporary file beside it; a link planted at the destination
 is replaced, never written through; the rename is made durable by an fsync of the directory.
-The writers built on it (mask files, mask plots, exported safetensors) are checked the same way.
+The writers built on it (mask files, mask plots, exported safetensors) are checked the same way,
+and no other module renames files into place by hand.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import stat
 from pathlib import Path
@@ -110,3 +112,22 @@ def test_an_interrupted_safetensors_export_leaves_the_old_file_and_no_temporary_
     assert path.read_bytes() == old
     assert _names(tmp_path) == ["model.safetensors"]
 
+
+
+# Not yet moved onto atomic_write (issue 14): the checkpoint's hashing writer, which predates it.
+# Remove the name once checkpoint.py calls atomic_write.
+NOT_YET_MOVED = {"sdp_train/checkpoint.py"}
+
+
+def test_no_module_renames_files_into_place_but_the_one_writer():
+    """A second hand-written temp-and-rename is how the writers drifted to five durabilities."""
+    root = Path(__file__).resolve().parents[2]
+    renaming = set()
+    for package in ("masklab", "theory", "kernels", "sdp_train"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("replace", "rename", "mkstemp")
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id in ("os", "tempfile")):
+                    renaming.add(str(path.relative_to(root)))
+    assert renaming - NOT_YET_MOVED == {"masklab/io.py"}
