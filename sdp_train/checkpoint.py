@@ -19,6 +19,9 @@ all make the same choice before any process group exists).
 Rotation: with ``keep_checkpoints = N > 0``, rank 0 deletes, after each complete save, the older
 ``step_N`` beyond the N newest complete ones (the one just written always stays).
 
+Shared directory: on several nodes the checkpoints need one ``--out`` that every node sees;
+`check_out_shared` refuses, before the first step, a run whose ranks do not.
+
 Not here: converting a checkpoint between masks or world sizes (refused), or assembling the
 full model (``Run.full_state`` does that).
 """
@@ -38,8 +41,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from sdp_train.dist import DistInfo, get_dist_info, run_id
+from sdp_train.dist import DistInfo, get_dist_info, run_id, under_torchrun
 from sdp_train.errors import ConfigError
+from sdp_train.rundir import LOCK_NAME, LOCKED_ENV
 
 if TYPE_CHECKING:
     from masklab import Mask
@@ -88,14 +92,15 @@ def find_checkpoint(path: str | Path) -> Path:
         if problem is not None:
             raise ConfigError(f"resume={str(path)!r}: cannot resume from this checkpoint: {problem}")
         return path
-    found = latest_valid_checkpoint(path)
+    # the ranks that sdp train's launcher started walk what it walked (and warned about) before launching
+    found = latest_valid_checkpoint(path, warn=not (under_torchrun() and LOCKED_ENV in os.environ))
     if found is None:
         raise ConfigError(f"resume={str(path)!r}: no complete checkpoint ({MANIFEST}) in it or in a step_N below it")
     return found
 
 
-def latest_valid_checkpoint(root: str | Path, *, run_id: str | None = None) -> Path | None:
-    """The newest ``root/step_N`` that `checkpoint_problem` accepts, warning about each newer one it skips.
+def latest_valid_checkpoint(root: str | Path, *, run_id: str | None = None, warn: bool = True) -> Path | None:
+    """The newest ``root/step_N`` that `checkpoint_problem` accepts, warning (with `warn`) about each newer one it skips.
 
     With `run_id`, only checkpoints that this very launch wrote count (a restarted attempt must not
     continue another run's trajectory); others are skipped with a warning.
@@ -108,7 +113,8 @@ def latest_valid_checkpoint(root: str | Path, *, run_id: str | None = None) -> P
                 problem = f"it was written by another launch (run id {written_by!r}, this one {run_id!r})"
         if problem is None:
             return candidate
-        _warn(f"checkpoint {candidate} skipped: {problem}; trying the previous one")
+        if warn:
+            _warn(f"checkpoint {candidate} skipped: {problem}; trying the previous one")
     return None
 
 
@@ -262,10 +268,41 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_warned: set[str] = set()
+
+
 def _warn(message: str) -> None:
-    """A warning on stderr, once per job (rank 0 of a launched job, or the launching process)."""
-    if get_dist_info().is_main:
+    """A warning on stderr, once per job (rank 0 of a launched job, or the launching process) and
+    once per process: ``sdp train`` prepares a run (and walks its checkpoints) before it trains it."""
+    if get_dist_info().is_main and message not in _warned:
+        _warned.add(message)
         print(f"sdp: warning: {message}", file=sys.stderr, flush=True)
+
+
+def check_out_shared(out: str | Path, world_size: int) -> None:
+    """Refuse, on every rank, an ``--out`` that is not one directory for all ranks; collective.
+
+    Checkpoints need one: rank 0 creates each ``step_N``, every rank writes its file into it, and
+    a restarted rank reads them all. On several nodes that takes a filesystem they share; on
+    separate disks the other nodes' ranks would fail with ENOENT at the first checkpoint. The
+    test: every rank must read the lock file that rank 0's run holds (`sdp_train.rundir.OutLock`,
+    whose text names its holder). Without that lock (a run not started by ``sdp train``) nothing
+    is checked.
+    """
+    if world_size == 1:
+        return
+    lock = Path(out) / LOCK_NAME
+    try:
+        mine = lock.read_text(encoding="utf-8") if lock.is_file() else None
+    except OSError:
+        mine = None
+    seen: list[str | None] = [None] * world_size
+    dist.all_gather_object(seen, mine)
+    unshared = [rank for rank, text in enumerate(seen) if text != seen[0]]
+    if seen[0] is not None and unshared:
+        raise ConfigError(f"out={str(out)!r} is not the same directory for every rank: rank(s) "
+                          f"{', '.join(map(str, unshared))} do not see the {LOCK_NAME} that rank 0 holds there; "
+                          f"checkpoints of a run on several nodes need --out on a filesystem all nodes share")
 
 
 def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:

@@ -40,6 +40,19 @@ def _is_user_error(exc: BaseException) -> bool:
             or isinstance(exc, OSError) and exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EROFS))
 
 
+def _reports_interrupt() -> bool:
+    """Whether this process says "interrupted": one line per job, not one per rank.
+
+    Ctrl-C reaches every process of the terminal's group. A rank that ``sdp train``'s own launcher
+    started leaves the line to that launcher; under another launcher (torchrun) rank 0 says it.
+    """
+    from sdp_train.rundir import LOCKED_ENV
+
+    if "RANK" not in os.environ:
+        return True
+    return os.environ["RANK"] == "0" and LOCKED_ENV not in os.environ
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sdp",
@@ -68,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print(f"sdp {args.command}: interrupted", file=sys.stderr)
+        if _reports_interrupt():
+            print(f"sdp {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         if not _is_user_error(exc) or os.environ.get("SDP_DEBUG"):

@@ -4,15 +4,18 @@ Tiny helpers in the style of nanochat's ``common.py``: `get_dist_info` reads tor
 environment, `init_distributed` creates the default process group (gloo on CPU, nccl on GPU),
 `print0` prints on rank 0, `launch_local` starts N local ranks through torch's elastic launcher
 (`torch.distributed.run`, restarts included) when ``sdp train --workers N`` is run outside
-torchrun, and `restart_attempt` says which restart of the group this process belongs to. This
-module does not decide anything about SDP itself.
+torchrun, and `restart_attempt` says which attempt of the group this process belongs to, the
+same on every rank and node. This module does not decide anything about SDP itself.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -77,8 +80,72 @@ def collective_timeout() -> timedelta:
 
 
 def restart_attempt() -> int:
-    """How many times the elastic agent has restarted this worker group (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Which attempt of the worker group this process belongs to (0 on the first), the same on every rank.
+
+    Under torchrun with the agent's store (its default) the ranks agree on it through that store
+    (`agree_attempt`, once per process). ``TORCHELASTIC_RESTART_COUNT`` cannot serve there: it
+    counts the restarts of this node's agent, and on two nodes the agent whose worker failed counts
+    one while the other, restarted by the membership change, does not. Without the agent's store
+    (one process, or ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) it is that count, right on one node.
+    """
+    if not uses_agent_store():
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return _agreed_attempt()
+
+
+def uses_agent_store() -> bool:
+    """True when the ranks share the elastic agent's TCP store (MASTER_ADDR:MASTER_PORT), which outlives attempts."""
+    return under_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+@functools.cache
+def _agent_store() -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=False, timeout=collective_timeout())
+
+
+@functools.cache
+def _agreed_attempt() -> int:
+    return agree_attempt(_agent_store(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                         timeout=collective_timeout())
+
+
+_OPENED = "sdp/attempts_opened"
+
+
+def agree_attempt(store: dist.Store, rank: int, world_size: int, *, timeout: timedelta) -> int:
+    """The number of this attempt of the worker group, agreed by its `world_size` ranks through `store`.
+
+    The store outlives attempts and holds whatever earlier, dead attempts left (the elastic agent
+    stops every worker of an attempt before it starts the next). Rank 0 opens attempt ``a`` (a
+    counter), waits until every other rank has joined ``a``, then marks it ready. Another rank joins
+    the newest opened attempt and returns when that attempt is ready; it moves on when a newer one
+    is opened. A rank that finds its own earlier join in ``a`` (its previous process joined it),
+    or finds ``a`` not ready yet, knows that ``a`` may be a dead attempt's and waits: a ready mark
+    it did not help bring about cannot be this attempt's. A `timeout` without agreement is an error.
+    """
+    if rank == 0:
+        attempt = store.add(_OPENED, 1) - 1
+        try:
+            store.wait([f"sdp/attempt{attempt}/joined{r}" for r in range(1, world_size)], timeout)
+        except dist.DistStoreError:
+            raise TimeoutError(f"rank 0: not every rank of attempt {attempt} joined it in the elastic agent's store "
+                               f"within {timeout.total_seconds():g} s (SDP_COLLECTIVE_TIMEOUT_S)") from None
+        store.set(f"sdp/attempt{attempt}/ready", "1")
+        return attempt
+    deadline = time.monotonic() + timeout.total_seconds()
+    looked_at, first_join = -1, False
+    while True:
+        newest = store.add(_OPENED, 0) - 1
+        if newest > looked_at:
+            looked_at = newest
+            first_join = store.add(f"sdp/attempt{newest}/joined{rank}", 1) == 1
+        if first_join and store.check([f"sdp/attempt{looked_at}/ready"]):
+            return looked_at
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 of this attempt did not show up in the elastic agent's store "
+                               f"within {timeout.total_seconds():g} s (SDP_COLLECTIVE_TIMEOUT_S)")
+        time.sleep(0.02)
 
 
 def run_id() -> str | None:
@@ -90,10 +157,10 @@ def run_id() -> str | None:
 def init_distributed(device: torch.device) -> DistInfo:
     """Create the default process group if launched by torchrun (gloo on CPU, nccl on CUDA).
 
-    When the ranks share the elastic agent's store (torchrun's default), each restart attempt
-    rendezvouses under its own key prefix ``attempt{N}``: the store outlives a failed attempt, and a
-    plain ``env://`` init of a restarted gloo group can pick up the dead attempt's addresses
-    ("Gloo connectFullMesh failed").
+    When the ranks share the elastic agent's store (torchrun's default), each attempt rendezvouses
+    under its own key prefix ``attempt{N}`` (`restart_attempt`, agreed by all ranks): the store
+    outlives a failed attempt, and a plain ``env://`` init of a restarted gloo group can pick up
+    the dead attempt's addresses ("Gloo connectFullMesh failed").
     """
     if not under_torchrun() or dist.is_initialized():
         return get_dist_info()
@@ -102,12 +169,9 @@ def init_distributed(device: torch.device) -> DistInfo:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = collective_timeout()
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=timeout)
-        kwargs.update(store=dist.PrefixStore(f"attempt{restart_attempt()}", store), rank=rank,
-                      world_size=world_size)
+    if uses_agent_store():
+        kwargs.update(store=dist.PrefixStore(f"attempt{restart_attempt()}", _agent_store()),
+                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return get_dist_info()
 
@@ -147,9 +211,11 @@ def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 
     """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks via torch's elastic launcher.
 
     With ``max_restarts > 0`` the agent restarts the whole group when a worker fails (at most that
-    many times); the restarted ranks see ``TORCHELASTIC_RESTART_COUNT > 0`` (`restart_attempt`).
-    Returns 0, or 1 once the group has failed more often than allowed.
+    many times); the restarted ranks resume (`restart_attempt`). Returns 0; 1 once the group has
+    failed more often than allowed; 128 + the signal's number when this process is interrupted
+    (130 for SIGINT, 143 for SIGTERM, as a shell reports it), after the agent has stopped the ranks.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(
@@ -164,6 +230,9 @@ def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 
     )
     try:
         run(args)
+    except SignalException as exc:  # the agent's handler of SIGINT/SIGTERM/...: the ranks are stopped
+        print(f"sdp {module_argv[0]}: interrupted ({signal.Signals(exc.sigval).name})", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     except Exception as exc:  # ChildFailedError: the rank's own error is already on stderr
         failures = getattr(exc, "failures", {})
         which = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failures.items()))

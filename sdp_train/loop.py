@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from masklab.io import atomic_write_text, mask_to_dict
-from sdp_train.checkpoint import check_resumable, latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from sdp_train.checkpoint import (check_out_shared, check_resumable, latest_valid_checkpoint, load_checkpoint,
+                                   save_checkpoint)
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, init_distributed, print0,
@@ -65,6 +66,8 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     torch.manual_seed(cfg.seed)
     info = init_distributed(device)
     try:
+        if cfg.checkpoint_every or prep.resume_from is not None:
+            check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
         return _train(prep, info, device)
     finally:
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
