@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import weakref
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,18 +221,22 @@ class Run:
             else:
                 self.model = build_worker_model(mc, rows[info.rank], level, seed=cfg.seed, device=device)
             self.train_model = self.model
-            block_meshes = None
-            if cfg.fsdp:
-                block_meshes = holder_meshes(prep.mask, block_map(mc).block_names("block"), info.rank, device.type)
-            parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
-                        block_meshes=block_meshes, root_mesh=world_mesh)
             shapes = block_map(mc).shapes
             plans = [] if cfg.fsdp else plan_buckets(self.held_by_rank, self.param_names, shapes=shapes)
             buffers = _float_buffer_names(mc)  # averaged after the step: no layer bound needed
             buffer_plans = plan_buckets(self.held_by_rank, buffers, shapes=shapes,
                                         layers_per_bucket=len(buffers) + 1)
-            groups = (create_groups(plans + buffer_plans, info.world_size) if info.world_size > 1
-                      else {p.holders: None for p in plans + buffer_plans})
+            block_meshes = None
+            if cfg.fsdp:  # one group per holder set, shared by FSDP's meshes and the statistics' buckets
+                block_meshes, every = holder_meshes(prep.mask, block_map(mc).block_names("block"), info.rank,
+                                                    device.type, also=[p.holders for p in buffer_plans])
+                groups = {p.holders: None if len(p.holders) == 1 else every[p.holders] for p in buffer_plans}
+            elif info.world_size > 1:
+                groups = create_groups(plans + buffer_plans, info.world_size)
+            else:
+                groups = {p.holders: None for p in plans + buffer_plans}
+            parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
+                        block_meshes=block_meshes, root_mesh=world_mesh)
             if not cfg.fsdp:  # with FSDP, each block's reduce-scatter over its holders is the average
                 self.engine = SyncEngine(self.model, plans, self.model.full_index(), groups, info.rank)
                 if cfg.mode == "bbsdp" and info.world_size > 1:
@@ -450,16 +455,18 @@ class FSDPCollectiveBytes(TorchDispatchMode):
         self.bytes.add(collective, full.numel() * full.element_size(), ranks)
 
 
-def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: str) -> dict[str, DeviceMesh]:
-    """Block name -> mesh over the block's holders, for the blocks `rank` holds (B-SDP + FSDP).
+def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: str, *,
+                  also: Sequence[tuple[int, ...]] = ()) -> tuple[dict[str, DeviceMesh], dict]:
+    """Block name -> mesh over the block's holders, for the blocks `rank` holds (B-SDP + FSDP), and
+    the groups made for them and for the holder sets in `also` (the statistics' buckets).
 
-    Every rank creates the process group of every distinct holder set (`holder_set_groups`;
+    Every rank creates the process group of every distinct holder set once (`holder_set_groups`;
     single holders included: FSDP needs a mesh for them too).
     """
-    holders_of = {name: tuple(int(k) for k in np.flatnonzero(mask.matrix[:, j]))
-                  for j, name in enumerate(names)}
-    groups = holder_set_groups(holders_of.values(), mask.workers, singletons=True)
-    return {name: DeviceMesh.from_group(groups[h], device_type) for name, h in holders_of.items() if rank in h}
+    holders_of = {name: mask.holder_set(j) for j, name in enumerate(names)}
+    groups = holder_set_groups([*holders_of.values(), *also], mask.workers, singletons=True)
+    meshes = {name: DeviceMesh.from_group(groups[h], device_type) for name, h in holders_of.items() if rank in h}
+    return meshes, groups
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

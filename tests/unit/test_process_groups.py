@@ -51,8 +51,8 @@ def assert_timeouts(calls: list[dict], expected_ranks: list[list[int]]) -> None:
 
 
 def test_holder_meshes_of_bsdp_fsdp_groups_get_the_collective_timeout(created):
-    meshes = train.holder_meshes(Mask(MATRIX), ("b0", "b1", "b2", "b3"), rank=0, device_type="cpu")
-    assert set(meshes) == {"b0", "b1", "b3"}
+    meshes, groups = train.holder_meshes(Mask(MATRIX), ("b0", "b1", "b2", "b3"), rank=0, device_type="cpu")
+    assert set(meshes) == {"b0", "b1", "b3"} and all(meshes[n] is groups[h] for n, h in [("b0", (0, 1))])
     assert_timeouts(created, [[0, 1], [0, 2], [1, 2]])
 
 
