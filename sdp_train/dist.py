@@ -90,7 +90,8 @@ def restart_attempt() -> int:
     """
     if not uses_agent_store():
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return _agreed_attempt()
+    return _agreed_attempt(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                           int(os.environ["WORLD_SIZE"]))
 
 
 def uses_agent_store() -> bool:
@@ -99,15 +100,13 @@ def uses_agent_store() -> bool:
 
 
 @functools.cache
-def _agent_store() -> dist.TCPStore:
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                         is_master=False, timeout=collective_timeout())
+def _agent_store(addr: str, port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=collective_timeout())
 
 
-@functools.cache
-def _agreed_attempt() -> int:
-    return agree_attempt(_agent_store(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         timeout=collective_timeout())
+@functools.cache  # one agreement per process (its launcher's environment does not change)
+def _agreed_attempt(addr: str, port: int, rank: int, world_size: int) -> int:
+    return agree_attempt(_agent_store(addr, port, world_size), rank, world_size, timeout=collective_timeout())
 
 
 _OPENED = "sdp/attempts_opened"
@@ -170,8 +169,9 @@ def init_distributed(device: torch.device) -> DistInfo:
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = collective_timeout()
     if uses_agent_store():
-        kwargs.update(store=dist.PrefixStore(f"attempt{restart_attempt()}", _agent_store()),
-                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size)
+        kwargs.update(store=dist.PrefixStore(f"attempt{restart_attempt()}", store), rank=rank, world_size=world_size)
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return get_dist_info()
 

@@ -21,7 +21,6 @@ import pytest
 import torch.distributed as dist
 import torch.distributed.run
 
-import sdp_train.dist
 import sdp_train.train_cli
 from sdp_train.checkpoint import check_out_shared, find_checkpoint
 from sdp_train.cli import main
@@ -76,18 +75,11 @@ def test_every_rank_of_an_attempt_agrees_on_its_number_whatever_dead_attempts_le
 
 
 def test_restart_attempt_under_the_agent_store_is_the_agreed_number_not_the_node_agents_count(store, monkeypatch):
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
-    for name, value in env.items():
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}.items():
         monkeypatch.setenv(name, value)
-    sdp_train.dist._agreed_attempt.cache_clear()
-    sdp_train.dist._agent_store.cache_clear()
-    try:
-        assert restart_attempt() == 0  # this node's agent counted a restart; the group's first attempt it is
-        assert restart_attempt() == 0  # agreed once per process
-    finally:
-        sdp_train.dist._agreed_attempt.cache_clear()
-        sdp_train.dist._agent_store.cache_clear()
+    # this node's agent counted a restart; it is the group's first attempt, agreed once per process
+    assert (restart_attempt(), restart_attempt()) == (0, 0)
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
