@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from masklab.io import atomic_write
 from sdp_train.dist import DistInfo, get_dist_info, run_id, under_torchrun
 from sdp_train.errors import ConfigError
 from sdp_train.rundir import LOCK_NAME, LOCKED_ENV
@@ -399,34 +399,18 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def _write_atomic(path: Path, write) -> dict[str, Any]:
-    """Write `path` through a temporary name, fsync and rename; return its size and sha256."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    """Write `path` whole through masklab's atomic writer (fsynced file and directory, never
+    through a link); return its size and sha256."""
+    written: dict[str, Any] = {}
+
+    def fill(name: str) -> None:
+        with os.fdopen(os.open(name, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)), "wb") as f:
             hashing = _HashingWriter(f)
             write(hashing)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return {"size": hashing.size, "sha256": hashing.sha256.hexdigest()}
+        written.update(size=hashing.size, sha256=hashing.sha256.hexdigest())
 
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    atomic_write(path, fill)
+    return written
 
 
 class _HashingWriter:

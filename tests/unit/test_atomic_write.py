@@ -114,11 +114,6 @@ def test_an_interrupted_safetensors_export_leaves_the_old_file_and_no_temporary_
 
 
 
-# Not yet moved onto atomic_write (issue 14): the checkpoint's hashing writer, which predates it.
-# Remove the name once checkpoint.py calls atomic_write.
-NOT_YET_MOVED = {"sdp_train/checkpoint.py"}
-
-
 def test_no_module_renames_files_into_place_but_the_one_writer():
     """A second hand-written temp-and-rename is how the writers drifted to five durabilities."""
     root = Path(__file__).resolve().parents[2]
@@ -130,4 +125,4 @@ def test_no_module_renames_files_into_place_but_the_one_writer():
                         and node.func.attr in ("replace", "rename", "mkstemp")
                         and isinstance(node.func.value, ast.Name) and node.func.value.id in ("os", "tempfile")):
                     renaming.add(str(path.relative_to(root)))
-    assert renaming - NOT_YET_MOVED == {"masklab/io.py"}
+    assert renaming == {"masklab/io.py"}
