@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "sdp_train.train_cli",
     "sdp_train.compare_cli",
     "sdp_train.plan_cli",
+    "sdp_train.estimate_cli",
 )
 
 EXIT_USAGE = 2
