@@ -1,7 +1,10 @@
 """Tests run the Triton code itself: interpreted on CPU-only machines, compiled on a GPU.
 
 TRITON_INTERPRET must be set before `kernels.triton_ops` is imported (Triton reads it when
-`@triton.jit` decorates), hence in this root conftest, loaded before any test or doctest module imports kernels.
+`@triton.jit` decorates), hence in this root conftest, loaded before any test or doctest module
+imports kernels. The module is imported here too, at once: a test that sets TRITON_INTERPRET=0
+for the ranks it launches (tests/integration/test_compare.py) must not be the first importer,
+or the kernels of every later in-process run would be half compiled, half interpreted.
 """
 
 import os
@@ -10,3 +13,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import kernels.triton_ops  # noqa: E402,F401  (after the variable: see above)
+except ImportError:  # no triton (it is a Linux-only dependency): the reference backend runs alone
+    pass
