@@ -295,9 +295,10 @@ class SyncEngine:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: _Bucket) -> None:
-        kernels.pack(bucket.grads(), bucket.layout, bucket.buffer, scale=bucket.layout.inverse_coverage,
-                     backend=self.backend)
+        # A single holder's average is its own gradient: nothing to pack, send or unpack.
         if bucket.communicates:
+            kernels.pack(bucket.grads(), bucket.layout, bucket.buffer, scale=bucket.layout.inverse_coverage,
+                         backend=self.backend)
             bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
             self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(), len(bucket.plan.holders))
         bucket.launched = True
@@ -315,12 +316,14 @@ class SyncEngine:
         for bucket in self.buckets:
             if bucket.work is not None:
                 self._wait(bucket)
-            # pack scaled by 1/c_j and the holders summed: the buffer is the average (or, for a
-            # single holder, the gradient itself).
+            # pack scaled by 1/c_j and the holders summed: the buffer is the average; a single
+            # holder's gradient is read in place.
             if bucket.communicates:
                 kernels.unpack(bucket.buffer, bucket.grads(), bucket.layout, mode="copy", backend=self.backend)
-            if bucket.plan.holders[0] == self.rank:
-                sq_norm += bucket.buffer.float().pow(2).sum()
+                if bucket.plan.holders[0] == self.rank:
+                    sq_norm += bucket.buffer.float().pow(2).sum()
+            elif bucket.plan.holders[0] == self.rank:
+                sq_norm += kernels.squared_norm(bucket.grads(), bucket.layout, backend=self.backend)
         self._reset()
         return sq_norm
 

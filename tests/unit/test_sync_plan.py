@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kernels
 from sdp_train import sync
 from sdp_train.config import TrainConfig
 from sdp_train.models import block_map, get_model_config
@@ -73,9 +74,16 @@ def test_packed_bucket_is_each_held_slice_scaled_by_inverse_coverage(rank):
         p.grad = torch.randn(p.shape, generator=gen)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     index = model.full_index()
-    engine.finish()
+    sq_norm = engine.finish()
     assert engine.buckets
+    # without a group nothing is sent, so nothing is packed and the gradients stay as they were
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    owned = 0.0
     for bucket in engine.buckets:
+        kernels.pack(bucket.grads(), bucket.layout, bucket.buffer, scale=bucket.layout.inverse_coverage,
+                     backend="reference")  # what the engine sends where the bucket has a group
+        if bucket.plan.holders[0] == rank:
+            owned += float((bucket.buffer * len(bucket.plan.holders)).double().pow(2).sum())
         parts = []
         for atom in bucket.plan.atoms:
             g = grads[atom.name]
@@ -84,6 +92,7 @@ def test_packed_bucket_is_each_held_slice_scaled_by_inverse_coverage(rank):
                 g = g.index_select(atom.dim, local)
             parts.append(g.reshape(-1) * (1.0 / len(bucket.plan.holders)))
         torch.testing.assert_close(bucket.buffer, torch.cat(parts), rtol=0, atol=0)
+    assert float(sq_norm) == pytest.approx(owned, rel=1e-5)  # read in place: the held slices' squares
     engine.remove_hooks()
 
 
