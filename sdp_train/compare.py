@@ -130,6 +130,7 @@ def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
         seed=0, data=preset.data, heterogeneous=spec.heterogeneous, max_data_bytes=preset.max_data_bytes,
         eval_batches=preset.eval_batches, eval_every=preset.eval_every, activation_checkpointing=spec.ac,
         fsdp=spec.fsdp, memory_steps=preset.memory_steps, out=str(out / "runs" / spec.name),
+        save_model=False,  # a comparison reports metrics; a gpu-1b run's model would be GBs per system
     )
 
 
