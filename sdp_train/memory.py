@@ -30,23 +30,26 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+# Imported at module level, before any process group exists: importing torch's memory tracker
+# (which pulls in dynamo) while a group exists keeps that group, and its gloo threads, alive to
+# interpreter shutdown (tests/distributed/test_teardown.py). Lazily, it cost every launcher 0.6 s
+# less, but a run's groups outlived it.
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "other")
 PERSISTENT: tuple[str, ...] = ("parameters", "gradients", "optimizer")
-_REFS_OF = {  # our category -> the names of MemTracker's reference types (`_MemRefType`)
-    "parameters": ("PARAM",),
-    "gradients": ("GRAD",),
-    "optimizer": ("OPT",),
-    "activations": ("ACT",),
-    "other": ("BUFFER", "TEMP", "OTH"),
+_REFS_OF = {  # our category -> MemTracker's reference types
+    "parameters": (_MemRefType.PARAM,),
+    "gradients": (_MemRefType.GRAD,),
+    "optimizer": (_MemRefType.OPT,),
+    "activations": (_MemRefType.ACT,),
+    "other": (_MemRefType.BUFFER, _MemRefType.TEMP, _MemRefType.OTH),
 }
 
 
 def _category(snapshot: dict, category: str) -> int:
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    return sum(snapshot.get(_MemRefType[ref], 0) for ref in _REFS_OF[category])
+    return sum(snapshot.get(ref, 0) for ref in _REFS_OF[category])
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -85,15 +88,14 @@ class MemoryMeter:
                  extra: Iterable[torch.Tensor] = ()) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.peak: dict[str, int] = {}
-        self.extra = tuple(extra)
-        self.tracker = None  # CPU: made at the first measured step (a run may measure none)
+        self.tracker = None
+        if device.type != "cuda":
+            self.tracker = _Tracker()
+            self.tracker.track_external(model, optimizer, *extra)
 
     @contextmanager
     def measure(self) -> Iterator[None]:
         """Track one step; the running peak over all measured steps is in `peak`."""
-        if self.device.type != "cuda" and self.tracker is None:
-            self.tracker = _tracker()
-            self.tracker.track_external(self.model, self.optimizer, *self.extra)
         if self.tracker is None:
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
@@ -116,8 +118,6 @@ class MemoryMeter:
         peak = self.tracker.get_tracker_snapshot("peak")
         snap = next(iter(peak.values()), {})
         out = {"total": snap.get("Total", 0), **{c: _category(snap, c) for c in CATEGORIES}}
-        from torch.distributed._tools.mem_tracker import _MemRefType
-
         module_acts = [snapshot.get(_MemRefType.ACT, 0)
                        for stats in self.tracker.memory_tracking.values()
                        for states in stats.snapshots.values() for per_device in states
@@ -136,33 +136,26 @@ class MemoryMeter:
         return step, counted
 
 
-def _tracker():
-    """A new `_Tracker`. torch's MemTracker module imports dynamo (about 0.6 s), so it is imported
-    only by a run that measures memory, not by the launcher or a run with ``--memory-steps 0``."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+class _Tracker(MemTracker):
+    """MemTracker that installs its gradient hooks only on parameters that get gradients.
 
-    class _Tracker(MemTracker):
-        """MemTracker that installs its gradient hooks only on parameters that get gradients.
+    Bb-SDP freezes the parameters of non-held blocks, and a frozen tensor takes no hooks.
+    """
 
-        Bb-SDP freezes the parameters of non-held blocks, and a frozen tensor takes no hooks.
-        """
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True
+                                         ) -> tuple[int, int]:
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._track_grad),
+                        param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)),
+                    )
+        return sizes
 
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True
-                                             ) -> tuple[int, int]:
-            sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-            if install_grad_hooks:
-                for param in module.parameters():
-                    if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                        self._param_to_grad_hook_handles[param] = (
-                            param.register_hook(self._track_grad),
-                            param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)),
-                        )
-            return sizes
-
-        def _track_grad(self, grad: torch.Tensor) -> None:
-            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-    return _Tracker()
+    def _track_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
 
 def format_bytes(n: int) -> str:
