@@ -316,13 +316,12 @@ class SyncEngine:
         for bucket in self.buckets:
             if bucket.work is not None:
                 self._wait(bucket)
-            # pack scaled by 1/c_j and the holders summed: the buffer is the average; a single
-            # holder's gradient is read in place.
+            # pack scaled by 1/c_j and the holders summed: the buffer is the average, unpacked into
+            # the gradients; a single holder's gradient is its own average. Either way the share of
+            # the norm is read from the held slices in place, with no float32 temporary.
             if bucket.communicates:
                 kernels.unpack(bucket.buffer, bucket.grads(), bucket.layout, mode="copy", backend=self.backend)
-                if bucket.plan.holders[0] == self.rank:
-                    sq_norm += bucket.buffer.float().pow(2).sum()
-            elif bucket.plan.holders[0] == self.rank:
+            if bucket.plan.holders[0] == self.rank:
                 sq_norm += kernels.squared_norm(bucket.grads(), bucket.layout, backend=self.backend)
         self._reset()
         return sq_norm
