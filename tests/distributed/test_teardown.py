@@ -48,20 +48,19 @@ def test_no_process_group_or_gloo_thread_outlives_a_finished_run_in_any_mode(tmp
     assert not left, "process groups outlived train():\n" + "\n".join(left)
 
 
-LAUNCHES = [  # (ranks, mode flags): FSDP, whose groups torch keeps referenced after the run
-    (2, ["--mode", "fsdp", "--ac"]),
-    (3, ["--mode", "bsdp", "--active", "0.5", "--fsdp"]),  # holder-set groups besides the world
+LAUNCHES = [  # (ranks, mode flags): FSDP, whose groups torch keeps referenced after the run, with
+    (3, ["--mode", "bsdp", "--active", "0.5", "--fsdp", "--ac"]),  # holder-set groups besides the world
 ]
 
 
 @pytest.mark.slow
 def test_finished_runs_exit_zero_in_every_launch_including_fsdp(tmp_path):
-    """Repeated real `sdp train` launches: every one exits 0 with its summary written.
+    """A real `sdp train` launch of FSDP exits 0 with its summary written.
 
-    Before the fix about one run in six (4 ranks) aborted after "done". Two launches catch that
-    rate with probability 1 - (5/6)**2 ~ 0.31 per CI run only; the deterministic check above
-    guards the non-FSDP modes on every run, and these launches (2 and 3 ranks, to keep the suite
-    short) that FSDP's ranks exit cleanly.
+    Before the fix about one run in six (4 ranks) aborted after "done". One launch catches that
+    rate with probability 1/6 per CI run only; the deterministic check above guards the non-FSDP
+    modes on every run, and this launch (B-SDP + FSDP + AC on 3 ranks: the world's group and
+    holder-set groups, all kept referenced by DTensor's caches) that FSDP's ranks exit cleanly.
     """
     for i, (ranks, flags) in enumerate(LAUNCHES):
         out = tmp_path / f"run{i}"
