@@ -38,6 +38,13 @@ def _sdp(*argv: str, **kw) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, **kw)
 
 
+@pytest.fixture(autouse=True)
+def _kernels_on_the_reference_backend(monkeypatch):
+    """The one-worker runs here train in this process: Triton's interpreter (which the suite
+    turns on for tests/kernels) would make each take 30 s instead of 5."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def _one_process_run(out: Path, *extra: str) -> int:
     return main(["train", *TINY, "--workers", "1", "--steps", "2", "--out", str(out), *extra])
 
@@ -50,7 +57,8 @@ def finished_run(tmp_path_factory) -> Path:
     out.mkdir()
     (out / LOCK_NAME).write_text("pid 999999 on host gone, since 2026-01-01T00:00:00Z\n")  # a dead run's
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with contextlib.redirect_stderr(err), pytest.MonkeyPatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "0")  # as the autouse fixture does for each test
         assert _one_process_run(out, "--steps", "3", "--checkpoint-every", "1") == 0
     assert "took over the lock of a run that no longer runs (pid 999999" in err.getvalue()
     return out
