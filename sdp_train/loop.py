@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -69,6 +70,15 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
         return _train(prep, info, device)
+    except NonFiniteError as exc:
+        # Raised on every rank in the same step. Rank 0 reports it before any rank leaves: a
+        # launcher stops the other ranks at the first exit, which could cut rank 0 off unprinted.
+        if info.is_main:
+            print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+        exc.reported = True
+        raise
     finally:
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
 

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 train(cfg)
             except NonFiniteError as exc:  # raised on every rank in the same step; reported once
-                if get_dist_info().is_main:
+                if get_dist_info().is_main and not getattr(exc, "reported", False):
                     print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
                 return 1
             return 0
