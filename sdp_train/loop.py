@@ -77,7 +77,6 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
             print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.barrier()
-        exc.reported = True
         raise
     finally:
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown

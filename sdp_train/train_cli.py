@@ -104,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
         if under_torchrun() or cfg.workers == 1:
             try:
                 train(cfg)
-            except NonFiniteError as exc:  # raised on every rank in the same step; reported once
-                if get_dist_info().is_main and not getattr(exc, "reported", False):
-                    print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
+            except NonFiniteError:  # raised on every rank in the same step; `train` reported it once
                 return 1
             return 0
         os.environ[LOCKED_ENV] = str(os.getpid())  # the ranks' launcher (this process) holds --out
