@@ -3,7 +3,8 @@
 At the initial point x0 of an ``sdp train`` set-up (the full model its seed builds), worker k's
 stochastic gradient g_k is the full model's gradient on a batch that rank k of the run would train
 on (`build_batches` with ``rank=k``), restricted per mask column j to the block's coordinates. All
-K workers are simulated in this one process, each on its first n batches, all at x0. With
+K workers are simulated in this one process, each on its first n batches, all at x0 (or at a given
+model, ``at``: `load_point` of a run's ``model.safetensors``). With
 gbar_{k,j} the mean of worker k's n block-j gradients:
 
 - sigma_j^2 (A2, a bound for every worker): max_k s_{k,j}^2, with
@@ -25,8 +26,10 @@ training steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError
-from sdp_train.models import BlockMap, SliceSpec, block_map, build_model
+from sdp_train.models import BlockMap, SliceSpec, block_map, build_model, model_class
 from sdp_train.models.blocks import WHOLE
 from sdp_train.train import Prepared, loss_fn
 
@@ -207,13 +210,20 @@ class Estimate:
     smoothness_change: float
     power_iters: int
     initial_loss: float
+    point: str = "initial"
+    """``"initial"``: the seed's initial model; ``"given"``: the model passed as ``at`` (``--at``)."""
 
     def to_dict(self) -> dict:
         return {**asdict(self), "smoothness_estimator": SMOOTHNESS_ESTIMATOR}
 
 
-def estimate_constants(prep: Prepared, *, batches: int, power_iters: int, device: str = "cpu") -> Estimate:
-    """Measure the constants of ``prep``'s model, data and mask columns at its initial point (module docstring)."""
+def estimate_constants(prep: Prepared, *, batches: int, power_iters: int, device: str = "cpu",
+                       at: Mapping[str, torch.Tensor] | None = None) -> Estimate:
+    """Measure the constants of ``prep``'s model, data and mask columns at its initial point (module docstring).
+
+    With ``at`` (a full-model state dict, e.g. `load_point` of a run's ``model.safetensors``) the
+    point is that model instead of the seed's initial one.
+    """
     cfg, mc = prep.config, prep.model_config
     if prep.mask is None or cfg.level is None:
         raise ConfigError(f"mode {cfg.mode!r} has no mask columns to estimate constants for")
@@ -222,6 +232,8 @@ def estimate_constants(prep: Prepared, *, batches: int, power_iters: int, device
     blocks, shared = block_parts(block_map(mc), cfg.level)
     groups = [*blocks, shared] if shared else blocks
     model = build_model(mc, seed=cfg.seed, device=device)
+    if at is not None:
+        model.load_state_dict(at)  # keys and shapes already checked by load_point
     streams = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=cfg.workers)
                for k in range(cfg.workers)]
     losses: list[float] = []
@@ -250,8 +262,41 @@ def estimate_constants(prep: Prepared, *, batches: int, power_iters: int, device
         grad_sq=tuple(measured.grad_sq[:b].tolist()), shared_parameters=sum(sizes[b:]),
         shared_sigma_sq=float(measured.sigma_sq[b:].sum()), shared_zeta_sq=float(measured.zeta_sq[b:].sum()),
         smoothness=smoothness, smoothness_change=change, power_iters=power_iters,
-        initial_loss=float(np.mean(losses)),
+        initial_loss=float(np.mean(losses)), point="initial" if at is None else "given",
     )
+
+
+def load_point(path: str | os.PathLike[str], prep: Prepared) -> dict[str, torch.Tensor]:
+    """The full-model state dict in ``path`` (a ``model.safetensors``, or a run directory holding one),
+    checked against ``prep``'s model: every key present, none extra, every shape equal; else ConfigError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from sdp_train.run_outputs import MODEL_FILE
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / MODEL_FILE
+    if not file.is_file():
+        raise ConfigError(f"--at {path}: no such file" + (f" ({MODEL_FILE} of a run directory)"
+                                                           if Path(path).is_dir() else ""))
+    try:
+        state = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(f"--at {file}: not a readable safetensors file ({exc})") from None
+    with torch.device("meta"):
+        expected = {n: tuple(t.shape) for n, t in model_class(prep.model_config)(prep.model_config).state_dict().items()}
+    missing = [n for n in expected if n not in state]
+    extra = [n for n in state if n not in expected]
+    if missing or extra:
+        parts = ([f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}"] if missing else []) + \
+                ([f"{len(extra)} unexpected, e.g. {', '.join(extra[:3])}"] if extra else [])
+        raise ConfigError(f"--at {file}: does not hold a {prep.config.model} model: {'; '.join(parts)}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ConfigError(f"--at {file}: tensor {name} has shape {tuple(state[name].shape)}, "
+                              f"{prep.config.model} has {shape}")
+    return state
 
 
 def _numel(prep: Prepared, name: str, spec: SliceSpec) -> int:
@@ -273,7 +318,8 @@ def constants_file(estimate: Estimate) -> dict:
 def summary_lines(estimate: Estimate) -> list[str]:
     """Human-readable lines: one row per mask column, the shared parameters, L and D with their estimators."""
     e = estimate
-    lines = [f"sdp estimate: {e.model}, {e.workers} workers x {e.batches} batches at the initial point, "
+    where = "the initial point" if e.point == "initial" else "the given point (--at)"
+    lines = [f"sdp estimate: {e.model}, {e.workers} workers x {e.batches} batches at {where}, "
              f"{len(e.block_names)} mask columns ({e.level} level)",
              f"{'block':<24}{'params':>10}{'sigma_j^2':>12}{'zeta_j^2':>12}{'G_j^2':>12}"]
     for row in zip(e.block_names, e.block_parameters, e.sigma_sq, e.zeta_sq, e.grad_sq):
@@ -285,7 +331,7 @@ def summary_lines(estimate: Estimate) -> list[str]:
         f"sigma^2 {e.shared_sigma_sq:.4g}, zeta^2 {e.shared_zeta_sq:.4g}",
         f"smoothness L ~ {e.smoothness:.4g}: {SMOOTHNESS_ESTIMATOR}; {e.power_iters} iterations, last relative "
         f"change {e.smoothness_change:.2g}",
-        f"suboptimality f(x0) - f* <= {e.initial_loss:.4g}: the mean loss of the measured batches (cross-entropy "
+        f"suboptimality f(x0) - f* <= {e.initial_loss:.4g} (x0: {where}): the mean loss of the measured batches (cross-entropy "
         "is >= 0, so f* >= 0)",
         "sigma_j^2: max over workers of the within-worker variance; zeta_j^2: (1/K) sum_k ||mean_k - mean||^2 less "
         "the noise in the means, clipped at 0; G_j^2: max over workers of E||g_j||^2 (docs/theory.md §7)",

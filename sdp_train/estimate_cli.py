@@ -1,7 +1,7 @@
 """``sdp estimate``: per-block problem constants measured on a training set-up, for ``sdp verify``.
 
 Takes the model, data, batch and mask flags of ``sdp train`` (or its ``--config`` file), measures
-the constants at the initial point in one process (`sdp_train.estimate`) and writes them as a
+the constants at the initial point (or at a saved model, ``--at``) in one process (`sdp_train.estimate`) and writes them as a
 constants file that ``sdp verify --constants`` reads (format: docs/theory.md §7). Every input is
 checked, and ``--out`` too, before the model is built. This module only parses, calls
 `sdp_train.estimate` and prints.
@@ -31,7 +31,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type): what fixes the model, the data 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate", help="measure per-block constants (sigma_j^2, zeta_j^2, G_j^2, L, D) for sdp verify",
-        description="Measure, at the initial point of an `sdp train` set-up, each mask column's gradient noise "
+        description="Measure, at the initial point of an `sdp train` set-up (or at a model it saved, --at), each mask column's gradient noise "
         "sigma_j^2, heterogeneity zeta_j^2 and second moment G_j^2 from per-worker gradients of the full model on "
         "--steps batches per worker (the batches sdp train gives each rank), the smoothness L by Hessian-vector "
         "power iteration, and f(x0) - f* <= f(x0); write them as a constants file for `sdp verify --constants` "
@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"batches per worker, all at the initial point (>= 2; default {DEFAULT_STEPS})")
     p.add_argument("--power-iters", type=int, default=DEFAULT_POWER_ITERS, metavar="I",
                    help=f"Hessian-vector power iterations for L (>= 1; default {DEFAULT_POWER_ITERS})")
+    p.add_argument("--at", metavar="MODEL", default=None,
+                   help="measure at this model instead of the initial point: a model.safetensors that sdp train "
+                   "saved (or its run directory) for the same --model")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to compute (default cpu)")
     p.add_argument("--out", required=True, metavar="FILE.json", help="constants file to write")
     p.add_argument("--mask-out", metavar="FILE.json", default=None,
@@ -86,7 +89,7 @@ def check_writable(path: str, flag: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from masklab.io import atomic_write_text, save_mask
-    from sdp_train.estimate import constants_file, estimate_constants, summary_lines
+    from sdp_train.estimate import constants_file, estimate_constants, load_point, summary_lines
     from sdp_train.train import prepare
 
     if args.batches < 2:
@@ -97,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     out = check_writable(args.out, "--out")
     mask_out = None if args.mask_out is None else check_writable(args.mask_out, "--mask-out")
     prep = prepare(config_from_args(args))
-    estimate = estimate_constants(prep, batches=args.batches, power_iters=args.power_iters, device=args.device)
+    at = None if args.at is None else load_point(args.at, prep)
+    estimate = estimate_constants(prep, batches=args.batches, power_iters=args.power_iters, device=args.device, at=at)
     atomic_write_text(out, json.dumps(constants_file(estimate), indent=2) + "\n")
     if mask_out is not None:
         save_mask(prep.mask, mask_out)

@@ -139,3 +139,54 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("sdp estimate: error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "c.json").exists()
+
+
+def _save_model(path, seed):
+    from safetensors.torch import save_file
+
+    from sdp_train.models import build_model, get_model_config
+
+    state = build_model(get_model_config("llama-debug"), seed=seed).state_dict()
+    save_file({n: t.contiguous() for n, t in state.items()}, str(path))
+    return path
+
+
+def test_estimate_at_a_saved_model_measures_that_model(tmp_path, capsys):
+    """--at the seed's own initial model gives the initial point's constants exactly; another model differs."""
+    def run(*extra):
+        assert main([*ESTIMATE, "--power-iters", "1", "--out", str(tmp_path / "c.json"), "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    initial = run()
+    same = run("--at", str(_save_model(tmp_path / "seed0.safetensors", seed=0)))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _save_model(run_dir / "model.safetensors", seed=7)
+    other = run("--at", str(run_dir))  # a run directory: its model.safetensors
+    assert initial["point"] == "initial" and same["point"] == other["point"] == "given"
+    for key in ("sigma_sq", "zeta_sq", "grad_sq", "initial_loss"):
+        assert same[key] == initial[key]
+    assert other["sigma_sq"] != initial["sigma_sq"] and other["initial_loss"] != initial["initial_loss"]
+
+
+def test_estimate_at_a_file_of_another_model_is_refused(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from sdp_train.models import build_model, get_model_config
+
+    wrong = tmp_path / "vit.safetensors"
+    save_file(build_model(get_model_config("vit-tiny"), seed=0).state_dict(), str(wrong))
+    state = build_model(get_model_config("llama-debug"), seed=0).state_dict()
+    name = next(iter(state))
+    state[name] = state[name][:1].contiguous()
+    shape = tmp_path / "shape.safetensors"
+    save_file({n: t.contiguous() for n, t in state.items()}, str(shape))
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    for at, message in ((wrong, "does not hold a llama-debug model: missing"), (shape, f"tensor {name} has shape"),
+                        (garbage, "not a readable safetensors file"), (tmp_path / "none", "no such file"),
+                        (tmp_path, "no such file (model.safetensors of a run directory)")):
+        assert main([*ESTIMATE, "--out", str(tmp_path / "c.json"), "--at", str(at)]) == 2, at
+        err = capsys.readouterr().err
+        assert err.startswith("sdp estimate: error: --at ") and message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "c.json").exists()
