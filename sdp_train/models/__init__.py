@@ -5,45 +5,66 @@
 >>> block_map(config).block_names("block")
 ('layers.0', 'layers.1')
 
-Each model family (`llama`, `resnet`, `vit`) provides ``num_params``, ``block_map`` and
-``subnet_kwargs``; this module dispatches on the config type. Building a worker's subnetwork from
-a mask row is `sdp_train.subnet`.
+Every module of this package that defines ``FAMILY`` (a `ModelFamily`: ``llama``, ``resnet``,
+``vit``, ``swin``) is registered on import, and the functions here look the family up by the
+config's type; `register_family` adds one defined elsewhere. Building a worker's subnetwork from a
+mask row is `sdp_train.subnet`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import ModuleType
-from typing import Any
+import importlib
+import pkgutil
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models import llama, resnet, vit
 from sdp_train.models.blocks import LEVELS, Block, BlockMap, SliceSpec, SubnetModule
+from sdp_train.models.family import (
+    DATA_KINDS,
+    ActivationModel,
+    BlockActivations,
+    ModelFamily,
+    families,
+    family_of,
+    family_of_model,
+    register_family,
+    unregister_family,
+)
 from sdp_train.models.llama import Llama, LlamaConfig
 from sdp_train.models.resnet import ResNet, ResNetConfig
 from sdp_train.models.vit import ViT, ViTConfig
 
-ModelConfig = LlamaConfig | ResNetConfig | ViTConfig
 
-_FAMILIES: dict[type, tuple[type[nn.Module], ModuleType]] = {
-    LlamaConfig: (Llama, llama),
-    ResNetConfig: (ResNet, resnet),
-    ViTConfig: (ViT, vit),
-}
+class ModelConfig(Protocol):
+    """The config of any registered family: a dataclass with a ``name`` (see `ModelFamily`)."""
+
+    name: str
+
+
+def _register_package_families() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if isinstance(getattr(module, "FAMILY", None), ModelFamily):
+            register_family(module.FAMILY)
+
+
+_register_package_families()
 
 __all__ = [
-    "LEVELS", "Block", "BlockMap", "Llama", "LlamaConfig", "ModelConfig", "ResNet", "ResNetConfig",
-    "SliceSpec", "SubnetModule", "block_map", "build_model", "get_model_config", "model_class",
-    "model_names", "num_params", "subnet_kwargs", "ViT", "ViTConfig",
+    "DATA_KINDS", "LEVELS", "ActivationModel", "Block", "BlockActivations", "BlockMap", "Llama", "LlamaConfig",
+    "ModelConfig", "ModelFamily", "ResNet", "ResNetConfig", "SliceSpec", "SubnetModule", "ViT", "ViTConfig",
+    "block_map", "build_model", "data_kind", "families", "family_of", "family_of_model", "get_model_config",
+    "model_class", "model_names", "num_params", "register_family", "subnet_kwargs", "unregister_family",
 ]
 
 
 def _named_configs() -> dict[str, ModelConfig]:
-    return {**llama.llama_configs(), **resnet.resnet_configs(), **vit.vit_configs()}
+    return {name: config for family in families() for name, config in family.presets().items()}
 
 
 def model_names() -> tuple[str, ...]:
@@ -70,20 +91,19 @@ def get_model_config(name: str, /, **overrides: Any) -> ModelConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def _family(config: ModelConfig) -> tuple[type[nn.Module], ModuleType]:
-    if type(config) not in _FAMILIES:
-        raise ConfigError(f"not a model config: {type(config).__name__}; expected LlamaConfig, ResNetConfig or ViTConfig")
-    return _FAMILIES[type(config)]
-
-
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    """The module class for ``config`` (`Llama` or `ResNet`)."""
-    return _family(config)[0]
+    """The module class for ``config`` (`Llama`, `ResNet`, `ViT`, ...)."""
+    return family_of(config).model_class
+
+
+def data_kind(config: ModelConfig) -> str:
+    """``"text"`` or ``"images"``: what the model of ``config`` takes as input."""
+    return family_of(config).data
 
 
 def num_params(config: ModelConfig) -> int:
     """Parameter count of the full model, computed from the config (nothing is allocated)."""
-    return _family(config)[1].num_params(config)
+    return family_of(config).num_params(config)
 
 
 def block_map(config: ModelConfig) -> BlockMap:
@@ -92,9 +112,10 @@ def block_map(config: ModelConfig) -> BlockMap:
     Maps are immutable and cached per config value: building one constructs the model on the meta
     device, and a run asks for the same map many times.
     """
+    family = family_of(config)
     key = (type(config), repr(config))
     if key not in _BLOCK_MAPS:
-        _BLOCK_MAPS[key] = _family(config)[1].block_map(config)
+        _BLOCK_MAPS[key] = family.block_map(config)
     return _BLOCK_MAPS[key]
 
 
@@ -107,7 +128,7 @@ def subnet_kwargs(config: ModelConfig, held: np.ndarray, level: str) -> dict[str
     ``held`` must already have length ``block_map(config).num_blocks(level)``; `sdp_train.subnet`
     validates it.
     """
-    return _family(config)[1].subnet_kwargs(config, held, level)
+    return family_of(config).subnet_kwargs(config, held, level)
 
 
 def build_model(
@@ -120,8 +141,8 @@ def build_model(
 
     Parameters
     ----------
-    config : LlamaConfig or ResNetConfig
-        Shape of the full model.
+    config : ModelConfig
+        Shape of the full model (a registered family's config).
     seed : int
         Initialisation seed; the same seed gives the same full model on every process.
     device : torch.device or str

@@ -31,6 +31,7 @@ from sdp_train.models.blocks import (
     names_by_prefix,
     state_shapes,
 )
+from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
 
 MLP_ROW_WEIGHTS: tuple[str, ...] = ("w_gate", "w_up")
 MLP_COL_WEIGHTS: tuple[str, ...] = ("w_down",)
@@ -317,3 +318,42 @@ def subnet_kwargs(config: LlamaConfig, held: np.ndarray, level: str) -> dict[str
             for i in range(config.n_layers)
         }
     }
+
+
+def activations(model: Llama, frozen: frozenset[str], *, batch_size: int, seq_len: int, image_size: int,
+                elem: int) -> ActivationModel:
+    """Activation bytes of a (worker) `Llama` over ``batch_size`` x ``seq_len`` tokens (N tokens).
+
+    Per token, in elements (d width, h the block's MLP width, H heads, V vocabulary): a block saves
+    9d + 4h + 2 + H (two RMSNorms: x*rsqrt and its scaled output, 2d each plus rsqrt; RoPE'd q, k,
+    v and the attention output, 4d; the attention residual, d; SwiGLU gate, silu, up and their
+    product, 4h; SDPA's log-sum-exp, H) and outputs d. A frozen block (Bb-SDP) keeps no input of a
+    frozen weight: 5d + 3h + 2 + H. A block without MLP (N-SDP, every group dropped): 6d + 1 + H.
+    Backward peak (inside the MLP): +2h + d (the gradients of the product, silu and up outputs while
+    the product input is already freed, plus the block's output gradient); frozen +3h + d; without
+    MLP +5d (SDPA's q, k, v gradients). Head 2d + 1 + V (final norm, log-softmax), loss backward 2V;
+    the RoPE tables and the int64 batch are constant.
+    """
+    c = model.config
+    n = batch_size * seq_len
+    d, heads, v = c.dim, c.n_heads, c.vocab_size
+    blocks = []
+    for i, block in model.layers.items():
+        name = f"layers.{i}"
+        h = block.mlp.w_gate.out_features if block.mlp is not None else 0
+        if h == 0:
+            saved, backward, grad = 6 * d + 1 + heads - (2 * d if name in frozen else 0), 5 * d, d * d
+        elif name in frozen:
+            saved, backward, grad = 5 * d + 3 * h + 2 + heads, 3 * h + d, 0
+        else:
+            saved, backward, grad = 9 * d + 4 * h + 2 + heads, 2 * h + d, d * h
+        blocks.append(BlockActivations(name, n * saved * elem, n * d * elem, n * backward * elem, grad))
+    rope = 2 * seq_len * c.head_dim * 4  # cos, sin: float32 (T, head_dim)
+    batch = 2 * n * 8  # int64 tokens and targets
+    return ActivationModel(stem=n * d * elem, blocks=tuple(blocks), head=n * (2 * d + 1 + v) * elem,
+                           loss_backward=2 * n * v * elem, constant=rope + batch, head_prefixes=("norm.", "output."))
+
+
+FAMILY = ModelFamily(name="llama", config_class=LlamaConfig, model_class=Llama, presets=llama_configs,
+                     num_params=num_params, block_map=block_map, subnet_kwargs=subnet_kwargs, data="text",
+                     activations=activations)

@@ -32,6 +32,7 @@ from sdp_train.models.blocks import (
     names_by_prefix,
     state_shapes,
 )
+from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
 
 BASE_CHANNELS: tuple[int, ...] = (64, 128, 256, 512)
 STAGE_STRIDES: tuple[int, ...] = (1, 2, 2, 2)
@@ -271,3 +272,41 @@ def subnet_kwargs(config: ResNetConfig, held: np.ndarray, level: str) -> dict[st
             f"maskable block; this mask row holds none of {empty}"
         )
     return {"inner_index": inner}
+
+
+def activations(model: ResNet, frozen: frozenset[str], *, batch_size: int, seq_len: int, image_size: int,
+                elem: int) -> ActivationModel:
+    """Activation bytes of a (worker) `ResNet` on ``batch_size`` images of side ``image_size``.
+
+    A BasicBlock with A output positions, c_i inner and c_o output channels saves 2 c_i A + c_o A
+    (+ c_o A with a downsampling shortcut) + the BatchNorm statistics and outputs c_o A; backward
+    +(c_i + c_o) A. BatchNorm needs its input for the input gradient, so a frozen block keeps the
+    same. The stem keeps its conv output and BatchNorm output and statistics; the head the pooled
+    features and log-softmax per image.
+    """
+    c = model.config
+    images = batch_size
+    side = image_size
+    stem = (2 * c.channels[0] * side * side * images + 2 * c.channels[0]) * elem
+    blocks = []
+    for stage in model.stages:
+        for j, block in getattr(model, stage).items():
+            stride = block.conv1.stride[0]
+            side = (side - 1) // stride + 1
+            area = images * side * side
+            inner, out = block.conv1.out_channels, block.conv2.out_channels
+            saved = 2 * inner * area + out * area + 2 * inner + 2 * out
+            if block.downsample is not None:
+                saved += out * area + 2 * out
+            blocks.append(BlockActivations(f"{stage}.{j}", saved * elem, out * area * elem,
+                                           (inner + out) * area * elem, out * inner * 9))
+    k = c.num_classes
+    head = images * (c.channels[-1] + k) * elem
+    batch = images * c.in_channels * image_size**2 * elem + images * 8
+    return ActivationModel(stem=stem, blocks=tuple(blocks), head=head, loss_backward=2 * images * k * elem,
+                           constant=batch, head_prefixes=("fc.",))
+
+
+FAMILY = ModelFamily(name="resnet", config_class=ResNetConfig, model_class=ResNet, presets=resnet_configs,
+                     num_params=num_params, block_map=block_map, subnet_kwargs=subnet_kwargs, data="images",
+                     activations=activations)

@@ -31,6 +31,7 @@ from sdp_train.models.blocks import (
     names_by_prefix,
     state_shapes,
 )
+from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
 
 MLP_ROWS: tuple[str, ...] = ("mlp.fc1.weight", "mlp.fc1.bias")
 MLP_COLS: tuple[str, ...] = ("mlp.fc2.weight",)
@@ -217,3 +218,43 @@ def subnet_kwargs(config: ViTConfig, held: np.ndarray, level: str) -> dict[str, 
     groups = held.reshape(config.n_layers, config.neuron_groups)
     return {"mlp_index": {i: [n for g in range(config.neuron_groups) if groups[i, g] for n in neuron_group(config, g)]
                           for i in range(config.n_layers)}}
+
+
+def activations(model: ViT, frozen: frozenset[str], *, batch_size: int, seq_len: int, image_size: int,
+                elem: int) -> ActivationModel:
+    """Activation bytes of a (worker) `ViT` on ``batch_size`` images of side ``image_size``.
+
+    Per patch position, in elements (d width, h the block's MLP width, H heads): a block saves
+    7d + 2h + 4 + H (LayerNorm outputs and statistics, the fused qkv output 3d, attention output,
+    attention residual, fc1 and GELU outputs; SDPA's log-sum-exp) and outputs d; frozen
+    5d + h + 4 + H; without MLP 5d + 2 + H. Backward +h + d (frozen +2h + d, without MLP +5d).
+    Head: the final LayerNorm's statistics, 2 per position, the pooled features and log-softmax per
+    image; the input batch is constant.
+    """
+    c = model.config
+    if image_size % c.patch_size:
+        raise ConfigError(f"{c.name}: image size {image_size} is not a multiple of patch_size={c.patch_size}")
+    images = batch_size
+    n = images * (image_size // c.patch_size) ** 2  # patch positions
+    d, heads = c.dim, c.n_heads
+    blocks = []
+    for i, block in model.layers.items():
+        name = f"layers.{i}"
+        h = block.mlp.fc1.out_features if block.mlp is not None else 0
+        if h == 0:
+            saved, backward, grad = 5 * d + 2 + heads - (d if name in frozen else 0), 5 * d, d * d + d
+        elif name in frozen:
+            saved, backward, grad = 5 * d + h + 4 + heads, 2 * h + d, 0
+        else:
+            saved, backward, grad = 7 * d + 2 * h + 4 + heads, h + d, d * h + d
+        blocks.append(BlockActivations(name, n * saved * elem, n * d * elem, n * backward * elem, grad))
+    k = c.num_classes
+    head = (2 * n + images * (d + k)) * elem
+    batch = images * c.in_channels * image_size**2 * elem + images * 8
+    return ActivationModel(stem=n * d * elem, blocks=tuple(blocks), head=head, loss_backward=2 * images * k * elem,
+                           constant=batch, head_prefixes=("norm.", "head."))
+
+
+FAMILY = ModelFamily(name="vit", config_class=ViTConfig, model_class=ViT, presets=vit_configs,
+                     num_params=num_params, block_map=block_map, subnet_kwargs=subnet_kwargs, data="images",
+                     activations=activations)
