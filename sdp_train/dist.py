@@ -207,6 +207,25 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def describe_failures(failures) -> str:
+    """The ranks that failed on their own, then those the agent stopped because of them.
+
+    When one rank exits with an error the elastic agent sends SIGTERM to the others, which then
+    report exit code -15; which rank's own exit the agent saw first is a race. A rank's own failure
+    is any other exit code (an error's 1, a crash's signal); only when every rank ended by SIGTERM
+    (the group was killed from outside) are they all listed as such."""
+    ranks = sorted(failures.items())
+    own = [(r, f) for r, f in ranks if f.exitcode != -signal.SIGTERM]
+    stopped = [r for r, f in ranks if f.exitcode == -signal.SIGTERM]
+    if not own:
+        return ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in ranks)
+    text = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in own)
+    if stopped:
+        text += f"; stopped by the launcher after it: rank{'s' if len(stopped) > 1 else ''} " \
+                + ", ".join(map(str, stopped))
+    return text
+
+
 def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 0) -> int:
     """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks via torch's elastic launcher.
 
@@ -234,8 +253,7 @@ def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 
         print(f"sdp {module_argv[0]}: interrupted ({signal.Signals(exc.sigval).name})", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     except Exception as exc:  # ChildFailedError: the rank's own error is already on stderr
-        failures = getattr(exc, "failures", {})
-        which = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failures.items()))
-        print(f"sdp: worker failed: {which or type(exc).__name__}", file=sys.stderr)
+        print(f"sdp: worker failed: {describe_failures(getattr(exc, 'failures', {})) or type(exc).__name__}",
+              file=sys.stderr)
         return 1
     return 0

@@ -93,6 +93,27 @@ def test_an_interrupted_launch_exits_128_plus_the_signal_with_one_line(monkeypat
     assert capsys.readouterr().err.splitlines() == [f"sdp train: interrupted ({sig.name})"]
 
 
+@pytest.mark.parametrize(("exits", "line"), [
+    ({0: -15, 1: 1}, "rank 1 (exit code 1); stopped by the launcher after it: rank 0"),
+    ({0: 1, 1: -15, 2: -15}, "rank 0 (exit code 1); stopped by the launcher after it: ranks 1, 2"),
+    ({0: 1, 1: 1}, "rank 0 (exit code 1), rank 1 (exit code 1)"),
+    ({0: -11, 1: -15}, "rank 0 (exit code -11); stopped by the launcher after it: rank 1"),  # a crash
+    ({0: -15, 1: -15}, "rank 0 (exit code -15), rank 1 (exit code -15)"),  # killed from outside
+])
+def test_a_failed_launch_names_the_ranks_that_failed_apart_from_those_the_agent_stopped(
+        monkeypatch, capsys, exits, line):
+    # which rank's exit the agent sees first is a race: the line must not name a stopped rank as failed
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failed(args):
+        raise ChildFailedError("sdp_train.cli", {
+            rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+            for rank, code in exits.items()})
+    monkeypatch.setattr(torch.distributed.run, "run", failed)
+    assert launch_local(["train", "--steps", "3"], len(exits)) == 1
+    assert capsys.readouterr().err.splitlines() == [f"sdp: worker failed: {line}"]
+
+
 @pytest.mark.parametrize(("env", "says"), [
     ({}, True),  # one process
     ({"RANK": "0"}, True),  # rank 0 under another launcher (torchrun)
