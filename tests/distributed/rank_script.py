@@ -33,7 +33,8 @@ from sdp_train.train import Run, loss_fn, prepare
 def grads_case(spec: dict, info, device, out: Path) -> None:
     for i, case in enumerate(spec["cases"]):
         cfg = TrainConfig(model=case["model"], mode=case["mode"], workers=info.world_size, batch_size=2,
-                          seq_len=16, active=None, mask=case["mask"], out=str(out))
+                          seq_len=16, active=None, mask=case["mask"], out=str(out),
+                          model_overrides=case.get("model_overrides", {}))
         prep = prepare(cfg)
         run = Run(prep, info, device)
         run.engine.backend = case["backend"]  # "triton" fails unless the Triton kernels really run

@@ -24,13 +24,17 @@ from tests.distributed.conftest import run_rank_script
 pytestmark = pytest.mark.slow
 K = 4
 LLAMA = get_model_config("llama-debug")
+# The gradient cases run one of them through Triton's interpreter, whose time grows with the
+# elements packed: a narrower llama-debug (4 blocks, 32 neuron groups as before) keeps it short.
+GRAD_OVERRIDES = {"dim": 64, "hidden_dim": 96}
+GRAD_LLAMA = get_model_config("llama-debug", **GRAD_OVERRIDES)
 
 
 def _masks() -> dict[str, np.ndarray]:
     # Blocks with coverage 2 and 3, overlapping holder sets, every worker non-empty.
     block = np.array([[1, 1, 0, 0], [1, 0, 1, 1], [0, 1, 1, 0], [0, 1, 0, 1]], dtype=np.uint8)
     rng = np.random.default_rng(7)
-    neuron = np.zeros((K, block_map(LLAMA).num_blocks("neuron")), dtype=np.uint8)
+    neuron = np.zeros((K, block_map(GRAD_LLAMA).num_blocks("neuron")), dtype=np.uint8)
     for j in range(neuron.shape[1]):
         neuron[rng.choice(K, size=rng.integers(1, K + 1), replace=False), j] = 1
     neuron[:, 5] = 0
@@ -52,7 +56,8 @@ def grad_runs(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
         # inside real collectives; the others use the PyTorch reference. tests/kernels checks the
         # kernels against the reference on every segment kind, N-SDP's sliced ones included.
         backend = "triton" if mode == "bsdp" else "reference"
-        cases.append({"model": "llama-debug", "mode": mode, "mask": str(path), "backend": backend})
+        cases.append({"model": "llama-debug", "model_overrides": GRAD_OVERRIDES, "mode": mode, "mask": str(path),
+                      "backend": backend})
     run_rank_script(K, "grads", {"cases": cases}, out, interpret_triton=True)
     return out, masks
 
@@ -70,17 +75,17 @@ def _full(local: torch.Tensor, index: tuple, full_shape) -> tuple[torch.Tensor, 
 
 def _reference_average(mode: str, level: str, mask: np.ndarray, batches) -> dict[str, torch.Tensor]:
     """Average over holders of each worker's own gradient, in full-model coordinates."""
-    shapes = block_map(LLAMA).shapes
+    shapes = block_map(GRAD_LLAMA).shapes
     total = {n: torch.zeros(s) for n, s in shapes.items()}
     count = {n: torch.zeros(s) for n, s in shapes.items()}
     for k in range(K):
         inputs, targets = batches[k]
         if mode == "bbsdp":
-            model = build_model(LLAMA, seed=0)
-            held = held_tensors(LLAMA, mask[k], level)  # what B-SDP worker k holds = what Bb-SDP trains
+            model = build_model(GRAD_LLAMA, seed=0)
+            held = held_tensors(GRAD_LLAMA, mask[k], level)  # what B-SDP worker k holds = what Bb-SDP trains
             index = {n: (None, [], 0) for n in held}
         else:
-            model = build_worker_model(LLAMA, mask[k], level, seed=0)
+            model = build_worker_model(GRAD_LLAMA, mask[k], level, seed=0)
             index = {n: (s.dim, list(s.index), s.full_size) for n, s in model.full_index().items()}
         loss_fn(model(inputs), targets).backward()
         for name, p in model.named_parameters():
@@ -99,10 +104,10 @@ def test_averaged_gradient_equals_holder_average_of_single_process_reference(gra
     mode, level = CASES[case]
     ranks = [torch.load(out / f"grads{case}_rank{r}.pt", weights_only=True) for r in range(K)]
     reference = _reference_average(mode, level, masks[level], [(r["inputs"], r["targets"]) for r in ranks])
-    shapes = block_map(LLAMA).shapes
+    shapes = block_map(GRAD_LLAMA).shapes
     checked = 0
     for r, result in enumerate(ranks):
-        held = held_tensors(LLAMA, masks[level][r], level)
+        held = held_tensors(GRAD_LLAMA, masks[level][r], level)
         for name, grad in result["grads"].items():
             if name not in held:
                 continue
@@ -114,7 +119,7 @@ def test_averaged_gradient_equals_holder_average_of_single_process_reference(gra
     # The clipping norm: each averaged entry counted once across ranks.
     held_any = {n: torch.zeros(shapes[n]) for n in shapes}
     for r in range(K):
-        for name, spec in held_tensors(LLAMA, masks[level][r], level).items():
+        for name, spec in held_tensors(GRAD_LLAMA, masks[level][r], level).items():
             held_any[name] = torch.maximum(held_any[name], _full(torch.ones(0), (None, [], 0), shapes[name])[1]
                                            if spec.is_whole else _full(torch.ones(spec.take(torch.ones(shapes[name])).shape),
                                                                        (spec.dim, list(spec.index), 0), shapes[name])[1])
@@ -126,7 +131,7 @@ def test_averaged_gradient_equals_holder_average_of_single_process_reference(gra
 def test_comm_bytes_are_the_held_blocks_with_several_holders(grad_runs, case):
     out, masks = grad_runs
     mode, level = CASES[case]
-    bmap = block_map(LLAMA)
+    bmap = block_map(GRAD_LLAMA)
     mask = masks[level]
     shared = sum(int(np.prod(bmap.shapes[n])) for n in bmap.shared(level) if n in bmap.parameter_names)
     block_numel = [sum(int(np.prod(bmap.shapes[n])) for n, _ in bmap.owned(level, j)) for j in range(mask.shape[1])]
@@ -215,7 +220,8 @@ def test_batchnorm_statistics_are_identical_among_the_holders_of_every_entry(ste
 
 def _train_cfg(out: Path, **kw) -> dict:
     base = {"model": "llama-debug", "workers": 2, "steps": 6, "batch_size": 4, "seq_len": 32,
-            "warmup_steps": 2, "lr": 3e-3, "eval_batches": 2, "max_data_bytes": 200_000, "seed": 1}
+            "warmup_steps": 2, "lr": 3e-3, "eval_batches": 2, "max_data_bytes": 200_000, "seed": 1,
+            "memory_steps": 0, "save_model": False}  # metrics only: no tracked step, no model file
     return {**base, **kw, "out": str(out)}
 
 
