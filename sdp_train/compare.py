@@ -11,7 +11,15 @@
    Every run gets the preset's model, data, seed, learning rate, schedule, batch and steps;
    nothing is tuned per system. The one exception is the FLOP-matched B-SDP run, which trains
    ``ceil(steps * F_ddp / F_bsdp)`` steps, F being the training FLOPs per step per rank.
-3. Report: `build_report` makes it, `sdp_train.compare_report` writes ``DIR/compare.json``,
+   ``--seeds N`` trains every system with seeds 0..N-1, seed by seed, seed S > 0 in
+   ``DIR/runs/NAME/seed_S`` (`run_dir`), each run skipped when finished. The seed sets model init
+   and data order (training and validation batches) of every system alike; the mask is *not*
+   redesigned: each system keeps its one certified mask (seed 0's), so the spread is that of init
+   and data order, and a difference to DDP beyond it belongs to this system with this mask.
+   Redesigning per seed would add mask luck, but give each system N certificates and bounds and
+   let a sweep's duplicate masks differ by seed; mask luck is a question for masklab's designs.
+3. Report: `build_report` makes it (seed 0's rows, and with several seeds every seed's rows and
+   `sdp_train.compare_stats.seed_statistics`), `sdp_train.compare_report` writes ``DIR/compare.json``,
    ``DIR/compare.md`` and PNG plots.
 
 FLOPs are the usual dense estimate, per token: 2N forward, 2N backward through the activations and
@@ -122,6 +130,12 @@ def run_specs(preset: Preset) -> list[RunSpec]:
     return specs
 
 
+def run_dir(out: Path, name: str, seed: int) -> Path:
+    """Where the run of system `name` at `seed` writes: ``runs/NAME`` for seed 0 (the one-seed layout),
+    ``runs/NAME/seed_S`` for the further seeds of ``--seeds N``."""
+    return out / "runs" / name if seed == 0 else out / "runs" / name / f"seed_{seed}"
+
+
 def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
     """The TrainConfig of one system (mask still to be designed; steps before FLOP matching)."""
     return TrainConfig(
@@ -129,7 +143,7 @@ def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
         batch_size=preset.batch_size, seq_len=preset.seq_len, lr=preset.lr, warmup_steps=preset.warmup_steps,
         seed=0, data=preset.data, heterogeneous=spec.heterogeneous, max_data_bytes=preset.max_data_bytes,
         eval_batches=preset.eval_batches, eval_every=preset.eval_every, activation_checkpointing=spec.ac,
-        fsdp=spec.fsdp, memory_steps=preset.memory_steps, out=str(out / "runs" / spec.name),
+        fsdp=spec.fsdp, memory_steps=preset.memory_steps, out=str(run_dir(out, spec.name, 0)),
         save_model=False,  # a comparison reports metrics; a gpu-1b run's model would be GBs per system
     )
 
@@ -226,6 +240,12 @@ def plan_runs(preset: Preset, out: Path) -> list[Planned]:
     return planned
 
 
+def seed_runs(planned: list[Planned], out: Path, seed: int) -> list[Planned]:
+    """The runs of `planned` at `seed`: the same masks and steps, that seed and its `run_dir`."""
+    return [replace(p, config=replace(p.config, seed=seed, out=str(run_dir(out, p.spec.name, seed))))
+            for p in planned]
+
+
 def _mask_bytes(mask) -> bytes:
     import tempfile
 
@@ -237,9 +257,33 @@ def _mask_bytes(mask) -> bytes:
 
 # -- report --------------------------------------------------------------------------------------
 def build_report(preset_name: str, preset: Preset, planned: list[Planned],
-                 summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                 summaries: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """The comparison as one JSON-ready dict (`sdp_train.compare_report` writes it): settings, masks
-    with certificates, one row per run."""
+    with certificates, one row per run (``runs``: seed 0's).
+
+    `summaries` maps each seed to its runs' summaries. With more than one seed the report also has
+    ``seeds``, ``seed_runs`` (every seed's rows, keyed by the seed as a string) and ``seed_stats``
+    (`sdp_train.compare_stats.seed_statistics`).
+    """
+    from sdp_train.compare_stats import seed_statistics
+
+    rows = {seed: _rows(preset, planned, by_name) for seed, by_name in sorted(summaries.items())}
+    runs, skipped = rows[0]
+    masks = {p.spec.name: p.verification for p in planned if p.verification is not None}
+    command = f"sdp compare --preset {preset_name}" + (f" --data {preset.data}" if preset.data != "auto" else "")
+    report = {"preset": preset_name, "settings": preset_dict(preset), "date": today(), "machine": machine(),
+              "command": command + (f" --seeds {len(rows)}" if len(rows) > 1 else ""),
+              "masks": masks, "runs": runs, "not_run": skipped, "notes": list(preset.notes)}
+    if len(rows) > 1:
+        report["seeds"] = list(rows)
+        report["seed_runs"] = {str(seed): seed_rows for seed, (seed_rows, _) in rows.items()}
+        report["seed_stats"] = seed_statistics({seed: seed_rows for seed, (seed_rows, _) in rows.items()})
+    return report
+
+
+def _rows(preset: Preset, planned: list[Planned],
+          summaries: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """One seed's report rows, ratios to that seed's DDP run, and the runs not run with why."""
     ddp = summaries.get("ddp")
     runs: dict[str, Any] = {}
     skipped: dict[str, str] = {}
@@ -277,11 +321,7 @@ def build_report(preset_name: str, preset: Preset, planned: list[Planned],
             for key, base in ref.items():
                 row[f"{key}_vs_ddp"] = values[key] / base if base and values[key] is not None else None
         runs[name] = row
-    masks = {p.spec.name: p.verification for p in planned if p.verification is not None}
-    return {"preset": preset_name, "settings": preset_dict(preset), "date": today(), "machine": machine(),
-            "command": f"sdp compare --preset {preset_name}" + (f" --data {preset.data}" if preset.data != "auto" else ""),
-            "masks": masks, "runs": runs, "not_run": skipped,
-            "notes": list(preset.notes)}
+    return runs, skipped
 
 
 def _ddp_flops(planned: list[Planned], ddp_summary: dict[str, Any]) -> float:
@@ -307,11 +347,14 @@ def finished_summary(p: Planned) -> dict[str, Any] | None:
     return summary
 
 
-def compare(preset_name: str, out: Path, *, data: str | None = None, log=print) -> dict[str, Any]:
+def compare(preset_name: str, out: Path, *, data: str | None = None, seeds: int = 1, log=print) -> dict[str, Any]:
     """Run (or resume) the comparison and write its report; returns the compare.json content.
 
-    `data` replaces the preset's data source (``sdp train --data`` syntax) for every run.
+    `data` replaces the preset's data source (``sdp train --data`` syntax) for every run; every
+    system is trained with each of the `seeds` seeds 0, 1, ..., seeds-1 (module doc, step 2).
     """
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"--seeds {seeds!r} must be a positive integer")
     if preset_name not in PRESETS:
         raise ConfigError(f"unknown preset {preset_name!r}; known presets: {sorted(PRESETS)}")
     preset = PRESETS[preset_name] if data is None else replace(PRESETS[preset_name], data=data)
@@ -320,7 +363,7 @@ def compare(preset_name: str, out: Path, *, data: str | None = None, log=print) 
     started = time.monotonic()
     planned = plan_runs(preset, out)
     log(f"sdp compare --preset {preset_name}: {len(planned)} runs of {preset.model} on {preset.workers} workers, "
-        f"{preset.steps} steps each -> {out}")
+        f"{preset.steps} steps each" + (f", each with {seeds} seeds" if seeds > 1 else "") + f" -> {out}")
     for p in planned:
         if p.verification is not None:
             cert = p.verification["certificate"]
@@ -329,15 +372,17 @@ def compare(preset_name: str, out: Path, *, data: str | None = None, log=print) 
             log(f"  mask {p.spec.name}: C={cert['active_fraction']:.3f}, coverage {cert['coverage_min']}-"
                 f"{cert['coverage_max']}, spectral gap {cert['spectral_gap']:.3f} (overlap averaging only), "
                 f"{_bound_text(p.verification)}: {status}")
-    summaries: dict[str, dict[str, Any]] = {}
+    summaries: dict[int, dict[str, dict[str, Any]]] = {seed: {} for seed in range(seeds)}
     todo = [p for p in planned if p.duplicate_of is None and (p.verification is None or p.verification["verified"])]
-    for i, p in enumerate(todo, 1):
+    todo = [(seed, p) for seed in range(seeds) for p in seed_runs(todo, out, seed)]  # seed by seed
+    for i, (seed, p) in enumerate(todo, 1):
+        label = f"[{i}/{len(todo)}] {p.spec.name}" + (f" (seed {seed})" if seeds > 1 else "")
         summary = finished_summary(p)
         if summary is not None:
-            log(f"[{i}/{len(todo)}] {p.spec.name}: finished earlier, skipped")
+            log(f"{label}: finished earlier, skipped")
         else:
-            summary = _train(p, f"[{i}/{len(todo)}] {p.spec.name}", log)
-        summaries[p.spec.name] = summary
+            summary = _train(p, label, log)
+        summaries[seed][p.spec.name] = summary
     from sdp_train.compare_report import write_report  # imports torch (the memory categories)
 
     report = build_report(preset_name, preset, planned, summaries)

@@ -12,7 +12,10 @@ held-out batches for every run.
 
 Plots: ``compare_loss.png`` (validation loss against steps and against training FLOPs per rank)
 and ``compare_cost.png`` (peak memory per rank stacked by category, buffer and wire bytes per step
-per rank, median step time).
+per rank, median step time), both of seed 0's runs.
+
+With ``--seeds N`` (N > 1) compare.md adds a table over the seeds (`seed_table`) and compare.json
+the keys ``seeds``, ``seed_runs`` and ``seed_stats`` (`sdp_train.compare_stats` documents them).
 """
 
 from __future__ import annotations
@@ -74,11 +77,56 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {_ratio(r, 'wire_bytes_per_step')} | {r['step_time_s']:.3f} "
             f"| {_ratio(r, 'step_time_s')} | {bound} |"
         )
+    if "seed_stats" in report:
+        lines += ["", *seed_table(report)]
     for name, why in report.get("not_run", {}).items():
         lines.append(f"\nNot run: `{name}`: {why}.")
     for note in report.get("notes", []):
         lines.append(f"\n{note}")
     return "\n".join(lines) + "\n"
+
+
+SEED_RATIOS = (("val loss x", "final_val_loss_vs_ddp"), ("train FLOPs x", "training_flops_vs_ddp"),
+               ("peak x", "peak_memory_vs_ddp"), ("buffer x", "comm_bytes_per_step_vs_ddp"),
+               ("wire x", "wire_bytes_per_step_vs_ddp"), ("step s x", "step_time_s_vs_ddp"))
+"""The table's ratios to DDP, as (column, compare.json key), that the seed table repeats over seeds."""
+
+
+def _interval(stat: dict[str, Any] | None, digits: int) -> str:
+    if stat is None:
+        return "-"
+    if stat["ci_low"] is None:
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} [{stat['ci_low']:.{digits}f}, {stat['ci_high']:.{digits}f}]"
+
+
+def seed_table(report: dict[str, Any]) -> list[str]:
+    """The lines of the table over seeds (``seed_stats``, `sdp_train.compare_stats`): per run the mean
+    val loss and its spread, the paired difference to DDP with its interval and verdict, and every
+    ratio to DDP as mean [interval]."""
+    stats = report["seed_stats"]
+    seeds = stats["seeds"]
+    pct = f"{100 * stats['confidence']:g}%"
+    dof = len(seeds) - 1
+    lines = [
+        f"Over {len(seeds)} seeds ({', '.join(map(str, seeds))}; the table above is seed {seeds[0]}'s). Each system "
+        "keeps its one mask, so the spread is that of model init and data order. mean ± sd: sample standard "
+        f"deviation; [a, b]: {pct} Student-t confidence interval ({dof} degree{'s' * (dof != 1)} of freedom). "
+        "- DDP: the val loss minus DDP's at the same seed (paired by seed), 'larger than the seed-to-seed "
+        "spread' when its interval excludes 0.",
+        "",
+        "| run | val loss (mean ± sd) | - DDP | difference to DDP | "
+        + " | ".join(col for col, _ in SEED_RATIOS) + " |",
+        "|---|---:|---:|---|" + "---:|" * len(SEED_RATIOS),
+    ]
+    for name, r in stats["runs"].items():
+        loss, diff = r["final_val_loss"], r["final_val_loss_minus_ddp"]
+        spread = "" if loss["sd"] is None else f" ± {loss['sd']:.4f}"
+        ratios = " | ".join(_interval(r.get(key), 3 if key == "final_val_loss_vs_ddp" else 2)
+                            for _, key in SEED_RATIOS)
+        lines.append(f"| {name} | {loss['mean']:.4f}{spread} | {_interval(diff, 4)} | {diff['verdict'] or '-'} "
+                     f"| {ratios} |")
+    return lines
 
 
 def plot(report: dict[str, Any], out: Path) -> None:

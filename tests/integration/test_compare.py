@@ -1,6 +1,6 @@
 """`sdp compare`: masks designed and certified first, every system trained for real, a report
 with ratios to DDP, FLOP matching, duplicate masks of a C sweep not retrained, and a re-run that
-skips what finished."""
+skips what finished and adds a second seed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from sdp_train import compare as compare_mod
 from sdp_train.cli import main
 from sdp_train.compare import Preset, RunSpec, compare, flops_per_step, plan_runs
+from sdp_train.compare_stats import LARGER, WITHIN
 from sdp_train.config import TrainConfig
 
 TINY = Preset(model="llama-debug", workers=3, steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1,
@@ -99,16 +100,31 @@ def test_compare_trains_reports_and_resumes(tmp_path, tiny, capsys, monkeypatch)
     for png in ("compare_loss.png", "compare_cost.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
-    # an interrupted comparison: one run lost its summary; a re-run trains only that one
-    (out / "runs" / "bsdp-flop-matched" / "summary.json").unlink()
+    # seeds added later (and an interrupted comparison resumed): --seeds 2 skips every finished
+    # seed-0 run and trains only seed 1's, with the same masks (two systems, to keep the test short)
+    monkeypatch.setattr(compare_mod, "run_specs", lambda preset: list(SPECS[:2]))
     before = (out / "runs" / "ddp" / "summary.json").stat().st_mtime_ns
     lines: list[str] = []
-    again = compare("tiny", out, log=lines.append)
+    again = compare("tiny", out, seeds=2, log=lines.append)
     assert [line for line in lines if "skipped" in line] == [
-        "[1/3] ddp: finished earlier, skipped", "[2/3] bsdp: finished earlier, skipped"]
-    assert any(line.startswith("[3/3] bsdp-flop-matched: training") for line in lines)
+        "[1/4] ddp (seed 0): finished earlier, skipped", "[2/4] bsdp (seed 0): finished earlier, skipped"]
+    trained = [line.split(":")[0] for line in lines if ": training" in line]
+    assert trained == ["[3/4] ddp (seed 1)", "[4/4] bsdp (seed 1)"]
     assert (out / "runs" / "ddp" / "summary.json").stat().st_mtime_ns == before
     assert again["runs"]["ddp"]["final_val_loss"] == runs["ddp"]["final_val_loss"]
+    seed1 = json.loads((out / "runs" / "bsdp" / "seed_1" / "summary.json").read_text())
+    assert seed1["config"]["seed"] == 1 and seed1["config"]["mask"] == runs["bsdp"]["mask_file"]
+    other = again["seed_runs"]["1"]
+    assert other["ddp"]["final_val_loss"] != runs["ddp"]["final_val_loss"]  # another init and data order
+    stats = again["seed_stats"]["runs"]
+    assert stats["ddp"]["final_val_loss_minus_ddp"]["verdict"] == WITHIN
+    assert stats["bsdp"]["final_val_loss_minus_ddp"]["mean"] == pytest.approx(
+        (runs["bsdp"]["final_val_loss"] - runs["ddp"]["final_val_loss"]
+         + other["bsdp"]["final_val_loss"] - other["ddp"]["final_val_loss"]) / 2)
+    assert stats["bsdp"]["final_val_loss_minus_ddp"]["verdict"] in (LARGER, WITHIN)
+    assert stats["bsdp"]["peak_memory_vs_ddp"]["sd"] == 0.0  # the same shapes at every seed
+    assert again["command"] == "sdp compare --preset tiny --seeds 2"
+    assert "Over 2 seeds (0, 1;" in (out / "compare.md").read_text()
 
 
 def test_unknown_preset_and_bad_out_are_one_line_errors(tmp_path, capsys):
