@@ -54,6 +54,7 @@ from sdp_train.models import model_class
 from sdp_train.run_log import RunLog
 from sdp_train.run_outputs import MODEL_FILE, save_model
 from sdp_train.train import Prepared, Run, loss_fn, prepare
+from sdp_train.user_model import UserModel
 from sdp_train.wire import WIRE_MODEL
 
 
@@ -279,11 +280,15 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
     full = run.full_state()
     total = torch.zeros(2, dtype=torch.float64, device=run.device)
     if full is not None:
+        if isinstance(prep.model_config, UserModel):  # built for real: its non-persistent buffers are computed
+            model = prep.model_config.build(run.device).to(run.device)
+            model.load_state_dict(full, strict=True)
+        else:
+            with torch.device("meta"):
+                model = model_class(prep.model_config)(prep.model_config)
+            model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
         if save_to is not None:
-            save_model(save_to, full)
-        with torch.device("meta"):
-            model = model_class(prep.model_config)(prep.model_config)
-        model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
+            save_model(save_to, full, config=getattr(model, "config", None))
         total += validation_sums(model, prep, info.world_size, run.device)
         del model, full
     if info.world_size > 1:

@@ -30,7 +30,8 @@ from sdp_train.errors import ConfigError
 LOCK_NAME = ".sdp.lock"
 LOCKED_ENV = "SDP_OUT_LOCKED_BY"  # set for ranks whose launcher holds the lock
 RESULTS = ("summary.json", "metrics.jsonl", "checkpoints",  # sdp_train.loop, sdp_train.checkpoint
-           "model.safetensors", "mask.json", "certificate.json", "tensorboard")  # run_outputs, run_log
+           "model.safetensors", "config.json", "mask.json", "certificate.json",  # run_outputs
+           "tensorboard")  # run_log
 
 
 def previous_results(out: Path) -> list[str]:

@@ -31,7 +31,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
-    "--log-every": ("log_every", int),
+    "--log-every": ("log_every", int), "--blocks": ("blocks", str),
 }
 _CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES}
 _SWITCHES = {  # flag -> (TrainConfig field, help)
