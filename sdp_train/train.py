@@ -38,6 +38,7 @@ from sdp_train.config import BASELINES, TrainConfig
 from sdp_train.data import DataConfig
 from sdp_train.dist import DistInfo, restart_attempt
 from sdp_train.errors import ConfigError, NonFiniteError
+from sdp_train.faults import InjectedFaults
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.parallelize import parallelize
@@ -267,6 +268,7 @@ class Run:
         self.buffer_averager: BufferAverager | None = None  # BatchNorm statistics among their holders
         self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
         self.sdp: SubnetworkDataParallel | None = None  # a user's model under SDP: the library API does it all
+        self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         if self.uses_fsdp and not dist.is_initialized():
             raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
                               f"or with --workers >= 2 (got workers={cfg.workers})")
@@ -430,7 +432,7 @@ class Run:
         counter = FSDPCollectiveBytes() if self.uses_fsdp and self.fsdp_step_bytes is None else None
         with counter if counter is not None else nullcontext():
             loss = loss_fn(self.train_model(inputs), targets)
-            if _test_fault("SDP_TEST_INJECT_NAN", step, self.info.rank):
+            if self.faults.nan(step, self.info.rank):
                 loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()
         if counter is not None:
@@ -455,7 +457,7 @@ class Run:
             dist.all_reduce(stats)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
         mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
-        if _test_fault("SDP_TEST_KILL_AT_STEP", step, self.info.rank):
+        if self.faults.kill(step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             if cfg.nonfinite == "stop":
@@ -525,21 +527,6 @@ class Run:
                 full[name] = piece
             del piece, value  # other ranks: freed before the next tensor's piece exists
         return full if main else None
-
-
-def _test_fault(variable: str, step: int, rank: int) -> bool:
-    """Test-only fault injection: True when environment `variable` is ``"STEP:RANK"`` for this step and rank.
-
-    Fires on the first attempt of a job only (a restarted group runs clean). Unset, it costs one
-    dictionary lookup per step.
-    """
-    spec = os.environ.get(variable)
-    if spec is None or restart_attempt() != 0:
-        return False
-    at_step, _, at_rank = spec.partition(":")
-    if not (at_step.isdigit() and at_rank.isdigit()):
-        raise ValueError(f"{variable}={spec!r} must be STEP:RANK, two integers >= 0")
-    return (int(at_step), int(at_rank)) == (step, rank)
 
 
 class FSDPCollectiveBytes(TorchDispatchMode):

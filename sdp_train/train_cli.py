@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         os.environ[LOCKED_ENV] = str(os.getpid())  # the ranks' launcher (this process) holds --out
         try:
-            return launch_local(["train", *_argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
+            return launch_local(["train", *argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
         finally:
             del os.environ[LOCKED_ENV]
     finally:
@@ -194,7 +194,8 @@ def check_outputs(cfg: TrainConfig) -> None:
                           "(or pip install tensorboard), or drop --tensorboard")
 
 
-def _argv_of(args: argparse.Namespace) -> list[str]:
+def argv_of(args: argparse.Namespace) -> list[str]:
+    """The flags that reproduce ``args`` (what the launcher passes its ranks)."""
     argv = ["--config", args.config] if args.config else []
     for flag, (name, _) in _FLAGS.items():
         if getattr(args, name) is not None:
