@@ -129,10 +129,12 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
         log.final(val_loss)
         trained = sum(p.numel() for p in _optimizer_params(run))
         per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
+        num_params_local = sum(p.numel() for p in run.model.parameters())
     finally:
         log.close()
         if metrics_file is not None:
             metrics_file.close()
+        run.close()  # its hooks and groups go now, before `train` destroys the process groups
     if not info.is_main:
         return None
     history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
@@ -150,7 +152,7 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "world_size": info.world_size,
-        "num_params_local": sum(p.numel() for p in run.model.parameters()),
+        "num_params_local": num_params_local,
         "num_params_trained": [r["trained"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
         "num_skipped_steps": len(skipped),
@@ -288,6 +290,7 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
             with torch.device("meta"):
                 model = model_class(prep.model_config)(prep.model_config)
             model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
+            model.to(run.device)  # assembled on CPU (`full_state_dict`): a no-op there, one copy on a GPU
         if save_to is not None:
             save_model(save_to, full, config=getattr(model, "config", None))
         total += validation_sums(model, prep, info.world_size, run.device)

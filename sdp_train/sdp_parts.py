@@ -24,7 +24,7 @@ from masklab import Mask, design, load_mask
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.sdp_masking import ModelLayout
-from sdp_train.sync import BucketPlan, holder_set_groups
+from sdp_train.sync import BucketPlan
 
 
 def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, workers: int,
@@ -142,19 +142,19 @@ def _buffers_kept(block: nn.Module) -> Iterator[None]:
 
 
 def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str], rank: int,
-                      device: torch.device) -> None:
+                      device: torch.device, groups: Mapping[tuple[int, ...], dist.ProcessGroup]) -> None:
     """FSDP2 ``fully_shard`` of each held block over its holders, then of the root over every rank.
 
-    Each block keeps its parameters unsharded from forward to the end of its backward
-    (``reshard_after_forward=False``): backward then issues no all-gathers, and every rank's
-    collectives follow the model's block order (see `sdp_train.parallelize.apply_fsdp`).
+    ``groups`` holds every block's holder-set group, single holders included (`holder_set_groups`
+    with ``singletons=True``). Each block keeps its parameters unsharded from forward to the end
+    of its backward (``reshard_after_forward=False``): backward then issues no all-gathers, and
+    every rank's collectives follow the model's block order (see `sdp_train.parallelize.apply_fsdp`).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("fsdp=True needs torch.distributed: run under torchrun")
-    groups = holder_set_groups((mask.holder_set(j) for j in range(mask.blocks)), mask.workers, singletons=True)
     for j, name in enumerate(block_names):
         holders = tuple(int(k) for k in mask.holder_set(j))
         if rank in holders:

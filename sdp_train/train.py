@@ -1,14 +1,15 @@
 """The training run, top to bottom: config -> mask -> model -> sync -> optimizer -> loop -> summary.
 
 Runs as one process or under torchrun (one rank per worker). ``ddp`` wraps the full model in
-``torch.nn.parallel.DistributedDataParallel``, ``fsdp`` shards it with FSDP2 ``fully_shard``;
-``bsdp``/``nsdp`` build each worker's forward-masked subnetwork and average through the
-`SyncEngine` (or, with ``fsdp=True``, shard each block among its holders); ``bbsdp`` keeps the
-full model, trains only held blocks and broadcasts their new values after each step. Activation
-checkpointing and FSDP are applied by `sdp_train.parallelize`. Validation always
-uses the full assembled model, which only rank 0 builds (`Run.full_state`). Under SDP, BatchNorm
-running statistics are averaged among each block's (channel's) holders after every step
-(`sdp_train.sync.BufferAverager`), so evaluation and checkpoints see the holders' mean.
+``torch.nn.parallel.DistributedDataParallel``, ``fsdp`` shards it with FSDP2 ``fully_shard``
+(activation checkpointing and FSDP by `sdp_train.parallelize`). The SDP modes go through the
+library API, as a user's loop does: ``bsdp``/``nsdp`` build each worker's forward-masked
+subnetwork, ``bbsdp`` the full model with non-held blocks frozen, and
+`SubnetworkDataParallel.from_subnetwork` does the rest (holder-set averaging overlapped with
+backward, or with ``fsdp=True`` each block sharded among its holders; Bb-SDP's broadcast of new
+values after each step; BatchNorm running statistics averaged among their holders; activation
+checkpointing). Validation always uses the full assembled model, which only rank 0 builds
+(`Run.full_state`).
 Everything a run needs is checked by `prepare` before any process group exists.
 """
 
@@ -18,7 +19,6 @@ import math
 import os
 import signal
 import weakref
-from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,15 +41,12 @@ from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.faults import InjectedFaults
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
-from sdp_train.parallelize import parallelize
-from sdp_train.sdp_export import owned_positions  # the lowest-ranked holder's part, shared with the API
 from sdp_train.api import SubnetworkDataParallel
+from sdp_train.parallelize import parallelize
 from sdp_train.sdp_blocks import find_blocks
-from sdp_train.sdp_masking import describe
+from sdp_train.sdp_masking import ModelLayout, describe
 from sdp_train.sdp_parts import resolve_mask
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
-from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, create_groups, holder_set_groups,
-                            plan_buckets)
 from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, UserModel, build_user_model,
                                   describe_user_model, is_user_model, logits_of)
 from sdp_train.wire import ByteCount
@@ -263,11 +260,8 @@ class Run:
         cfg, mc = prep.config, prep.model_config
         self.cfg, self.model_config, self.info, self.device = cfg, mc, info, device
         self.mask = prep.mask
-        self.engine: SyncEngine | None = None
-        self.broadcaster: ParamBroadcaster | None = None
-        self.buffer_averager: BufferAverager | None = None  # BatchNorm statistics among their holders
         self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
-        self.sdp: SubnetworkDataParallel | None = None  # a user's model under SDP: the library API does it all
+        self.sdp: SubnetworkDataParallel | None = None  # SDP modes: the library API syncs, as for a user's loop
         self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         if self.uses_fsdp and not dist.is_initialized():
             raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
@@ -283,40 +277,20 @@ class Run:
                         block_meshes=None, root_mesh=world_mesh)
             use_ddp = cfg.mode == "ddp" and info.world_size > 1
             self.train_model: nn.Module = self._wrap_ddp(self.model) if use_ddp else self.model
-        else:
+        else:  # a built-in family builds the worker's part itself; the library API does the rest
             rows = prep.mask.matrix.astype(bool)
-            level = cfg.level
-            self.held_by_rank = [held_tensors(mc, rows[r], level) for r in range(info.world_size)]
+            self.held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
             if cfg.mode == "bbsdp":
                 self.model = build_model(mc, seed=cfg.seed, device=device)
                 apply_backward_mask(self.model, mc, rows[info.rank])
             else:
-                self.model = build_worker_model(mc, rows[info.rank], level, seed=cfg.seed, device=device)
-            self.train_model = self.model
-            shapes = block_map(mc).shapes
-            param_names = [n for n in shapes if n in block_map(mc).parameter_names]
-            plans = [] if cfg.fsdp else plan_buckets(self.held_by_rank, param_names, shapes=shapes)
-            buffers = _float_buffer_names(mc)  # averaged after the step: no layer bound needed
-            buffer_plans = plan_buckets(self.held_by_rank, buffers, shapes=shapes,
-                                        layers_per_bucket=len(buffers) + 1)
-            block_meshes = None
-            if cfg.fsdp:  # one group per holder set, shared by FSDP's meshes and the statistics' buckets
-                block_meshes, every = holder_meshes(prep.mask, block_map(mc).block_names("block"), info.rank,
-                                                    device.type, also=[p.holders for p in buffer_plans])
-                groups = {p.holders: None if len(p.holders) == 1 else every[p.holders] for p in buffer_plans}
-            elif info.world_size > 1:
-                groups = create_groups(plans + buffer_plans, info.world_size)
-            else:
-                groups = {p.holders: None for p in plans + buffer_plans}
-            parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
-                        block_meshes=block_meshes, root_mesh=world_mesh)
-            if not cfg.fsdp:  # with FSDP, each block's reduce-scatter over its holders is the average
-                self.engine = SyncEngine(self.model, plans, self.model.full_index(), groups, info.rank)
-                if cfg.mode == "bbsdp" and info.world_size > 1:
-                    self.broadcaster = ParamBroadcaster(self.model, plans, info.world_size)
-            if buffer_plans and info.world_size > 1:
-                self.buffer_averager = BufferAverager(self.model, buffer_plans, self.model.full_index(), groups,
-                                                      info.rank)
+                self.model = build_worker_model(mc, rows[info.rank], cfg.level, seed=cfg.seed, device=device)
+            self.sdp = SubnetworkDataParallel.from_subnetwork(
+                self.model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=self.held_by_rank,
+                local_index=self.model.full_index(), masking="backward" if cfg.mode == "bbsdp" else "forward",
+                activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp,
+                values_agree=True)  # every rank built its part from the same seed
+            self.train_model = self.sdp
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
@@ -325,7 +299,7 @@ class Run:
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
         )
         if self.sdp is not None:
-            self.sdp.register_optimizer(self.optimizer)  # backward masking: holders send new values after it
+            self.sdp.register_optimizer(self.optimizer, hook=False)  # `step` calls broadcast_held
 
     def _build_user_model(self, world_mesh: DeviceMesh | None) -> None:
         """A ``FILE.py:FACTORY`` model: built on every rank from the run's seed, then handed to
@@ -377,11 +351,9 @@ class Run:
         ``destroy_process_group`` and abort the process at interpreter exit. Call once, after the
         last collective (`sdp_train.loop.train` does).
         """
-        if self.engine is not None:
-            self.engine.remove_hooks()
         if self.sdp is not None:
             self.sdp.close()
-        self.engine = self.broadcaster = self.sdp = None
+        self.sdp = None
         self.model = self.train_model = self.optimizer = None
 
     @property
@@ -389,19 +361,22 @@ class Run:
         return self.cfg.mode == "fsdp" or self.cfg.fsdp
 
     @property
+    def engine(self):
+        """The SDP modes' gradient sync engine (`sdp_train.sync.SyncEngine`, from the library API);
+        None for the baselines and where no block has two holders."""
+        return self.sdp.engine if self.sdp is not None else None
+
+    @property
     def comm_buffers(self) -> list[torch.Tensor]:
         """The sync engine's long-lived bucket buffers (counted as "other" memory)."""
-        engine = self.sdp.engine if self.sdp is not None else self.engine
-        return [b.buffer for b in engine.buckets] if engine is not None else []
+        return [b.buffer for b in self.engine.buckets] if self.engine is not None else []
 
     @property
     def bytes(self) -> ByteCount:
         """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.wire`)."""
         total = ByteCount()
         total += self.run_bytes
-        counters = [self.engine, self.broadcaster, self.buffer_averager]
-        if self.sdp is not None:
-            counters += [self.sdp.engine, self.sdp.broadcaster, self.sdp.buffer_averager]
+        counters = [self.sdp.engine, self.sdp.broadcaster, self.sdp.buffer_averager] if self.sdp is not None else []
         for counter in counters:
             if counter is not None:
                 total += counter.bytes
@@ -439,10 +414,8 @@ class Run:
             self.fsdp_step_bytes = counter.bytes
         if self.fsdp_step_bytes is not None:
             self.run_bytes += self.fsdp_step_bytes
-        if self.sdp is not None:  # its hooks finished the holder averages when backward returned
+        if self.sdp is not None:  # its hooks finished the holder averages (and statistics) when backward returned
             sq_norm = self.sdp.local_grad_sq_norm()
-        elif self.engine is not None:
-            sq_norm = self.engine.finish()
         elif self.uses_fsdp:  # every gradient entry lives in exactly one rank's shard
             sq_norm = torch.stack([_local(p.grad).float().pow(2).sum() for p in self.model.parameters()
                                    if p.grad is not None]).sum()
@@ -450,8 +423,6 @@ class Run:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             sq_norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if self.info.rank == 0 \
                 else torch.zeros((), device=self.device)
-        if self.buffer_averager is not None:  # every step, so evaluation and checkpoints see the holders' mean
-            self.buffer_averager.average()
         stats = torch.stack([loss.detach().float(), sq_norm.float()])
         if self.info.world_size > 1:
             dist.all_reduce(stats)
@@ -473,60 +444,34 @@ class Run:
                 if p.grad is not None:
                     p.grad.mul_(coef)
         self.optimizer.step()
+        if self.sdp is not None:
+            self.sdp.broadcast_held()  # backward masking: holders send their blocks' new values
         self.optimizer.zero_grad(set_to_none=False)
-        if self.broadcaster is not None:
-            self.broadcaster.broadcast()
         return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The full assembled model on rank 0 (None on the other ranks), built one tensor at a time.
+        """The full assembled model on rank 0 (None on the other ranks); every rank must call it.
 
-        Each tensor slice is taken from its lowest-ranked holder: every rank fills the slices it
-        owns into a zero tensor of the full shape and a ``reduce`` sums them on rank 0, so no rank
-        but rank 0 ever holds more than its own model and one full tensor. FSDP shards are
-        gathered over their mesh first, tensor by tensor, in one order on every rank. Under DDP
-        (or on one rank) rank 0 already holds the full model: its tensors are returned as they
-        are, not copied (read them, do not write them).
+        Under SDP the library API assembles it (`SubnetworkDataParallel.full_state_dict`): each
+        tensor slice from its lowest-ranked holder, one tensor at a time, summed onto rank 0, so
+        no rank but rank 0 ever holds more than its own model and one full tensor. Under FSDP each
+        tensor is gathered over the world mesh, in one order on every rank. Under DDP (or on one
+        rank) rank 0 already holds the full model: its tensors are returned as they are, not copied
+        (read them, do not write them).
         """
         main = self.info.rank == 0
         if self.sdp is not None:
             state = self.sdp.full_state_dict(rank0_only=True)
             return state if main else None
-        if isinstance(self.model_config, UserModel) and self.uses_fsdp:  # the FSDP baseline of a user model
-            state = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in self.model.state_dict().items()}
-            return state if main else None
-        if not self.uses_fsdp and (self.info.world_size == 1 or self.cfg.mode in BASELINES):
-            return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
-        shapes = block_map(self.model_config).shapes
-        local = self.model.state_dict()
-        index = self.model.full_index()
-        with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
-            dtypes = {n: t.dtype for n, t in model_class(self.model_config)(self.model_config).state_dict().items()}
-        full: dict[str, torch.Tensor] = {}
-        for name in shapes:
-            value = local.get(name)
-            if isinstance(value, DTensor):
-                value = value.full_tensor()  # a collective over the tensor's mesh
-            if self.cfg.mode in BASELINES:  # FSDP: every rank now has the whole tensor
+        if self.uses_fsdp:
+            state = {}
+            for name, value in self.model.state_dict().items():
+                value = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
                 if main:
-                    full[name] = value
-                continue
-            piece = torch.zeros(shapes[name], dtype=dtypes[name], device=self.device)
-            owned = None if value is None else owned_slices(name, index[name], self.held_by_rank, self.info.rank)
-            if owned is not None:
-                dim, full_positions, local_positions = owned
-                if dim is None:
-                    piece.copy_(value)
-                else:
-                    local_pos = torch.tensor(local_positions, dtype=torch.int64, device=self.device)
-                    full_pos = torch.tensor(full_positions, dtype=torch.int64, device=self.device)
-                    piece.index_copy_(dim, full_pos, value.index_select(dim, local_pos))
-            dist.reduce(piece, dst=0)
-            if main:
-                full[name] = piece
-            del piece, value  # other ranks: freed before the next tensor's piece exists
-        return full if main else None
+                    state[name] = value.detach()
+            return state if main else None
+        return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
 
 
 class FSDPCollectiveBytes(TorchDispatchMode):
@@ -553,42 +498,16 @@ class FSDPCollectiveBytes(TorchDispatchMode):
         self.bytes.add(collective, full.numel() * full.element_size(), ranks)
 
 
-def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: str, *,
-                  also: Sequence[tuple[int, ...]] = ()) -> tuple[dict[str, DeviceMesh], dict]:
-    """Block name -> mesh over the block's holders, for the blocks `rank` holds (B-SDP + FSDP), and
-    the groups made for them and for the holder sets in `also` (the statistics' buckets).
-
-    Every rank creates the process group of every distinct holder set once (`holder_set_groups`;
-    single holders included: FSDP needs a mesh for them too).
-    """
-    holders_of = {name: mask.holder_set(j) for j, name in enumerate(names)}
-    groups = holder_set_groups([*holders_of.values(), *also], mask.workers, singletons=True)
-    meshes = {name: DeviceMesh.from_group(groups[h], device_type) for name, h in holders_of.items() if rank in h}
-    return meshes, groups
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def owned_slices(name: str, local: SliceSpec, held_by_rank, rank: int
-                 ) -> tuple[int | None, tuple[int, ...], tuple[int, ...]] | None:
-    """`owned_positions` with the matching positions in `rank`'s local tensor (described by `local`).
-
-    Returns None (no part), ``(None, (), ())`` (the whole tensor) or ``(dim, full positions, local
-    positions)``; a rank that holds the whole tensor has local positions equal to full ones.
-    """
-    owned = owned_positions(name, held_by_rank, rank)
-    if owned is None:
-        return None
-    dim, full_positions = owned
-    if dim is None:
-        return None, (), ()
-    return dim, full_positions, local.local_positions(full_positions)
-
-
-def _float_buffer_names(config: ModelConfig) -> list[str]:
-    """The full model's floating-point buffers (BatchNorm running statistics), in state-dict order."""
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    return [name for name, b in model.named_buffers() if b.is_floating_point()]
+def family_layout(config: ModelConfig, level: str) -> ModelLayout:
+    """The library API's `ModelLayout` of a built-in family's full model: every tensor's shape and dtype,
+    the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups)."""
+    bmap = block_map(config)
+    with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
+        dtypes = {n: t.dtype for n, t in model_class(config)(config).state_dict().items()}
+    tensors = {n: (tuple(shape), dtypes[n]) for n, shape in bmap.shapes.items()}
+    params = tuple(n for n in bmap.shapes if n in bmap.parameter_names)
+    return ModelLayout(tensors, params, tuple(bmap.block_names("block")), level)
