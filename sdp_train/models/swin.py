@@ -250,7 +250,10 @@ class PatchMerging(nn.Module):
         self.reduce = nn.Linear(4 * dim, 2 * dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
+        b, h, w, c = x.shape
+        # Swin's concatenation order, (row, column) parities (0,0), (1,0), (0,1), (1,1), as one copy:
+        # strided slices would each take a full-size zero gradient in backward
+        x = x.view(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h // 2, w // 2, 4 * c)
         return self.reduce(self.norm(x))  # (B, H/2, W/2, 2C)
 
 
