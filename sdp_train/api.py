@@ -226,16 +226,23 @@ class SubnetworkDataParallel(nn.Module):
             optimizer.register_step_post_hook(lambda *_: self.broadcaster.broadcast())
         self.optimizers_registered += 1
 
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the averaged gradient's squared 2-norm (not a collective).
+
+        Every averaged slice is counted on exactly one of its holders, so the sum of the shares
+        over all ranks is ``grad_norm() ** 2``: sum it with your own all-reduce to save one.
+        """
+        if self.fsdp:
+            return sum((_local(p.grad).float().pow(2).sum() for p in self.module.parameters() if p.grad is not None),
+                       torch.zeros((), device=self.device))
+        if self._sq_norm is None:
+            raise ConfigError("grad_norm/clip_grad_norm_ need the averaged gradient: call them after a "
+                              "backward() outside no_sync()")
+        return self._sq_norm.clone()
+
     def grad_norm(self) -> torch.Tensor:
         """2-norm of the whole averaged gradient (every block counted once); a collective."""
-        if self.fsdp:
-            sq = sum((_local(p.grad).float().pow(2).sum() for p in self.module.parameters() if p.grad is not None),
-                     torch.zeros((), device=self.device))
-        else:
-            if self._sq_norm is None:
-                raise ConfigError("grad_norm/clip_grad_norm_ need the averaged gradient: call them after a "
-                                  "backward() outside no_sync()")
-            sq = self._sq_norm.clone()
+        sq = self.local_grad_sq_norm()
         if self.world_size > 1:
             dist.all_reduce(sq)
         return sq.sqrt()
@@ -258,6 +265,19 @@ class SubnetworkDataParallel(nn.Module):
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else coef.item())
         return total
+
+    def close(self) -> None:
+        """Remove the gradient hooks, so the engine, its buffers and its process groups can be freed.
+
+        The hooks live in C++ and keep the sync engine (and its groups' threads) alive: call this
+        after the last backward and before ``destroy_process_group``, as ``sdp train`` does. The
+        wrapper cannot train after it.
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.engine is not None:
+            self.engine.remove_hooks()
 
     # -- the full model ------------------------------------------------------------------------
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:

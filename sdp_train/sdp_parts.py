@@ -28,8 +28,9 @@ from sdp_train.sync import BucketPlan, holder_set_groups
 
 
 def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, workers: int,
-                 layout: ModelLayout, *, seed: int) -> Mask:
-    """The mask for ``layout`` on ``workers`` ranks: given, read from a file, or designed for ``active``.
+                 layout: ModelLayout, *, seed: int, construction: str = "auto") -> Mask:
+    """The mask for ``layout`` on ``workers`` ranks: given, read from a file, or designed for ``active``
+    (``masklab.design`` with ``construction`` and ``seed``; one design per block's neuron groups).
 
     Raises
     ------
@@ -42,9 +43,10 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
     columns = layout.columns
     if active is not None:
         if layout.level == "block":
-            result = design(workers, len(columns), active=active, seed=seed).replace(block_names=columns)
+            result = design(workers, len(columns), active=active, construction=construction,
+                            seed=seed).replace(block_names=columns)
         else:
-            per_block = [design(workers, layout.neuron_groups, active=active, seed=seed + i)
+            per_block = [design(workers, layout.neuron_groups, active=active, construction=construction, seed=seed + i)
                          for i in range(len(layout.blocks))]
             result = Mask(np.hstack([m.matrix for m in per_block]), block_names=columns,
                           construction=f"per-block {per_block[0].construction}")

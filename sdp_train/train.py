@@ -38,13 +38,20 @@ from sdp_train.config import BASELINES, TrainConfig
 from sdp_train.data import DataConfig
 from sdp_train.dist import DistInfo, restart_attempt
 from sdp_train.errors import ConfigError, NonFiniteError
+from sdp_train.faults import InjectedFaults
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.parallelize import parallelize
 from sdp_train.sdp_export import owned_positions  # the lowest-ranked holder's part, shared with the API
+from sdp_train.api import SubnetworkDataParallel
+from sdp_train.sdp_blocks import find_blocks
+from sdp_train.sdp_masking import describe
+from sdp_train.sdp_parts import resolve_mask
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
 from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, create_groups, holder_set_groups,
                             plan_buckets)
+from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, UserModel, build_user_model,
+                                  describe_user_model, is_user_model, logits_of)
 from sdp_train.wire import ByteCount
 
 
@@ -62,6 +69,8 @@ class Prepared:
 
 def prepare(cfg: TrainConfig) -> Prepared:
     """Check config, model and mask together; raise ConfigError before anything distributed starts."""
+    if is_user_model(cfg.model):
+        return _prepare_user_model(cfg)
     preset = get_model_config(cfg.model)
     is_lm = hasattr(preset, "vocab_size")
     data = _data_config(cfg, is_lm)
@@ -87,6 +96,64 @@ def _image_fields(preset: ModelConfig, data: DataConfig) -> dict[str, int]:
         return {}
     channels, side = _IMAGE_SHAPE[data.dataset]
     return {"in_channels": channels, **({"image_size": side} if hasattr(preset, "image_size") else {})}
+
+
+def _prepare_user_model(cfg: TrainConfig) -> Prepared:
+    """`prepare` for ``--model FILE.py:FACTORY``: import it, check it against the data, find its blocks
+    and resolve the mask for its layout, all on a meta-device instance."""
+    model = build_user_model(cfg.model, cfg.model_overrides, "meta")
+    user = describe_user_model(cfg.model, cfg.model_overrides, model)
+    explicit = cfg.data.partition(":")[0] != "auto"
+    data = _data_config(cfg, user.data == "text", any_kind=explicit)
+    if data.dataset == "stdlib-bytes" and user.vocab_size is not None and user.vocab_size < 256:
+        raise ConfigError(f"model {cfg.model!r} embeds {user.vocab_size} token ids; the stdlib byte data "
+                          "needs at least 256 (one id per byte)")
+    _probe_user_model(cfg, model, data)
+    mask = None
+    if cfg.mode not in BASELINES or cfg.blocks is not None or cfg.mode == "fsdp":
+        names = find_blocks(model, user_blocks(cfg))
+        if cfg.mode not in BASELINES:
+            layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS)
+            mask = resolve_mask(cfg.mask, None if cfg.mask is not None else cfg.active, cfg.workers, layout,
+                                seed=cfg.seed, construction=cfg.construction)
+    resume_from = None
+    if cfg.resume is not None:
+        resume_from = find_checkpoint(cfg.resume)
+        check_resumable(resume_from, cfg, user, mask)
+    return Prepared(cfg, user, mask, data, resume_from)
+
+
+def user_blocks(cfg: TrainConfig) -> str | list[str] | None:
+    """``--blocks`` as `find_blocks` takes it: a pattern, or the names of a comma-separated list."""
+    if cfg.blocks is None or "," not in cfg.blocks:
+        return cfg.blocks
+    return [name.strip() for name in cfg.blocks.split(",") if name.strip()]
+
+
+@torch.no_grad()
+def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> None:
+    """Call the meta-device model on a batch shaped like the data's and check the logits' shape, so a
+    model that does not fit the data fails here once instead of on every rank at step 0. A model
+    that cannot run on the meta device (data-dependent Python, ``.item()``) is not probed."""
+    if data.dataset in _IMAGE_SHAPE:
+        channels, side = _IMAGE_SHAPE[data.dataset]
+        inputs, what = torch.empty(2, channels, side, side, device="meta"), f"{data.dataset} images (2, {channels}, {side}, {side})"
+    else:
+        inputs, what = torch.empty(2, cfg.seq_len, dtype=torch.long, device="meta"), f"token ids (2, {cfg.seq_len})"
+    try:
+        logits = logits_of(model(inputs))
+    except (NotImplementedError, RuntimeError) as exc:
+        if "meta" in str(exc).lower() or isinstance(exc, NotImplementedError):
+            return
+        raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # the user's forward: one line naming the model and the input it got
+        raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
+    classes = 256 if data.dataset == "stdlib-bytes" else 10
+    expected = (2, cfg.seq_len) if what.startswith("token") else (2,)
+    if tuple(logits.shape[:-1]) != expected or (data.dataset != "token-bin" and logits.shape[-1] < classes):
+        raise ConfigError(f"model {cfg.model!r} returns logits of shape {tuple(logits.shape)} for {what}; "
+                          f"expected ({', '.join(map(str, expected))}, N) with N >= {classes} "
+                          f"{'token ids' if what.startswith('token') else 'classes'}")
 
 
 def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: DataConfig) -> None:
@@ -154,7 +221,7 @@ def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
                 construction=f"per-layer {layers[0].construction}")
 
 
-def _data_config(cfg: TrainConfig, is_lm: bool) -> DataConfig:
+def _data_config(cfg: TrainConfig, is_lm: bool, *, any_kind: bool = False) -> DataConfig:
     kind, _, where = cfg.data.partition(":")
     files: tuple[str, ...] = ()
     val: tuple[str, ...] = ()
@@ -176,7 +243,7 @@ def _data_config(cfg: TrainConfig, is_lm: bool) -> DataConfig:
         if not val:
             raise ConfigError(f"data {cfg.data!r}: no validation files "
                               f"({'val*.bin' if kind == 'token-bin' else 'test_batch'}) in {root}")
-    if (kind in ("stdlib-bytes", "token-bin")) != is_lm:
+    if (kind in ("stdlib-bytes", "token-bin")) != is_lm and not any_kind:
         raise ConfigError(f"data {cfg.data!r} does not fit model {cfg.model!r}")
     return DataConfig(dataset=kind, batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_bytes=cfg.max_data_bytes,
                       heterogeneous=cfg.heterogeneous, train_files=files, val_files=val)
@@ -191,7 +258,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of a model's logits (a tensor, or a user model's output: `logits_of`)."""
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -206,13 +275,16 @@ class Run:
         self.broadcaster: ParamBroadcaster | None = None
         self.buffer_averager: BufferAverager | None = None  # BatchNorm statistics among their holders
         self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
-        self.param_names = [n for n in block_map(mc).shapes if n in block_map(mc).parameter_names]
+        self.sdp: SubnetworkDataParallel | None = None  # a user's model under SDP: the library API does it all
+        self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         if self.uses_fsdp and not dist.is_initialized():
             raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
                               f"or with --workers >= 2 (got workers={cfg.workers})")
         world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if self.uses_fsdp else None
         self.fsdp_step_bytes: ByteCount | None = None  # FSDP: counted on the first step, equal on every step
-        if cfg.mode in BASELINES:
+        if isinstance(mc, UserModel):
+            self._build_user_model(world_mesh)
+        elif cfg.mode in BASELINES:
             self.model = build_model(mc, seed=cfg.seed, device=device)
             self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * info.world_size
             parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
@@ -230,7 +302,8 @@ class Run:
                 self.model = build_worker_model(mc, rows[info.rank], level, seed=cfg.seed, device=device)
             self.train_model = self.model
             shapes = block_map(mc).shapes
-            plans = [] if cfg.fsdp else plan_buckets(self.held_by_rank, self.param_names, shapes=shapes)
+            param_names = [n for n in shapes if n in block_map(mc).parameter_names]
+            plans = [] if cfg.fsdp else plan_buckets(self.held_by_rank, param_names, shapes=shapes)
             buffers = _float_buffer_names(mc)  # averaged after the step: no layer bound needed
             buffer_plans = plan_buckets(self.held_by_rank, buffers, shapes=shapes,
                                         layers_per_bucket=len(buffers) + 1)
@@ -259,6 +332,32 @@ class Run:
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
         )
+        if self.sdp is not None:
+            self.sdp.register_optimizer(self.optimizer)  # backward masking: holders send new values after it
+
+    def _build_user_model(self, world_mesh: DeviceMesh | None) -> None:
+        """A ``FILE.py:FACTORY`` model: built on every rank from the run's seed, then handed to
+        `SubnetworkDataParallel` (SDP modes), torch DDP or FSDP2 ``fully_shard`` (the baselines)."""
+        cfg, user = self.cfg, self.model_config
+        torch.manual_seed(cfg.seed)
+        model = user.build(self.device)
+        model.to(self.device)
+        if cfg.mode in BASELINES:
+            self.model = model
+            self.held_by_rank = [{n: SliceSpec() for n in model.state_dict()}] * self.info.world_size
+            if cfg.activation_checkpointing or world_mesh is not None:
+                names = find_blocks(model, user_blocks(cfg))
+                blocks = [(n, model.get_submodule(n)) for n in names]
+                parallelize(model, activation_checkpointing=cfg.activation_checkpointing, block_meshes=None,
+                            root_mesh=world_mesh, blocks=blocks)
+            use_ddp = cfg.mode == "ddp" and self.info.world_size > 1
+            self.train_model = self._wrap_ddp(model) if use_ddp else model
+            return
+        self.sdp = SubnetworkDataParallel(
+            model, mask=self.mask, blocks=user_blocks(cfg), level=cfg.level,
+            masking="backward" if cfg.mode == "bbsdp" else "forward", neuron_groups=USER_NEURON_GROUPS,
+            seed=cfg.seed, device=self.device, activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp)
+        self.model, self.train_model, self.held_by_rank = self.sdp.module, self.sdp, self.sdp.held_by_rank
 
     def _wrap_ddp(self, model: nn.Module) -> nn.Module:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -288,7 +387,9 @@ class Run:
         """
         if self.engine is not None:
             self.engine.remove_hooks()
-        self.engine = self.broadcaster = None
+        if self.sdp is not None:
+            self.sdp.close()
+        self.engine = self.broadcaster = self.sdp = None
         self.model = self.train_model = self.optimizer = None
 
     @property
@@ -298,14 +399,18 @@ class Run:
     @property
     def comm_buffers(self) -> list[torch.Tensor]:
         """The sync engine's long-lived bucket buffers (counted as "other" memory)."""
-        return [b.buffer for b in self.engine.buckets] if self.engine is not None else []
+        engine = self.sdp.engine if self.sdp is not None else self.engine
+        return [b.buffer for b in engine.buckets] if engine is not None else []
 
     @property
     def bytes(self) -> ByteCount:
         """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.wire`)."""
         total = ByteCount()
         total += self.run_bytes
-        for counter in (self.engine, self.broadcaster, self.buffer_averager):
+        counters = [self.engine, self.broadcaster, self.buffer_averager]
+        if self.sdp is not None:
+            counters += [self.sdp.engine, self.sdp.broadcaster, self.sdp.buffer_averager]
+        for counter in counters:
             if counter is not None:
                 total += counter.bytes
         return total
@@ -335,14 +440,16 @@ class Run:
         counter = FSDPCollectiveBytes() if self.uses_fsdp and self.fsdp_step_bytes is None else None
         with counter if counter is not None else nullcontext():
             loss = loss_fn(self.train_model(inputs), targets)
-            if _test_fault("SDP_TEST_INJECT_NAN", step, self.info.rank):
+            if self.faults.nan(step, self.info.rank):
                 loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()
         if counter is not None:
             self.fsdp_step_bytes = counter.bytes
         if self.fsdp_step_bytes is not None:
             self.run_bytes += self.fsdp_step_bytes
-        if self.engine is not None:
+        if self.sdp is not None:  # its hooks finished the holder averages when backward returned
+            sq_norm = self.sdp.local_grad_sq_norm()
+        elif self.engine is not None:
             sq_norm = self.engine.finish()
         elif self.uses_fsdp:  # every gradient entry lives in exactly one rank's shard
             sq_norm = torch.stack([_local(p.grad).float().pow(2).sum() for p in self.model.parameters()
@@ -358,7 +465,7 @@ class Run:
             dist.all_reduce(stats)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
         mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
-        if _test_fault("SDP_TEST_KILL_AT_STEP", step, self.info.rank):
+        if self.faults.kill(step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             if cfg.nonfinite == "stop":
@@ -391,6 +498,12 @@ class Run:
         are, not copied (read them, do not write them).
         """
         main = self.info.rank == 0
+        if self.sdp is not None:
+            state = self.sdp.full_state_dict(rank0_only=True)
+            return state if main else None
+        if isinstance(self.model_config, UserModel) and self.uses_fsdp:  # the FSDP baseline of a user model
+            state = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in self.model.state_dict().items()}
+            return state if main else None
         if not self.uses_fsdp and (self.info.world_size == 1 or self.cfg.mode in BASELINES):
             return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
         shapes = block_map(self.model_config).shapes
@@ -422,21 +535,6 @@ class Run:
                 full[name] = piece
             del piece, value  # other ranks: freed before the next tensor's piece exists
         return full if main else None
-
-
-def _test_fault(variable: str, step: int, rank: int) -> bool:
-    """Test-only fault injection: True when environment `variable` is ``"STEP:RANK"`` for this step and rank.
-
-    Fires on the first attempt of a job only (a restarted group runs clean). Unset, it costs one
-    dictionary lookup per step.
-    """
-    spec = os.environ.get(variable)
-    if spec is None or restart_attempt() != 0:
-        return False
-    at_step, _, at_rank = spec.partition(":")
-    if not (at_step.isdigit() and at_rank.isdigit()):
-        raise ValueError(f"{variable}={spec!r} must be STEP:RANK, two integers >= 0")
-    return (int(at_step), int(at_rank)) == (step, rank)
 
 
 class FSDPCollectiveBytes(TorchDispatchMode):

@@ -84,6 +84,9 @@ def get_model_config(name: str, /, **overrides: Any) -> ModelConfig:
     """
     configs = _named_configs()
     if name not in configs:
+        if name.rpartition(":")[0].endswith(".py") or name.endswith(".py"):  # sdp_train.user_model's syntax
+            raise ConfigError(f"model {name!r} is your own (FILE.py:FACTORY): sdp train takes it, but this command "
+                              f"needs a built-in model's declared shapes; built-in models: {', '.join(sorted(configs))}")
         raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(configs))}")
     base = configs[name]
     fields = {f.name for f in dataclasses.fields(base)} - {"name"}  # the name says which shape it is

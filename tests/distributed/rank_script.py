@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import default_device, destroy_distributed, init_distributed
-from sdp_train.loop import _train
+from sdp_train.loop import train_prepared
 from sdp_train.train import Run, loss_fn, prepare
 
 
@@ -162,7 +162,7 @@ def overlap_case(spec: dict, info, device, out: Path) -> None:
 
 def train_case(spec: dict, info, device, out: Path) -> None:
     for cfg_dict in spec["configs"]:
-        _train(prepare(TrainConfig(**cfg_dict)), info, device)
+        train_prepared(prepare(TrainConfig(**cfg_dict)), info, device)
         gc.collect()  # free the previous run's DDP reducer before the next run's collectives
         torch.distributed.barrier()
 

@@ -160,7 +160,7 @@ def test_swin_trains_with_bsdp_and_its_assembled_model_scores_the_reported_valid
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [("model", 123, "model=123 must be a string"), ("out", None, "out=None must be a string"),
-     ("mask", 5, "mask=5 must be a path string or null"), ("fsdp", "yes", "fsdp='yes' must be true or false")],
+     ("mask", 5, "mask=5 must be a string or null"), ("fsdp", "yes", "fsdp='yes' must be true or false")],
 )
 def test_config_fields_of_the_wrong_type_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ConfigError) as err:

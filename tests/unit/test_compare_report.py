@@ -29,3 +29,16 @@ def test_table_has_a_wire_column_with_its_own_ratio_to_ddp():
     assert fsdp[at - 2: at + 2] == ["3.00", "3.00", "2.25", "1.50"]
     assert old[at: at + 2] == ["-", "-"]  # a summary written before wire bytes existed
     assert "ring model" in lines[0]
+
+
+def test_a_failed_runslog_tail_shows_the_ranks_error_not_the_launchers_lines():
+    from sdp_train.compare import log_tail
+
+    log = ("step 1 loss 5.0\n"
+           "sdp train: error: config.json: no such file\n"
+           "W1204 15:48:12.325000 23405 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1 closing signal SIGTERM\n"
+           "E1204 15:48:12.357000 23405 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0\n"
+           "sdp: worker failed: rank 0 (exit code 2); stopped by the launcher after it: ranks 1, 2\n")
+    tail = log_tail(log, lines=2)
+    assert tail.splitlines() == ["sdp train: error: config.json: no such file",
+                                 "sdp: worker failed: rank 0 (exit code 2); stopped by the launcher after it: ranks 1, 2"]
