@@ -68,14 +68,10 @@ def prepare(cfg: TrainConfig) -> Prepared:
     """Check config, model and mask together; raise ConfigError before anything distributed starts."""
     if is_user_model(cfg.model):
         return _prepare_user_model(cfg)
-    base = get_model_config(cfg.model, **cfg.model_overrides)
-    is_lm = hasattr(base, "vocab_size")
+    preset = get_model_config(cfg.model)
+    is_lm = hasattr(preset, "vocab_size")
     data = _data_config(cfg, is_lm)
-    model_config = base
-    if not is_lm and "in_channels" not in cfg.model_overrides:
-        # digits are 1-channel 8x8 images; CIFAR batches are RGB
-        model_config = get_model_config(cfg.model, **{**cfg.model_overrides,
-                                                       "in_channels": 1 if data.dataset == "digits" else 3})
+    model_config = get_model_config(cfg.model, **{**_image_fields(preset, data), **cfg.model_overrides})
     if is_lm and cfg.seq_len > model_config.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model}'s max_seq_len={model_config.max_seq_len}")
     _check_model_fits_data(cfg, model_config, data)
@@ -88,6 +84,15 @@ def prepare(cfg: TrainConfig) -> Prepared:
 
 
 _IMAGE_SHAPE = {"digits": (1, 8), "cifar": (3, 32)}  # dataset -> (channels, side)
+
+
+def _image_fields(preset: ModelConfig, data: DataConfig) -> dict[str, int]:
+    """The config fields an image dataset decides: ``in_channels`` (digits are 1-channel 8x8 images,
+    CIFAR batches RGB 32x32) and, for a model built for one image side (Swin), ``image_size``."""
+    if data.dataset not in _IMAGE_SHAPE:
+        return {}
+    channels, side = _IMAGE_SHAPE[data.dataset]
+    return {"in_channels": channels, **({"image_size": side} if hasattr(preset, "image_size") else {})}
 
 
 def _prepare_user_model(cfg: TrainConfig) -> Prepared:
@@ -164,6 +169,9 @@ def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: Da
         if model_config.in_channels != channels:
             raise ConfigError(f"model {cfg.model!r} has in_channels={model_config.in_channels}; "
                               f"{data.dataset} images have {channels}")
+        size = getattr(model_config, "image_size", side)
+        if size != side:
+            raise ConfigError(f"model {cfg.model!r} has image_size={size}; {data.dataset} images are {side} x {side}")
         patch = getattr(model_config, "patch_size", None)
         if patch is not None and side % patch:
             raise ConfigError(f"model {cfg.model!r} has patch_size={patch}, which does not divide "
