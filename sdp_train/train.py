@@ -36,7 +36,7 @@ from masklab import Mask, design, load_mask
 from sdp_train.checkpoint import check_resumable, find_checkpoint
 from sdp_train.config import BASELINES, TrainConfig
 from sdp_train.data import DataConfig
-from sdp_train.dist import DistInfo, restart_attempt
+from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.faults import InjectedFaults
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
