@@ -50,7 +50,7 @@ def num_warps_for(block_size: int) -> int:
 
 
 @triton.jit
-def _descriptor(descriptors, tile):
+def tile_descriptor(descriptors, tile):
     """The tile's descriptor row, unpacked (see kernels.worklist.DESC_*)."""
     row = descriptors + tile.to(tl.int64) * _DESC
     tensor_start = tl.load(row + 0)
@@ -180,7 +180,7 @@ def _pack_kernel(
     BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
     (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
-     col_start) = _descriptor(descriptors, tl.program_id(0))
+     col_start) = tile_descriptor(descriptors, tl.program_id(0))
     if kind == _ZERO:
         k = tl.arange(0, BLOCK)
         tl.store(out + buffer_start + k, tl.zeros((BLOCK,), out.dtype.element_ty), mask=k < ncols)
@@ -200,7 +200,7 @@ def _unpack_kernel(
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
     (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
-     col_start) = _descriptor(descriptors, tl.program_id(0))
+     col_start) = tile_descriptor(descriptors, tl.program_id(0))
     tensor = _tensor_pointer(pointers, tensor_index, DST_DTYPE, ALIGNED)
     factor = 1.0
     if HAS_SCALE:
@@ -217,7 +217,7 @@ def _squared_norm_kernel(
 ):
     tile = tl.program_id(0)
     (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
-     col_start) = _descriptor(descriptors, tile)
+     col_start) = tile_descriptor(descriptors, tile)
     tensor = _tensor_pointer(pointers, tensor_index, DTYPE, ALIGNED)
     total = _tile(tensor, tensor, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, 1.0,
                   2, False, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
@@ -228,7 +228,8 @@ def _aligned(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> bool:
     return buffer.data_ptr() % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _constexprs(tensors: Sequence[torch.Tensor], layout: BucketLayout, buffer: torch.Tensor) -> dict[str, Any]:
+def kernel_constexprs(tensors: Sequence[torch.Tensor], layout: BucketLayout, buffer: torch.Tensor) -> dict[str, Any]:
+    """The compile-time constants a launch passes: hardware bf16, 16-byte alignment of every operand, tile sizes."""
     return dict(HW_BF16=not INTERPRETED, ALIGNED=_aligned(tensors, buffer), BLOCK=layout.block_size,
                 RUN_COLS=layout.run_cols, GATHER_COLS=layout.gather_cols)
 
@@ -252,7 +253,7 @@ def pack(
             layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
             layout.inverse_coverage if scale is None else scale, out,
             SRC_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None,
-            **_constexprs(tensors, layout, out), **_options(layout),
+            **kernel_constexprs(tensors, layout, out), **_options(layout),
         )
     return out
 
@@ -272,7 +273,7 @@ def unpack(
             layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
             layout.inverse_coverage if scale is None else scale, buffer,
             DST_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None, ACCUMULATE=mode == "accumulate",
-            **_constexprs(tensors, layout, buffer), **_options(layout),
+            **kernel_constexprs(tensors, layout, buffer), **_options(layout),
         )
 
 
@@ -283,7 +284,7 @@ def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout) -> torch
     if layout.num_data_tiles:
         _squared_norm_kernel[(layout.num_data_tiles,)](
             layout.pointer_table(tensors), layout.descriptors, layout.column_offsets, partials,
-            DTYPE=_TL_DTYPES[tensors[0].dtype], **_constexprs(tensors, layout, partials), **_options(layout),
+            DTYPE=_TL_DTYPES[tensors[0].dtype], **kernel_constexprs(tensors, layout, partials), **_options(layout),
         )
     return partials.sum()
 

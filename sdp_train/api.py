@@ -19,7 +19,8 @@ assembling the full model (`sdp_train.sdp_export`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -34,7 +35,8 @@ from sdp_train.sdp_blocks import MLPSpec, find_blocks
 from sdp_train.sdp_export import assemble, save_safetensors
 from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
 from sdp_train.sdp_parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
-from sdp_train.sync import BufferAverager, ParamBroadcaster, SyncEngine, create_groups, plan_buckets
+from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, holder_set_groups, plan_buckets,
+                            weak_grad_hook)
 
 MASKINGS = ("forward", "backward")
 
@@ -96,44 +98,88 @@ class SubnetworkDataParallel(nn.Module):
                  comm_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         _check_options(level, masking, fsdp, comm_dtype)
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
-        self.level, self.masking, self.autocast_dtype, self.comm_dtype = level, masking, autocast_dtype, comm_dtype
+        rank, world_size = _rank_and_world()
         # 1. blocks, the full model's layout and the mask (identical on every rank)
         block_names = find_blocks(module, blocks)
-        self.layout: ModelLayout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
-        self.mask: Mask = resolve_mask(mask, active, self.world_size, self.layout, seed=seed)
-        self.held_by_rank = [self.layout.held(self.mask.matrix[r]) for r in range(self.world_size)]
-        row = self.mask.matrix[self.rank]
+        layout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
+        mask = resolve_mask(mask, active, world_size, layout, seed=seed)
+        held_by_rank = [layout.held(mask.matrix[r]) for r in range(world_size)]
+        row = mask.matrix[rank]
         # 2. this worker's subnetwork (state-dict names stay the full model's)
         if masking == "backward":
-            freeze_blocks(module, self.layout, row)
-            self.local_index: dict[str, SliceSpec] = {n: WHOLE for n in self.layout.tensors}
+            freeze_blocks(module, layout, row)
+            local_index: dict[str, SliceSpec] = {n: WHOLE for n in layout.tensors}
         else:
             if level == "block":
                 drop_blocks(module, block_names, row)
             else:
-                slice_neurons(module, self.layout, row)
-            self.local_index = dict(self.held_by_rank[self.rank])
-        self.module = module
-        # 3. values: materialise a meta model, take the part of init_state, agree among holders
-        self.device = _materialise(module, device, init, init_state is not None)
+                slice_neurons(module, layout, row)
+            local_index = dict(held_by_rank[rank])
+        # 3. values: materialise a meta model, take the part of init_state (else agree among holders, in 4.)
+        device = _materialise(module, device, init, init_state is not None)
+        self._setup(module, layout, mask, held_by_rank, local_index, device, masking=masking,
+                    activation_checkpointing=activation_checkpointing, fsdp=fsdp, autocast_dtype=autocast_dtype,
+                    comm_dtype=comm_dtype, init_state=init_state, values_agree=False)
+
+    @classmethod
+    def from_subnetwork(cls, module: nn.Module, *, layout: ModelLayout, mask: Mask,
+                        held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: Mapping[str, SliceSpec],
+                        masking: str = "forward", activation_checkpointing: bool = False, fsdp: bool = False,
+                        autocast_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
+                        values_agree: bool = False) -> SubnetworkDataParallel:
+        """Wrap a subnetwork this rank has already built (steps 4 and 5 of the constructor only).
+
+        For models that know how to build a worker's part without the full model: the built-in
+        families of `sdp_train.models` (``sdp train`` uses this), or your own. ``module`` holds this
+        rank's part, with full-model state-dict names; ``local_index`` maps each of its tensors to
+        the part of the full tensor it holds, ``held_by_rank`` gives that map for every rank, and
+        ``layout`` describes the full model (its ``blocks`` and ``level``). With ``values_agree``
+        the holders of every tensor already hold the same values (built from one seed), so the
+        initial broadcast is skipped.
+        """
+        _check_options(layout.level, masking, fsdp, comm_dtype)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        params = list(module.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        self._setup(module, layout, mask, held_by_rank, dict(local_index), device, masking=masking,
+                    activation_checkpointing=activation_checkpointing, fsdp=fsdp, autocast_dtype=autocast_dtype,
+                    comm_dtype=comm_dtype, init_state=None, values_agree=values_agree)
+        return self
+
+    def _setup(self, module: nn.Module, layout: ModelLayout, mask: Mask,
+               held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: dict[str, SliceSpec],
+               device: torch.device, *, masking: str, activation_checkpointing: bool, fsdp: bool,
+               autocast_dtype: torch.dtype | None, comm_dtype: torch.dtype | None,
+               init_state: Mapping[str, torch.Tensor] | None, values_agree: bool) -> None:
+        """Steps 3 (values) to 5 (gradient averaging), for a module already cut to this worker's part."""
+        self.rank, self.world_size = _rank_and_world()
+        self.level, self.masking, self.autocast_dtype, self.comm_dtype = layout.level, masking, autocast_dtype, comm_dtype
+        self.layout, self.mask, self.held_by_rank, self.local_index = layout, mask, list(held_by_rank), local_index
+        self.module, self.device, self.fsdp = module, device, fsdp
         if init_state is not None:
             self.load_full_state_dict(init_state)
-        shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
-        self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names, shapes=shapes)
-        buffer_names = [n for n, (_, dtype) in self.layout.tensors.items()
-                        if dtype.is_floating_point and n not in set(self.layout.parameter_names)]
-        buffer_plans = plan_buckets(self.held_by_rank, buffer_names) if buffer_names else []
-        self.groups = (create_groups([*self.plans, *buffer_plans], self.world_size) if self.world_size > 1
-                       else {p.holders: None for p in [*self.plans, *buffer_plans]})
-        if init_state is None and self.world_size > 1:
+        # the holder sets' process groups, made once (`holder_set_groups`): buckets, statistics, FSDP meshes
+        shapes = {n: shape for n, (shape, _) in layout.tensors.items()}
+        self.plans = plan_buckets(self.held_by_rank, layout.parameter_names, shapes=shapes)
+        buffer_names = [n for n, (_, dtype) in layout.tensors.items()
+                        if dtype.is_floating_point and n not in set(layout.parameter_names)]
+        # averaged after backward, not during it: one bucket per holder set
+        buffer_plans = (plan_buckets(self.held_by_rank, buffer_names, shapes=shapes,
+                                     layers_per_bucket=len(buffer_names) + 1) if buffer_names else [])
+        holder_sets = [p.holders for p in [*self.plans, *buffer_plans]]
+        if fsdp:
+            holder_sets += [tuple(int(k) for k in mask.holder_set(j)) for j in range(mask.blocks)]
+        every = (holder_set_groups(holder_sets, self.world_size, singletons=fsdp) if self.world_size > 1
+                 else {h: None for h in holder_sets})
+        self.groups = {h: None if len(h) == 1 else g for h, g in every.items()}  # a single holder sends nothing
+        if init_state is None and not values_agree and self.world_size > 1:
             broadcast_from_holders(module, self.plans, self.local_index, self.groups, self.rank)
         # 4. activation checkpointing, inside each held block
-        self.held_blocks = tuple(b for b, keep in zip(block_names, self._held_block_flags()) if keep)
-        if activation_checkpointing:
-            apply_checkpointing([module.get_submodule(b) for b in self.held_blocks])
+        self.held_blocks = tuple(b for b, keep in zip(layout.blocks, self._held_block_flags()) if keep)
+        if activation_checkpointing:  # backward masking runs every block's backward: checkpoint them all
+            apply_checkpointing([module.get_submodule(b) for b in
+                                 (layout.blocks if masking == "backward" else self.held_blocks)])
         # 5. gradient averaging among holders: FSDP2 over holder meshes, or the sync engine
         self.engine: SyncEngine | None = None
         self.broadcaster: ParamBroadcaster | None = None
@@ -144,18 +190,20 @@ class SubnetworkDataParallel(nn.Module):
         self._sq_norm: torch.Tensor | None = None
         self._finish_queued = False
         if fsdp:
-            apply_holder_fsdp(module, self.mask, block_names, self.rank, self.device)
+            apply_holder_fsdp(module, mask, layout.blocks, self.rank, device, every)
         else:
             self.engine = self._new_engine()
-            if buffer_plans and self.world_size > 1 and masking == "forward":
-                # running statistics (BatchNorm) move with each holder's own batches: average them too
-                self.buffer_averager = BufferAverager(module, buffer_plans, self.local_index, self.groups, self.rank)
             if masking == "backward" and self.world_size > 1:
                 self.broadcaster = ParamBroadcaster(module, self.plans, self.world_size)
-                self.broadcaster.broadcast()  # non-holders' frozen copies start from the holders' values
-        self.fsdp = fsdp
+                if not values_agree:
+                    self.broadcaster.broadcast()  # non-holders' frozen copies start from the holders' values
+        if buffer_plans and self.world_size > 1:
+            # running statistics (BatchNorm) move with each holder's own batches: average them too
+            self.buffer_averager = BufferAverager(module, buffer_plans, self.local_index, self.groups, self.rank)
         # the sync engine's hooks launch the all-reduces; these finish them when backward ends
-        self._hooks = [] if fsdp else [p.register_post_accumulate_grad_hook(self._on_grad)
+        # weak (`weak_grad_hook`): a wrapper nobody references is freed with its groups, as DDP is
+        hook = weak_grad_hook(self)
+        self._hooks = [] if fsdp else [p.register_post_accumulate_grad_hook(hook)
                                        for p in module.parameters() if p.requires_grad]
 
     # -- construction helpers ------------------------------------------------------------------
@@ -178,9 +226,23 @@ class SubnetworkDataParallel(nn.Module):
             raise ConfigError("backward masking sends each block's new values after the optimizer step: call "
                               "model.register_optimizer(optimizer) before training")
         if self.autocast_dtype is None:
-            return self.module(*args, **kwargs)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        else:
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                output = self.module(*args, **kwargs)
+        if self.fsdp and self.buffer_averager is not None and self._sync_enabled and torch.is_grad_enabled():
+            self._average_buffers_after_backward(output)
+        return output
+
+    def _average_buffers_after_backward(self, output) -> None:
+        """FSDP (no gradient hooks of ours): average the statistics once this output's backward ends."""
+        from torch.utils._pytree import tree_leaves
+
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                leaf.register_hook(lambda grad: queue(self.buffer_averager.average) and None)
+                return
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._sync_enabled:  # accumulating: no averaged gradient to clip until the next sync
@@ -220,22 +282,40 @@ class SubnetworkDataParallel(nn.Module):
             else:
                 self.engine = self._new_engine()
 
-    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Backward masking: after each ``optimizer.step()``, send held blocks' new values to the others."""
-        if self.broadcaster is not None:
-            optimizer.register_step_post_hook(lambda *_: self.broadcaster.broadcast())
+    def register_optimizer(self, optimizer: torch.optim.Optimizer, *, hook: bool = True) -> None:
+        """Backward masking: after each ``optimizer.step()``, send held blocks' new values to the others.
+
+        With ``hook=False`` nothing is registered on `optimizer`: call `broadcast_held` yourself
+        after each step (``sdp train`` does, so that its memory meter, which files what a step
+        allocates as optimizer state, sees the broadcast's buffers as temporaries of their own).
+        """
+        if self.broadcaster is not None and hook:
+            optimizer.register_step_post_hook(_weak_broadcast(weakref.ref(self)))
         self.optimizers_registered += 1
+
+    def broadcast_held(self) -> None:
+        """Backward masking: send each held block's values to the workers that do not hold it (every
+        rank must call it, after the optimizer step). Does nothing for forward masking."""
+        if self.broadcaster is not None:
+            self.broadcaster.broadcast()
+
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the averaged gradient's squared 2-norm (not a collective).
+
+        Every averaged slice is counted on exactly one of its holders, so the sum of the shares
+        over all ranks is ``grad_norm() ** 2``: sum it with your own all-reduce to save one.
+        """
+        if self.fsdp:
+            return sum((_local(p.grad).float().pow(2).sum() for p in self.module.parameters() if p.grad is not None),
+                       torch.zeros((), device=self.device))
+        if self._sq_norm is None:
+            raise ConfigError("grad_norm/clip_grad_norm_ need the averaged gradient: call them after a "
+                              "backward() outside no_sync()")
+        return self._sq_norm.clone()
 
     def grad_norm(self) -> torch.Tensor:
         """2-norm of the whole averaged gradient (every block counted once); a collective."""
-        if self.fsdp:
-            sq = sum((_local(p.grad).float().pow(2).sum() for p in self.module.parameters() if p.grad is not None),
-                     torch.zeros((), device=self.device))
-        else:
-            if self._sq_norm is None:
-                raise ConfigError("grad_norm/clip_grad_norm_ need the averaged gradient: call them after a "
-                                  "backward() outside no_sync()")
-            sq = self._sq_norm.clone()
+        sq = self.local_grad_sq_norm()
         if self.world_size > 1:
             dist.all_reduce(sq)
         return sq.sqrt()
@@ -258,6 +338,19 @@ class SubnetworkDataParallel(nn.Module):
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else coef.item())
         return total
+
+    def close(self) -> None:
+        """Remove the gradient hooks, so the engine, its buffers and its process groups can be freed.
+
+        The hooks live in C++ and keep the sync engine (and its groups' threads) alive: call this
+        after the last backward and before ``destroy_process_group``, as ``sdp train`` does. The
+        wrapper cannot train after it.
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.engine is not None:
+            self.engine.remove_hooks()
 
     # -- the full model ------------------------------------------------------------------------
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -322,6 +415,12 @@ def _check_options(level: str, masking: str, fsdp: bool, comm_dtype) -> None:
         raise ConfigError("comm_dtype applies to the sync engine; with fsdp=True FSDP's own buffers are used")
 
 
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def _materialise(module: nn.Module, device, init, has_init_state: bool) -> torch.device:
     tensors = list(module.parameters()) + list(module.buffers())
     on_meta = any(t.is_meta for t in tensors)
@@ -354,3 +453,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["MLPSpec", "SDP", "SubnetworkDataParallel", "find_blocks"]
+
+
+def _weak_broadcast(wrapper: weakref.ref) -> Callable[..., None]:
+    """An optimizer step hook that sends the wrapper's new values while the wrapper exists (weak, as
+    the gradient hooks are: an optimizer kept after the wrapper must not keep its groups alive)."""
+
+    def hook(*_) -> None:
+        alive = wrapper()
+        if alive is not None:
+            alive.broadcast_held()
+
+    return hook

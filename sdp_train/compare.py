@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -410,12 +411,22 @@ def _train(p: Planned, label: str, log) -> dict[str, Any]:
             proc.wait()
             raise
     if proc.returncode != 0:
-        tail = (run_dir / "log.txt").read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+        tail = log_tail((run_dir / "log.txt").read_text(encoding="utf-8", errors="replace"))
         raise RuntimeError(f"run {p.spec.name} failed (exit {proc.returncode}); the end of {run_dir / 'log.txt'}:\n"
-                           + "\n".join(tail))
+                           + tail)
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     log(f"{label}: done in {time.monotonic() - t0:.0f} s, val loss {summary['final_val_loss']:.4f}")
     return summary
+
+
+_LAUNCHER_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")  # torch.distributed.elastic's own log lines
+
+
+def log_tail(text: str, lines: int = 4) -> str:
+    """The end of a failed run's log without the launcher's lines about stopping the other ranks,
+    so that the rank's own error (a traceback's last line, a one-line config error) is shown."""
+    own = [line for line in text.strip().splitlines() if not _LAUNCHER_LINE.match(line)]
+    return "\n".join(own[-lines:])
 
 
 def _watch(proc: subprocess.Popen, metrics: Path, steps: int, label: str) -> None:

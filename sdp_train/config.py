@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_train.errors import ConfigError
+from sdp_train.user_model import is_user_model
 
 MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
@@ -27,9 +28,14 @@ class TrainConfig:
     """One training run."""
 
     model: str = "llama-debug"
-    """Named model (see ``sdp_train.models``)."""
+    """Named model (see ``sdp_train.models``), or ``FILE.py:FACTORY``: a function in that file that
+    returns your ``nn.Module`` (`sdp_train.user_model`; trained through `SubnetworkDataParallel`)."""
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    """Fields of the named model config to change, e.g. ``{"width_multiplier": 0.125}``."""
+    """Fields of the named model config to change, e.g. ``{"width_multiplier": 0.125}``; for
+    ``FILE.py:FACTORY``, the factory's keyword arguments."""
+    blocks: str | None = None
+    """``FILE.py:FACTORY`` models only: the maskable residual blocks, as a pattern whose ``*``
+    matches one name component (``"model.layers.*"``) or comma-separated names; found when omitted."""
     mode: str = "bsdp"
     """``ddp`` (torch DDP baseline), ``fsdp`` (FSDP2 ``fully_shard`` baseline), ``bsdp`` (block,
     forward masking), ``nsdp`` (neurons, forward masking) or ``bbsdp`` (blocks, backward masking)."""
@@ -110,14 +116,19 @@ class TrainConfig:
         for name in ("model", "construction", "data", "out"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
-        for name in ("mask", "resume"):
+        for name in ("mask", "resume", "blocks"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be a path string or null")
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a string or null")
         for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.model_overrides, dict) or not all(isinstance(k, str) for k in self.model_overrides):
             raise ConfigError(f"model_overrides must be a mapping of config fields, got {self.model_overrides!r}")
+        if self.blocks is not None and not is_user_model(self.model):
+            raise ConfigError(f"blocks={self.blocks!r} (--blocks) names the blocks of your own model "
+                              f"(--model FILE.py:FACTORY); the blocks of model {self.model!r} are fixed by its family")
+        if self.blocks is not None and not self.blocks.strip(" ,"):
+            raise ConfigError(f"blocks={self.blocks!r} (--blocks) names no block")
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")

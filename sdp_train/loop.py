@@ -54,12 +54,13 @@ from sdp_train.models import model_class
 from sdp_train.run_log import RunLog
 from sdp_train.run_outputs import MODEL_FILE, save_model
 from sdp_train.train import Prepared, Run, loss_fn, prepare
+from sdp_train.user_model import UserModel
 from sdp_train.wire import WIRE_MODEL
 
 
 def train(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run `cfg` on this rank; rank 0 returns the summary (other ranks None)."""
-    prep = _resume_after_restart(prepare(cfg))  # every check before any process group exists
+    prep = resume_after_restart(prepare(cfg))  # every check before any process group exists
     device = default_device()
     info = get_dist_info()
     if info.world_size != cfg.workers:
@@ -69,7 +70,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     try:
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
-        return _train(prep, info, device)
+        return train_prepared(prep, info, device)
     except NonFiniteError as exc:
         # Raised on every rank in the same step. Rank 0 reports it before any rank leaves: a
         # launcher stops the other ranks at the first exit, which could cut rank 0 off unprinted.
@@ -82,14 +83,15 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
 
 
-def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
+def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
+    """`train` after its checks, on a process group that exists: rank 0 returns the summary."""
     cfg = prep.config
     out = Path(cfg.out)
     run = Run(prep, info, device)
     batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
     start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
     meter = MemoryMeter(run.model, run.optimizer, device, extra=run.comm_buffers)
-    metrics_file, history = _open_metrics(out, start) if info.is_main else (None, [])
+    metrics_file, history = open_metrics(out, start) if info.is_main else (None, [])
     log = RunLog(cfg, start=start, enabled=info.is_main)
     records: list[dict[str, Any]] = []
     val_history: list[dict[str, float]] = []
@@ -127,10 +129,12 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
         log.final(val_loss)
         trained = sum(p.numel() for p in _optimizer_params(run))
         per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
+        num_params_local = sum(p.numel() for p in run.model.parameters())
     finally:
         log.close()
         if metrics_file is not None:
             metrics_file.close()
+        run.close()  # its hooks and groups go now, before `train` destroys the process groups
     if not info.is_main:
         return None
     history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
@@ -148,7 +152,7 @@ def _train(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "world_size": info.world_size,
-        "num_params_local": sum(p.numel() for p in run.model.parameters()),
+        "num_params_local": num_params_local,
         "num_params_trained": [r["trained"] for r in per_rank],
         "peak_memory_bytes": [r["peak"] for r in per_rank],
         "num_skipped_steps": len(skipped),
@@ -175,7 +179,7 @@ def _peak_text(peaks: list[dict[str, int]]) -> str:
     return f"{format_bytes(largest)} on the largest rank" if largest else "not measured (no step measured)"
 
 
-def _resume_after_restart(prep: Prepared) -> Prepared:
+def resume_after_restart(prep: Prepared) -> Prepared:
     """On a restarted attempt of the worker group, continue from the newest valid checkpoint of this run."""
     cfg, attempt = prep.config, restart_attempt()
     if attempt == 0 or not cfg.checkpoint_every:
@@ -223,7 +227,7 @@ def metrics_history(out: str | Path, start: int, *, report: bool = True) -> list
     return kept
 
 
-def _open_metrics(out: Path, start: int):
+def open_metrics(out: Path, start: int):
     """metrics.jsonl for writing, and the records it keeps: none (fresh), or (resuming) the steps before `start`.
 
     The kept history is read and checked before anything is removed or rewritten.
@@ -279,11 +283,16 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
     full = run.full_state()
     total = torch.zeros(2, dtype=torch.float64, device=run.device)
     if full is not None:
+        if isinstance(prep.model_config, UserModel):  # built for real: its non-persistent buffers are computed
+            model = prep.model_config.build(run.device).to(run.device)
+            model.load_state_dict(full, strict=True)
+        else:
+            with torch.device("meta"):
+                model = model_class(prep.model_config)(prep.model_config)
+            model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
+            model.to(run.device)  # assembled on CPU (`full_state_dict`): a no-op there, one copy on a GPU
         if save_to is not None:
-            save_model(save_to, full)
-        with torch.device("meta"):
-            model = model_class(prep.model_config)(prep.model_config)
-        model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
+            save_model(save_to, full, config=getattr(model, "config", None))
         total += validation_sums(model, prep, info.world_size, run.device)
         del model, full
     if info.world_size > 1:

@@ -17,16 +17,13 @@ Not here: tensor or pipeline parallelism, mixed precision, CPU offload.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import checkpoint
 
 from sdp_train.models import ResNet
+from sdp_train.sdp_parts import apply_checkpointing
 
 
 def residual_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -37,7 +34,8 @@ def residual_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def parallelize(model: nn.Module, *, activation_checkpointing: bool,
-                block_meshes: Mapping[str, DeviceMesh] | None, root_mesh: DeviceMesh | None) -> None:
+                block_meshes: Mapping[str, DeviceMesh] | None, root_mesh: DeviceMesh | None,
+                blocks: Sequence[tuple[str, nn.Module]] | None = None) -> None:
     """Apply activation checkpointing and FSDP2 to ``model`` in place.
 
     Parameters
@@ -50,42 +48,20 @@ def parallelize(model: nn.Module, *, activation_checkpointing: bool,
         With FSDP: the mesh each residual block (by `residual_blocks` name) is sharded over.
     root_mesh : DeviceMesh, optional
         With FSDP: the mesh of the parameters outside the blocks (held by every worker).
+    blocks : sequence of (name, module), optional
+        The residual blocks (default: `residual_blocks`, the built-in families' layout).
     """
+    blocks = residual_blocks(model) if blocks is None else list(blocks)
     # 1. activation checkpointing, inside each block
     if activation_checkpointing:
-        apply_ac(model)
+        apply_checkpointing([block for _, block in blocks])
     # 2. FSDP2: blocks, then the root (which takes every parameter the blocks did not)
     if root_mesh is not None:
-        apply_fsdp(model, block_meshes or {}, root_mesh)
+        apply_fsdp(model, block_meshes or {}, root_mesh, blocks)
 
 
-def apply_ac(model: nn.Module) -> None:
-    """Checkpoint every residual block (``torch.utils.checkpoint``, non-reentrant).
-
-    The block's buffers are restored after the recomputation, so BatchNorm running statistics are
-    updated once per step as without checkpointing.
-    """
-    for _, block in residual_blocks(model):
-        ctx = functools.partial(_recompute_contexts, block)
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, context_fn=ctx)
-
-
-def _recompute_contexts(block: nn.Module) -> tuple:
-    return nullcontext(), _buffers_kept(block)
-
-
-@contextmanager
-def _buffers_kept(block: nn.Module) -> Iterator[None]:
-    saved = [b.detach().clone() for b in block.buffers()]
-    try:
-        yield
-    finally:  # the recomputation stops early by raising once it has what backward needs
-        with torch.no_grad():
-            for buffer, value in zip(block.buffers(), saved):
-                buffer.copy_(value)
-
-
-def apply_fsdp(model: nn.Module, block_meshes: Mapping[str, DeviceMesh], root_mesh: DeviceMesh) -> None:
+def apply_fsdp(model: nn.Module, block_meshes: Mapping[str, DeviceMesh], root_mesh: DeviceMesh,
+               blocks: Sequence[tuple[str, nn.Module]]) -> None:
     """``fully_shard`` each residual block on its mesh (default the root's), then the root.
 
     With holder-set meshes (``block_meshes`` given), blocks keep their parameters unsharded from
@@ -97,6 +73,6 @@ def apply_fsdp(model: nn.Module, block_meshes: Mapping[str, DeviceMesh], root_me
     from torch.distributed.fsdp import fully_shard
 
     reshard = not block_meshes
-    for name, block in residual_blocks(model):
+    for name, block in blocks:
         fully_shard(block, mesh=block_meshes.get(name, root_mesh), reshard_after_forward=reshard)
     fully_shard(model, mesh=root_mesh)

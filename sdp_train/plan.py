@@ -279,20 +279,23 @@ def plan_systems(model: str | ModelConfig, *, workers: int, memory_per_device: i
 
 
 def _model_config(model: str | ModelConfig, overrides: Mapping[str, Any] | None, image_size: int) -> ModelConfig:
-    """The config ``sdp train`` would run: vision models take 1 channel for the 8 x 8 digits, else 3."""
+    """The config ``sdp train`` would run: vision models take 1 channel for the 8 x 8 digits, else 3, and
+    a model built for one image side (Swin) takes ``image_size``."""
     overrides = dict(overrides or {})
-    if isinstance(model, str):
-        config = get_model_config(model, **overrides)
-    elif overrides:
+    base = get_model_config(model) if isinstance(model, str) else model
+    if not isinstance(model, str):
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(model)})
         if unknown:
             raise ConfigError(f"{model.name}: unknown config fields {unknown}")
-        config = dataclasses.replace(model, **overrides)
-    else:
-        config = model
-    if not hasattr(config, "vocab_size") and "in_channels" not in overrides:
-        config = dataclasses.replace(config, in_channels=1 if image_size == 8 else 3)
-    return config
+    data: dict[str, Any] = {}
+    if not hasattr(base, "vocab_size"):
+        data["in_channels"] = 1 if image_size == 8 else 3
+        if hasattr(base, "image_size"):
+            data["image_size"] = image_size
+    changes = {**{k: v for k, v in data.items() if k not in overrides}, **overrides}
+    if isinstance(model, str):
+        return get_model_config(model, **changes)
+    return dataclasses.replace(model, **changes) if changes else model
 
 
 def _mask_matrix(config: ModelConfig, mode: str, workers: int, active: float | None, mask, seed: int) -> np.ndarray:

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "fraction C the worker count realises) from the model's parameters, gradients, optimizer "
                     "state and activations, and list which fit --memory-per-device. Nothing is trained.")
     p.add_argument("--model", required=True,
-                   help="named model (llama-debug, llama-134m, llama-500m, llama-1b, resnet18-cifar, vit-tiny)")
+                   help="named model (llama-debug, llama-134m, llama-500m, llama-1b, resnet18-cifar, vit-tiny, swin-tiny)")
     p.add_argument("--workers", type=int, required=True, metavar="K", help="number of ranks")
     p.add_argument("--memory-per-device", required=True, metavar="SIZE",
                    help="device memory, e.g. 24GiB, 80GB or plain bytes")

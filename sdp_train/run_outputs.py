@@ -72,8 +72,15 @@ def check_can_save_model() -> None:
                           "pip install safetensors, or pass --no-save") from None
 
 
-def save_model(out: str | os.PathLike[str], state: Mapping[str, torch.Tensor]) -> Path:
-    """Write the full model's state dict to ``out/model.safetensors``; returns the path."""
+def save_model(out: str | os.PathLike[str], state: Mapping[str, torch.Tensor], *, config: object | None = None
+               ) -> Path:
+    """Write the full model's state dict to ``out/model.safetensors``; returns the path.
+
+    With a Hugging Face ``config`` (a user model's ``.config``), ``out/config.json`` is written too,
+    so ``from_pretrained(out)`` loads the trained model.
+    """
     from sdp_train.sdp_export import save_safetensors
 
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(out)
     return save_safetensors(state, Path(out) / MODEL_FILE)

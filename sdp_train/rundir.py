@@ -30,7 +30,8 @@ from sdp_train.errors import ConfigError
 LOCK_NAME = ".sdp.lock"
 LOCKED_ENV = "SDP_OUT_LOCKED_BY"  # set for ranks whose launcher holds the lock
 RESULTS = ("summary.json", "metrics.jsonl", "checkpoints",  # sdp_train.loop, sdp_train.checkpoint
-           "model.safetensors", "mask.json", "certificate.json", "tensorboard")  # run_outputs, run_log
+           "model.safetensors", "config.json", "mask.json", "certificate.json",  # run_outputs
+           "tensorboard")  # run_log
 
 
 def previous_results(out: Path) -> list[str]:
@@ -54,10 +55,15 @@ def check_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> None:
                           f"replace it, --resume {out / 'checkpoints'} to continue it, or choose another --out")
 
 
-def clear_previous_run(out: str | Path) -> list[str]:
-    """Remove an earlier run's results from `out` (``--overwrite``); returns what was removed."""
+def clear_previous_run(out: str | Path, *, keep: tuple[str | Path, ...] = ()) -> list[str]:
+    """Remove an earlier run's results from `out` (``--overwrite``); returns what was removed.
+
+    Files in `keep` stay: the ``--config`` file of the run that replaces them may be one of them
+    (``sdp compare`` keeps each run's config in its directory), and the ranks read it after this.
+    """
     out = Path(out)
-    removed = previous_results(out)
+    kept = {Path(k).resolve() for k in keep}
+    removed = [name for name in previous_results(out) if (out / name).resolve() not in kept]
     for name in removed:
         path = out / name
         if path.is_dir() and not path.is_symlink():

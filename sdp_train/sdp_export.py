@@ -103,6 +103,12 @@ def save_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike[
         path = path / "model.safetensors"
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.contiguous() for n, t in state.items()}
+    tensors, storages = {}, set()
+    for n, t in state.items():  # tied weights (one tensor under two names) are written twice, as safetensors wants
+        t = t.contiguous()
+        if t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[n] = t
     metadata = {"format": "pt", "writer": json.dumps("sdp_train")}
     return atomic_write(path, lambda name: save_file(tensors, name, metadata=metadata))

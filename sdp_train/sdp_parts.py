@@ -24,12 +24,13 @@ from masklab import Mask, design, load_mask
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.sdp_masking import ModelLayout
-from sdp_train.sync import BucketPlan, holder_set_groups
+from sdp_train.sync import BucketPlan
 
 
 def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, workers: int,
-                 layout: ModelLayout, *, seed: int) -> Mask:
-    """The mask for ``layout`` on ``workers`` ranks: given, read from a file, or designed for ``active``.
+                 layout: ModelLayout, *, seed: int, construction: str = "auto") -> Mask:
+    """The mask for ``layout`` on ``workers`` ranks: given, read from a file, or designed for ``active``
+    (``masklab.design`` with ``construction`` and ``seed``; one design per block's neuron groups).
 
     Raises
     ------
@@ -42,9 +43,10 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
     columns = layout.columns
     if active is not None:
         if layout.level == "block":
-            result = design(workers, len(columns), active=active, seed=seed).replace(block_names=columns)
+            result = design(workers, len(columns), active=active, construction=construction,
+                            seed=seed).replace(block_names=columns)
         else:
-            per_block = [design(workers, layout.neuron_groups, active=active, seed=seed + i)
+            per_block = [design(workers, layout.neuron_groups, active=active, construction=construction, seed=seed + i)
                          for i in range(len(layout.blocks))]
             result = Mask(np.hstack([m.matrix for m in per_block]), block_names=columns,
                           construction=f"per-block {per_block[0].construction}")
@@ -140,19 +142,19 @@ def _buffers_kept(block: nn.Module) -> Iterator[None]:
 
 
 def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str], rank: int,
-                      device: torch.device) -> None:
+                      device: torch.device, groups: Mapping[tuple[int, ...], dist.ProcessGroup]) -> None:
     """FSDP2 ``fully_shard`` of each held block over its holders, then of the root over every rank.
 
-    Each block keeps its parameters unsharded from forward to the end of its backward
-    (``reshard_after_forward=False``): backward then issues no all-gathers, and every rank's
-    collectives follow the model's block order (see `sdp_train.parallelize.apply_fsdp`).
+    ``groups`` holds every block's holder-set group, single holders included (`holder_set_groups`
+    with ``singletons=True``). Each block keeps its parameters unsharded from forward to the end
+    of its backward (``reshard_after_forward=False``): backward then issues no all-gathers, and
+    every rank's collectives follow the model's block order (see `sdp_train.parallelize.apply_fsdp`).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("fsdp=True needs torch.distributed: run under torchrun")
-    groups = holder_set_groups((mask.holder_set(j) for j in range(mask.blocks)), mask.workers, singletons=True)
     for j, name in enumerate(block_names):
         holders = tuple(int(k) for k in mask.holder_set(j))
         if rank in holders:

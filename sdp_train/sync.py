@@ -232,11 +232,15 @@ def create_groups(plans: Sequence[BucketPlan], world_size: int) -> dict[tuple[in
     return holder_set_groups((p.holders for p in plans), world_size, singletons=False)
 
 
-def _weak_grad_hook(engine: weakref.ref) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook that forwards to the engine while it exists, and does nothing after."""
+def weak_grad_hook(owner: object) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that calls ``owner._on_grad(param)`` while `owner` exists, and does
+    nothing after. Hooks live in C++, out of the garbage collector's sight: a strong one would keep
+    its owner, and through it the owner's process groups and their gloo threads, alive for as long
+    as the parameter, past ``destroy_process_group`` (the abort at interpreter exit)."""
+    ref = weakref.ref(owner)
 
     def hook(param: torch.Tensor) -> None:
-        alive = engine()
+        alive = ref()
         if alive is not None:
             alive._on_grad(param)
 
@@ -276,7 +280,7 @@ class SyncEngine:
         self.bytes = ByteCount()
         # The hooks live in C++, out of the garbage collector's sight: they hold the engine weakly,
         # so that an engine nobody references (and its process groups) is freed, not kept to exit.
-        hook = _weak_grad_hook(weakref.ref(self))
+        hook = weak_grad_hook(self)
         self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self._of_param]
         self._reset()
 

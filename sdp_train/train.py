@@ -1,14 +1,15 @@
 """The training run, top to bottom: config -> mask -> model -> sync -> optimizer -> loop -> summary.
 
 Runs as one process or under torchrun (one rank per worker). ``ddp`` wraps the full model in
-``torch.nn.parallel.DistributedDataParallel``, ``fsdp`` shards it with FSDP2 ``fully_shard``;
-``bsdp``/``nsdp`` build each worker's forward-masked subnetwork and average through the
-`SyncEngine` (or, with ``fsdp=True``, shard each block among its holders); ``bbsdp`` keeps the
-full model, trains only held blocks and broadcasts their new values after each step. Activation
-checkpointing and FSDP are applied by `sdp_train.parallelize`. Validation always
-uses the full assembled model, which only rank 0 builds (`Run.full_state`). Under SDP, BatchNorm
-running statistics are averaged among each block's (channel's) holders after every step
-(`sdp_train.sync.BufferAverager`), so evaluation and checkpoints see the holders' mean.
+``torch.nn.parallel.DistributedDataParallel``, ``fsdp`` shards it with FSDP2 ``fully_shard``
+(activation checkpointing and FSDP by `sdp_train.parallelize`). The SDP modes go through the
+library API, as a user's loop does: ``bsdp``/``nsdp`` build each worker's forward-masked
+subnetwork, ``bbsdp`` the full model with non-held blocks frozen, and
+`SubnetworkDataParallel.from_subnetwork` does the rest (holder-set averaging overlapped with
+backward, or with ``fsdp=True`` each block sharded among its holders; Bb-SDP's broadcast of new
+values after each step; BatchNorm running statistics averaged among their holders; activation
+checkpointing). Validation always uses the full assembled model, which only rank 0 builds
+(`Run.full_state`).
 Everything a run needs is checked by `prepare` before any process group exists.
 """
 
@@ -18,7 +19,6 @@ import math
 import os
 import signal
 import weakref
-from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,15 +36,19 @@ from masklab import Mask, design, load_mask
 from sdp_train.checkpoint import check_resumable, find_checkpoint
 from sdp_train.config import BASELINES, TrainConfig
 from sdp_train.data import DataConfig
-from sdp_train.dist import DistInfo, restart_attempt
+from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError, NonFiniteError
+from sdp_train.faults import InjectedFaults
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
+from sdp_train.api import SubnetworkDataParallel
 from sdp_train.parallelize import parallelize
-from sdp_train.sdp_export import owned_positions  # the lowest-ranked holder's part, shared with the API
+from sdp_train.sdp_blocks import find_blocks
+from sdp_train.sdp_masking import ModelLayout, describe
+from sdp_train.sdp_parts import resolve_mask
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
-from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, create_groups, holder_set_groups,
-                            plan_buckets)
+from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, UserModel, build_user_model,
+                                  describe_user_model, is_user_model, logits_of)
 from sdp_train.wire import ByteCount
 
 
@@ -62,14 +66,12 @@ class Prepared:
 
 def prepare(cfg: TrainConfig) -> Prepared:
     """Check config, model and mask together; raise ConfigError before anything distributed starts."""
-    base = get_model_config(cfg.model, **cfg.model_overrides)
-    is_lm = hasattr(base, "vocab_size")
+    if is_user_model(cfg.model):
+        return _prepare_user_model(cfg)
+    preset = get_model_config(cfg.model)
+    is_lm = hasattr(preset, "vocab_size")
     data = _data_config(cfg, is_lm)
-    model_config = base
-    if not is_lm and "in_channels" not in cfg.model_overrides:
-        # digits are 1-channel 8x8 images; CIFAR batches are RGB
-        model_config = get_model_config(cfg.model, **{**cfg.model_overrides,
-                                                       "in_channels": 1 if data.dataset == "digits" else 3})
+    model_config = get_model_config(cfg.model, **{**_image_fields(preset, data), **cfg.model_overrides})
     if is_lm and cfg.seq_len > model_config.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model}'s max_seq_len={model_config.max_seq_len}")
     _check_model_fits_data(cfg, model_config, data)
@@ -82,6 +84,73 @@ def prepare(cfg: TrainConfig) -> Prepared:
 
 
 _IMAGE_SHAPE = {"digits": (1, 8), "cifar": (3, 32)}  # dataset -> (channels, side)
+
+
+def _image_fields(preset: ModelConfig, data: DataConfig) -> dict[str, int]:
+    """The config fields an image dataset decides: ``in_channels`` (digits are 1-channel 8x8 images,
+    CIFAR batches RGB 32x32) and, for a model built for one image side (Swin), ``image_size``."""
+    if data.dataset not in _IMAGE_SHAPE:
+        return {}
+    channels, side = _IMAGE_SHAPE[data.dataset]
+    return {"in_channels": channels, **({"image_size": side} if hasattr(preset, "image_size") else {})}
+
+
+def _prepare_user_model(cfg: TrainConfig) -> Prepared:
+    """`prepare` for ``--model FILE.py:FACTORY``: import it, check it against the data, find its blocks
+    and resolve the mask for its layout, all on a meta-device instance."""
+    model = build_user_model(cfg.model, cfg.model_overrides, "meta")
+    user = describe_user_model(cfg.model, cfg.model_overrides, model)
+    explicit = cfg.data.partition(":")[0] != "auto"
+    data = _data_config(cfg, user.data == "text", any_kind=explicit)
+    if data.dataset == "stdlib-bytes" and user.vocab_size is not None and user.vocab_size < 256:
+        raise ConfigError(f"model {cfg.model!r} embeds {user.vocab_size} token ids; the stdlib byte data "
+                          "needs at least 256 (one id per byte)")
+    _probe_user_model(cfg, model, data)
+    mask = None
+    if cfg.mode not in BASELINES or cfg.blocks is not None or cfg.mode == "fsdp":
+        names = find_blocks(model, user_blocks(cfg))
+        if cfg.mode not in BASELINES:
+            layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS)
+            mask = resolve_mask(cfg.mask, None if cfg.mask is not None else cfg.active, cfg.workers, layout,
+                                seed=cfg.seed, construction=cfg.construction)
+    resume_from = None
+    if cfg.resume is not None:
+        resume_from = find_checkpoint(cfg.resume)
+        check_resumable(resume_from, cfg, user, mask)
+    return Prepared(cfg, user, mask, data, resume_from)
+
+
+def user_blocks(cfg: TrainConfig) -> str | list[str] | None:
+    """``--blocks`` as `find_blocks` takes it: a pattern, or the names of a comma-separated list."""
+    if cfg.blocks is None or "," not in cfg.blocks:
+        return cfg.blocks
+    return [name.strip() for name in cfg.blocks.split(",") if name.strip()]
+
+
+@torch.no_grad()
+def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> None:
+    """Call the meta-device model on a batch shaped like the data's and check the logits' shape, so a
+    model that does not fit the data fails here once instead of on every rank at step 0. A model
+    that cannot run on the meta device (data-dependent Python, ``.item()``) is not probed."""
+    if data.dataset in _IMAGE_SHAPE:
+        channels, side = _IMAGE_SHAPE[data.dataset]
+        inputs, what = torch.empty(2, channels, side, side, device="meta"), f"{data.dataset} images (2, {channels}, {side}, {side})"
+    else:
+        inputs, what = torch.empty(2, cfg.seq_len, dtype=torch.long, device="meta"), f"token ids (2, {cfg.seq_len})"
+    try:
+        logits = logits_of(model(inputs))
+    except (NotImplementedError, RuntimeError) as exc:
+        if "meta" in str(exc).lower() or isinstance(exc, NotImplementedError):
+            return
+        raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # the user's forward: one line naming the model and the input it got
+        raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
+    classes = 256 if data.dataset == "stdlib-bytes" else 10
+    expected = (2, cfg.seq_len) if what.startswith("token") else (2,)
+    if tuple(logits.shape[:-1]) != expected or (data.dataset != "token-bin" and logits.shape[-1] < classes):
+        raise ConfigError(f"model {cfg.model!r} returns logits of shape {tuple(logits.shape)} for {what}; "
+                          f"expected ({', '.join(map(str, expected))}, N) with N >= {classes} "
+                          f"{'token ids' if what.startswith('token') else 'classes'}")
 
 
 def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: DataConfig) -> None:
@@ -100,6 +169,9 @@ def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: Da
         if model_config.in_channels != channels:
             raise ConfigError(f"model {cfg.model!r} has in_channels={model_config.in_channels}; "
                               f"{data.dataset} images have {channels}")
+        size = getattr(model_config, "image_size", side)
+        if size != side:
+            raise ConfigError(f"model {cfg.model!r} has image_size={size}; {data.dataset} images are {side} x {side}")
         patch = getattr(model_config, "patch_size", None)
         if patch is not None and side % patch:
             raise ConfigError(f"model {cfg.model!r} has patch_size={patch}, which does not divide "
@@ -146,7 +218,7 @@ def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
                 construction=f"per-layer {layers[0].construction}")
 
 
-def _data_config(cfg: TrainConfig, is_lm: bool) -> DataConfig:
+def _data_config(cfg: TrainConfig, is_lm: bool, *, any_kind: bool = False) -> DataConfig:
     kind, _, where = cfg.data.partition(":")
     files: tuple[str, ...] = ()
     val: tuple[str, ...] = ()
@@ -168,7 +240,7 @@ def _data_config(cfg: TrainConfig, is_lm: bool) -> DataConfig:
         if not val:
             raise ConfigError(f"data {cfg.data!r}: no validation files "
                               f"({'val*.bin' if kind == 'token-bin' else 'test_batch'}) in {root}")
-    if (kind in ("stdlib-bytes", "token-bin")) != is_lm:
+    if (kind in ("stdlib-bytes", "token-bin")) != is_lm and not any_kind:
         raise ConfigError(f"data {cfg.data!r} does not fit model {cfg.model!r}")
     return DataConfig(dataset=kind, batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_bytes=cfg.max_data_bytes,
                       heterogeneous=cfg.heterogeneous, train_files=files, val_files=val)
@@ -183,7 +255,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of a model's logits (a tensor, or a user model's output: `logits_of`)."""
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -194,56 +268,37 @@ class Run:
         cfg, mc = prep.config, prep.model_config
         self.cfg, self.model_config, self.info, self.device = cfg, mc, info, device
         self.mask = prep.mask
-        self.engine: SyncEngine | None = None
-        self.broadcaster: ParamBroadcaster | None = None
-        self.buffer_averager: BufferAverager | None = None  # BatchNorm statistics among their holders
         self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
-        self.param_names = [n for n in block_map(mc).shapes if n in block_map(mc).parameter_names]
+        self.sdp: SubnetworkDataParallel | None = None  # SDP modes: the library API syncs, as for a user's loop
+        self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         if self.uses_fsdp and not dist.is_initialized():
             raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
                               f"or with --workers >= 2 (got workers={cfg.workers})")
         world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if self.uses_fsdp else None
         self.fsdp_step_bytes: ByteCount | None = None  # FSDP: counted on the first step, equal on every step
-        if cfg.mode in BASELINES:
+        if isinstance(mc, UserModel):
+            self._build_user_model(world_mesh)
+        elif cfg.mode in BASELINES:
             self.model = build_model(mc, seed=cfg.seed, device=device)
             self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * info.world_size
             parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
                         block_meshes=None, root_mesh=world_mesh)
             use_ddp = cfg.mode == "ddp" and info.world_size > 1
             self.train_model: nn.Module = self._wrap_ddp(self.model) if use_ddp else self.model
-        else:
+        else:  # a built-in family builds the worker's part itself; the library API does the rest
             rows = prep.mask.matrix.astype(bool)
-            level = cfg.level
-            self.held_by_rank = [held_tensors(mc, rows[r], level) for r in range(info.world_size)]
+            self.held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
             if cfg.mode == "bbsdp":
                 self.model = build_model(mc, seed=cfg.seed, device=device)
                 apply_backward_mask(self.model, mc, rows[info.rank])
             else:
-                self.model = build_worker_model(mc, rows[info.rank], level, seed=cfg.seed, device=device)
-            self.train_model = self.model
-            shapes = block_map(mc).shapes
-            plans = [] if cfg.fsdp else plan_buckets(self.held_by_rank, self.param_names, shapes=shapes)
-            buffers = _float_buffer_names(mc)  # averaged after the step: no layer bound needed
-            buffer_plans = plan_buckets(self.held_by_rank, buffers, shapes=shapes,
-                                        layers_per_bucket=len(buffers) + 1)
-            block_meshes = None
-            if cfg.fsdp:  # one group per holder set, shared by FSDP's meshes and the statistics' buckets
-                block_meshes, every = holder_meshes(prep.mask, block_map(mc).block_names("block"), info.rank,
-                                                    device.type, also=[p.holders for p in buffer_plans])
-                groups = {p.holders: None if len(p.holders) == 1 else every[p.holders] for p in buffer_plans}
-            elif info.world_size > 1:
-                groups = create_groups(plans + buffer_plans, info.world_size)
-            else:
-                groups = {p.holders: None for p in plans + buffer_plans}
-            parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
-                        block_meshes=block_meshes, root_mesh=world_mesh)
-            if not cfg.fsdp:  # with FSDP, each block's reduce-scatter over its holders is the average
-                self.engine = SyncEngine(self.model, plans, self.model.full_index(), groups, info.rank)
-                if cfg.mode == "bbsdp" and info.world_size > 1:
-                    self.broadcaster = ParamBroadcaster(self.model, plans, info.world_size)
-            if buffer_plans and info.world_size > 1:
-                self.buffer_averager = BufferAverager(self.model, buffer_plans, self.model.full_index(), groups,
-                                                      info.rank)
+                self.model = build_worker_model(mc, rows[info.rank], cfg.level, seed=cfg.seed, device=device)
+            self.sdp = SubnetworkDataParallel.from_subnetwork(
+                self.model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=self.held_by_rank,
+                local_index=self.model.full_index(), masking="backward" if cfg.mode == "bbsdp" else "forward",
+                activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp,
+                values_agree=True)  # every rank built its part from the same seed
+            self.train_model = self.sdp
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
@@ -251,6 +306,32 @@ class Run:
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
         )
+        if self.sdp is not None:
+            self.sdp.register_optimizer(self.optimizer, hook=False)  # `step` calls broadcast_held
+
+    def _build_user_model(self, world_mesh: DeviceMesh | None) -> None:
+        """A ``FILE.py:FACTORY`` model: built on every rank from the run's seed, then handed to
+        `SubnetworkDataParallel` (SDP modes), torch DDP or FSDP2 ``fully_shard`` (the baselines)."""
+        cfg, user = self.cfg, self.model_config
+        torch.manual_seed(cfg.seed)
+        model = user.build(self.device)
+        model.to(self.device)
+        if cfg.mode in BASELINES:
+            self.model = model
+            self.held_by_rank = [{n: SliceSpec() for n in model.state_dict()}] * self.info.world_size
+            if cfg.activation_checkpointing or world_mesh is not None:
+                names = find_blocks(model, user_blocks(cfg))
+                blocks = [(n, model.get_submodule(n)) for n in names]
+                parallelize(model, activation_checkpointing=cfg.activation_checkpointing, block_meshes=None,
+                            root_mesh=world_mesh, blocks=blocks)
+            use_ddp = cfg.mode == "ddp" and self.info.world_size > 1
+            self.train_model = self._wrap_ddp(model) if use_ddp else model
+            return
+        self.sdp = SubnetworkDataParallel(
+            model, mask=self.mask, blocks=user_blocks(cfg), level=cfg.level,
+            masking="backward" if cfg.mode == "bbsdp" else "forward", neuron_groups=USER_NEURON_GROUPS,
+            seed=cfg.seed, device=self.device, activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp)
+        self.model, self.train_model, self.held_by_rank = self.sdp.module, self.sdp, self.sdp.held_by_rank
 
     def _wrap_ddp(self, model: nn.Module) -> nn.Module:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -278,14 +359,20 @@ class Run:
         ``destroy_process_group`` and abort the process at interpreter exit. Call once, after the
         last collective (`sdp_train.loop.train` does).
         """
-        if self.engine is not None:
-            self.engine.remove_hooks()
-        self.engine = self.broadcaster = None
+        if self.sdp is not None:
+            self.sdp.close()
+        self.sdp = None
         self.model = self.train_model = self.optimizer = None
 
     @property
     def uses_fsdp(self) -> bool:
         return self.cfg.mode == "fsdp" or self.cfg.fsdp
+
+    @property
+    def engine(self):
+        """The SDP modes' gradient sync engine (`sdp_train.sync.SyncEngine`, from the library API);
+        None for the baselines and where no block has two holders."""
+        return self.sdp.engine if self.sdp is not None else None
 
     @property
     def comm_buffers(self) -> list[torch.Tensor]:
@@ -297,7 +384,8 @@ class Run:
         """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.wire`)."""
         total = ByteCount()
         total += self.run_bytes
-        for counter in (self.engine, self.broadcaster, self.buffer_averager):
+        counters = [self.sdp.engine, self.sdp.broadcaster, self.sdp.buffer_averager] if self.sdp is not None else []
+        for counter in counters:
             if counter is not None:
                 total += counter.bytes
         return total
@@ -327,15 +415,15 @@ class Run:
         counter = FSDPCollectiveBytes() if self.uses_fsdp and self.fsdp_step_bytes is None else None
         with counter if counter is not None else nullcontext():
             loss = loss_fn(self.train_model(inputs), targets)
-            if _test_fault("SDP_TEST_INJECT_NAN", step, self.info.rank):
+            if self.faults.nan(step, self.info.rank):
                 loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()
         if counter is not None:
             self.fsdp_step_bytes = counter.bytes
         if self.fsdp_step_bytes is not None:
             self.run_bytes += self.fsdp_step_bytes
-        if self.engine is not None:
-            sq_norm = self.engine.finish()
+        if self.sdp is not None:  # its hooks finished the holder averages (and statistics) when backward returned
+            sq_norm = self.sdp.local_grad_sq_norm()
         elif self.uses_fsdp:  # every gradient entry lives in exactly one rank's shard
             sq_norm = torch.stack([_local(p.grad).float().pow(2).sum() for p in self.model.parameters()
                                    if p.grad is not None]).sum()
@@ -343,14 +431,12 @@ class Run:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             sq_norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if self.info.rank == 0 \
                 else torch.zeros((), device=self.device)
-        if self.buffer_averager is not None:  # every step, so evaluation and checkpoints see the holders' mean
-            self.buffer_averager.average()
         stats = torch.stack([loss.detach().float(), sq_norm.float()])
         if self.info.world_size > 1:
             dist.all_reduce(stats)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
         mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
-        if _test_fault("SDP_TEST_KILL_AT_STEP", step, self.info.rank):
+        if self.faults.kill(step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             if cfg.nonfinite == "stop":
@@ -366,69 +452,34 @@ class Run:
                 if p.grad is not None:
                     p.grad.mul_(coef)
         self.optimizer.step()
+        if self.sdp is not None:
+            self.sdp.broadcast_held()  # backward masking: holders send their blocks' new values
         self.optimizer.zero_grad(set_to_none=False)
-        if self.broadcaster is not None:
-            self.broadcaster.broadcast()
         return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The full assembled model on rank 0 (None on the other ranks), built one tensor at a time.
+        """The full assembled model on rank 0 (None on the other ranks); every rank must call it.
 
-        Each tensor slice is taken from its lowest-ranked holder: every rank fills the slices it
-        owns into a zero tensor of the full shape and a ``reduce`` sums them on rank 0, so no rank
-        but rank 0 ever holds more than its own model and one full tensor. FSDP shards are
-        gathered over their mesh first, tensor by tensor, in one order on every rank. Under DDP
-        (or on one rank) rank 0 already holds the full model: its tensors are returned as they
-        are, not copied (read them, do not write them).
+        Under SDP the library API assembles it (`SubnetworkDataParallel.full_state_dict`): each
+        tensor slice from its lowest-ranked holder, one tensor at a time, summed onto rank 0, so
+        no rank but rank 0 ever holds more than its own model and one full tensor. Under FSDP each
+        tensor is gathered over the world mesh, in one order on every rank. Under DDP (or on one
+        rank) rank 0 already holds the full model: its tensors are returned as they are, not copied
+        (read them, do not write them).
         """
         main = self.info.rank == 0
-        if not self.uses_fsdp and (self.info.world_size == 1 or self.cfg.mode in BASELINES):
-            return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
-        shapes = block_map(self.model_config).shapes
-        local = self.model.state_dict()
-        index = self.model.full_index()
-        with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
-            dtypes = {n: t.dtype for n, t in model_class(self.model_config)(self.model_config).state_dict().items()}
-        full: dict[str, torch.Tensor] = {}
-        for name in shapes:
-            value = local.get(name)
-            if isinstance(value, DTensor):
-                value = value.full_tensor()  # a collective over the tensor's mesh
-            if self.cfg.mode in BASELINES:  # FSDP: every rank now has the whole tensor
+        if self.sdp is not None:
+            state = self.sdp.full_state_dict(rank0_only=True)
+            return state if main else None
+        if self.uses_fsdp:
+            state = {}
+            for name, value in self.model.state_dict().items():
+                value = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
                 if main:
-                    full[name] = value
-                continue
-            piece = torch.zeros(shapes[name], dtype=dtypes[name], device=self.device)
-            owned = None if value is None else owned_slices(name, index[name], self.held_by_rank, self.info.rank)
-            if owned is not None:
-                dim, full_positions, local_positions = owned
-                if dim is None:
-                    piece.copy_(value)
-                else:
-                    local_pos = torch.tensor(local_positions, dtype=torch.int64, device=self.device)
-                    full_pos = torch.tensor(full_positions, dtype=torch.int64, device=self.device)
-                    piece.index_copy_(dim, full_pos, value.index_select(dim, local_pos))
-            dist.reduce(piece, dst=0)
-            if main:
-                full[name] = piece
-            del piece, value  # other ranks: freed before the next tensor's piece exists
-        return full if main else None
-
-
-def _test_fault(variable: str, step: int, rank: int) -> bool:
-    """Test-only fault injection: True when environment `variable` is ``"STEP:RANK"`` for this step and rank.
-
-    Fires on the first attempt of a job only (a restarted group runs clean). Unset, it costs one
-    dictionary lookup per step.
-    """
-    spec = os.environ.get(variable)
-    if spec is None or restart_attempt() != 0:
-        return False
-    at_step, _, at_rank = spec.partition(":")
-    if not (at_step.isdigit() and at_rank.isdigit()):
-        raise ValueError(f"{variable}={spec!r} must be STEP:RANK, two integers >= 0")
-    return (int(at_step), int(at_rank)) == (step, rank)
+                    state[name] = value.detach()
+            return state if main else None
+        return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
 
 
 class FSDPCollectiveBytes(TorchDispatchMode):
@@ -455,42 +506,16 @@ class FSDPCollectiveBytes(TorchDispatchMode):
         self.bytes.add(collective, full.numel() * full.element_size(), ranks)
 
 
-def holder_meshes(mask: Mask, names: tuple[str, ...], rank: int, device_type: str, *,
-                  also: Sequence[tuple[int, ...]] = ()) -> tuple[dict[str, DeviceMesh], dict]:
-    """Block name -> mesh over the block's holders, for the blocks `rank` holds (B-SDP + FSDP), and
-    the groups made for them and for the holder sets in `also` (the statistics' buckets).
-
-    Every rank creates the process group of every distinct holder set once (`holder_set_groups`;
-    single holders included: FSDP needs a mesh for them too).
-    """
-    holders_of = {name: mask.holder_set(j) for j, name in enumerate(names)}
-    groups = holder_set_groups([*holders_of.values(), *also], mask.workers, singletons=True)
-    meshes = {name: DeviceMesh.from_group(groups[h], device_type) for name, h in holders_of.items() if rank in h}
-    return meshes, groups
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def owned_slices(name: str, local: SliceSpec, held_by_rank, rank: int
-                 ) -> tuple[int | None, tuple[int, ...], tuple[int, ...]] | None:
-    """`owned_positions` with the matching positions in `rank`'s local tensor (described by `local`).
-
-    Returns None (no part), ``(None, (), ())`` (the whole tensor) or ``(dim, full positions, local
-    positions)``; a rank that holds the whole tensor has local positions equal to full ones.
-    """
-    owned = owned_positions(name, held_by_rank, rank)
-    if owned is None:
-        return None
-    dim, full_positions = owned
-    if dim is None:
-        return None, (), ()
-    return dim, full_positions, local.local_positions(full_positions)
-
-
-def _float_buffer_names(config: ModelConfig) -> list[str]:
-    """The full model's floating-point buffers (BatchNorm running statistics), in state-dict order."""
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    return [name for name, b in model.named_buffers() if b.is_floating_point()]
+def family_layout(config: ModelConfig, level: str) -> ModelLayout:
+    """The library API's `ModelLayout` of a built-in family's full model: every tensor's shape and dtype,
+    the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups)."""
+    bmap = block_map(config)
+    with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
+        dtypes = {n: t.dtype for n, t in model_class(config)(config).state_dict().items()}
+    tensors = {n: (tuple(shape), dtypes[n]) for n, shape in bmap.shapes.items()}
+    params = tuple(n for n in bmap.shapes if n in bmap.parameter_names)
+    return ModelLayout(tensors, params, tuple(bmap.block_names("block")), level)

@@ -31,7 +31,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
-    "--log-every": ("log_every", int),
+    "--log-every": ("log_every", int), "--blocks": ("blocks", str),
 }
 _CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES}
 _SWITCHES = {  # flag -> (TrainConfig field, help)
@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         if prep.resume_from is not None:  # its history must be readable before anything is replaced
             manifest = json.loads((prep.resume_from / MANIFEST).read_text(encoding="utf-8"))
             metrics_history(cfg.out, manifest["step"], report=False)
-        lock = _claim_out_dir(cfg, args.overwrite, first_attempt=restart_attempt() == 0)
+        lock = _claim_out_dir(cfg, args.overwrite, first_attempt=restart_attempt() == 0,
+                              keep=(args.config,) if args.config else ())
         if restart_attempt() == 0:
             report_mask(prep)
     try:
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         os.environ[LOCKED_ENV] = str(os.getpid())  # the ranks' launcher (this process) holds --out
         try:
-            return launch_local(["train", *_argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
+            return launch_local(["train", *argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
         finally:
             del os.environ[LOCKED_ENV]
     finally:
@@ -117,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
             lock.release()
 
 
-def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool) -> OutLock:
-    """Check ``--out``, lock it for this run, and (with --overwrite) clear an earlier run's results.
+def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool, keep: tuple[str, ...] = ()) -> OutLock:
+    """Check ``--out``, lock it for this run, and (with --overwrite) clear an earlier run's results
+    except the files in `keep` (this run's ``--config``).
 
     A restarted attempt of a torchrun group (rank 0 died, so its lock went with it) takes the lock
     again without the checks: the results there are its own run's.
@@ -130,7 +132,7 @@ def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool) ->
         if first_attempt:
             check_out_dir(cfg.out, resume=cfg.resume is not None, overwrite=overwrite)
             if overwrite and cfg.resume is None:
-                removed = clear_previous_run(cfg.out)
+                removed = clear_previous_run(cfg.out, keep=keep)
                 if removed:
                     print(f"sdp train: --overwrite: removed {', '.join(removed)} of an earlier run in {cfg.out}",
                           file=sys.stderr, flush=True)
@@ -194,7 +196,8 @@ def check_outputs(cfg: TrainConfig) -> None:
                           "(or pip install tensorboard), or drop --tensorboard")
 
 
-def _argv_of(args: argparse.Namespace) -> list[str]:
+def argv_of(args: argparse.Namespace) -> list[str]:
+    """The flags that reproduce ``args`` (what the launcher passes its ranks)."""
     argv = ["--config", args.config] if args.config else []
     for flag, (name, _) in _FLAGS.items():
         if getattr(args, name) is not None:

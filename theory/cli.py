@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     mask = load_mask(args.mask)
-    constants, source = _constants(mask, args)
+    constants, source = constants_from_args(mask, args)
     h = args.local_steps
     if args.overlap:
         if args.simulate is not None:
@@ -124,7 +124,8 @@ def _stepwise_theorem(mask: Mask, local_steps: int) -> str:
     return "Theorem 2' (mask redrawn every update)" if redraws_every_update(mask) else "Theorem 1 (mask in force)"
 
 
-def _constants(mask: Mask, args: argparse.Namespace) -> tuple[ProblemConstants, dict]:
+def constants_from_args(mask: Mask, args: argparse.Namespace) -> tuple[ProblemConstants, dict]:
+    """``sdp verify``'s problem constants (totals or a ``--constants`` file) and a description of their source."""
     totals = {"--sigma": args.sigma, "--zeta": args.zeta, "--grad-bound": args.grad_bound}
     if args.constants is not None:
         given = [flag for flag, value in totals.items() if value is not None]

@@ -37,6 +37,7 @@ from sdp_train.models.family import (
 )
 from sdp_train.models.llama import Llama, LlamaConfig
 from sdp_train.models.resnet import ResNet, ResNetConfig
+from sdp_train.models.swin import Swin, SwinConfig
 from sdp_train.models.vit import ViT, ViTConfig
 
 
@@ -57,7 +58,8 @@ _register_package_families()
 
 __all__ = [
     "DATA_KINDS", "LEVELS", "ActivationModel", "Block", "BlockActivations", "BlockMap", "Llama", "LlamaConfig",
-    "ModelConfig", "ModelFamily", "ResNet", "ResNetConfig", "SliceSpec", "SubnetModule", "ViT", "ViTConfig",
+    "ModelConfig", "ModelFamily", "ResNet", "ResNetConfig", "SliceSpec", "SubnetModule", "Swin", "SwinConfig",
+    "ViT", "ViTConfig",
     "block_map", "build_model", "data_kind", "families", "family_of", "family_of_model", "get_model_config",
     "model_class", "model_names", "num_params", "register_family", "subnet_kwargs", "unregister_family",
 ]
@@ -82,6 +84,9 @@ def get_model_config(name: str, /, **overrides: Any) -> ModelConfig:
     """
     configs = _named_configs()
     if name not in configs:
+        if name.rpartition(":")[0].endswith(".py") or name.endswith(".py"):  # sdp_train.user_model's syntax
+            raise ConfigError(f"model {name!r} is your own (FILE.py:FACTORY): sdp train takes it, but this command "
+                              f"needs a built-in model's declared shapes; built-in models: {', '.join(sorted(configs))}")
         raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(configs))}")
     base = configs[name]
     fields = {f.name for f in dataclasses.fields(base)} - {"name"}  # the name says which shape it is
@@ -92,7 +97,7 @@ def get_model_config(name: str, /, **overrides: Any) -> ModelConfig:
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    """The module class for ``config`` (`Llama`, `ResNet`, `ViT`, ...)."""
+    """The module class for ``config`` (`Llama`, `ResNet`, `ViT`, `Swin`, ...)."""
     return family_of(config).model_class
 
 

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import default_device, destroy_distributed, init_distributed
-from sdp_train.loop import _train
+from sdp_train.loop import train_prepared
 from sdp_train.train import Run, loss_fn, prepare
 
 
@@ -42,7 +42,7 @@ def grads_case(spec: dict, info, device, out: Path) -> None:
                                              world_size=info.world_size))
         before, wire_before = run.comm_bytes, run.wire_bytes
         loss_fn(run.train_model(inputs), targets).backward()
-        sq_norm = run.engine.finish()
+        sq_norm = run.sdp.local_grad_sq_norm()  # the API finished the averaging when backward ended
         torch.save({
             "inputs": inputs, "targets": targets, "sq_norm": sq_norm,
             "grads": {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None},
@@ -155,14 +155,13 @@ def overlap_case(spec: dict, info, device, out: Path) -> None:
                                              world_size=info.world_size))
         events.clear()
         loss_fn(run.train_model(inputs), targets).backward()
-        backward_events = list(events)
-        run.engine.finish()
+        backward_events = list(events)  # the API finishes the averaging before backward returns
         (out / f"overlap{i}_rank{info.rank}.json").write_text(json.dumps(backward_events))
 
 
 def train_case(spec: dict, info, device, out: Path) -> None:
     for cfg_dict in spec["configs"]:
-        _train(prepare(TrainConfig(**cfg_dict)), info, device)
+        train_prepared(prepare(TrainConfig(**cfg_dict)), info, device)
         gc.collect()  # free the previous run's DDP reducer before the next run's collectives
         torch.distributed.barrier()
 

@@ -90,10 +90,10 @@ def test_resume_picks_the_latest_checkpoint_and_refuses_one_with_nothing_left_or
 
 
 def test_resuming_into_the_same_directory_keeps_only_the_metrics_before_the_checkpoint(tmp_path):
-    from sdp_train.loop import _open_metrics
+    from sdp_train.loop import open_metrics
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(4)))
     (tmp_path / "summary.json").write_text("{}")
-    _open_metrics(tmp_path, 2)[0].close()
+    open_metrics(tmp_path, 2)[0].close()
     assert [m["step"] for m in _metrics(tmp_path)] == [0, 1]
     assert not (tmp_path / "summary.json").exists()  # the resumed run has not finished yet

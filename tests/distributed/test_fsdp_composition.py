@@ -121,12 +121,12 @@ def test_fsdp_without_a_process_group_is_refused(tmp_path):
 
 def test_parallelism_memory_and_checkpoint_flags_reach_the_config_and_the_launched_ranks():
     from sdp_train.cli import build_parser
-    from sdp_train.train_cli import _argv_of, config_from_args
+    from sdp_train.train_cli import argv_of, config_from_args
 
     argv = ["--mode", "bsdp", "--fsdp", "--ac", "--memory-steps", "1", "--checkpoint-every", "3", "--resume", "d"]
     args = build_parser().parse_args(["train", *argv])
     cfg = config_from_args(args)
     assert (cfg.fsdp, cfg.activation_checkpointing, cfg.memory_steps, cfg.checkpoint_every, cfg.resume) == \
         (True, True, 1, 3, "d")
-    relaunched = config_from_args(build_parser().parse_args(["train", *_argv_of(args)]))
+    relaunched = config_from_args(build_parser().parse_args(["train", *argv_of(args)]))
     assert relaunched == cfg

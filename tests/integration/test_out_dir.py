@@ -81,8 +81,11 @@ def test_out_dir_lifecycle_stale_lock_refusal_overwrite_and_resume_from_the_run_
                  "--resume", str(out)]) == 0  # the run directory means its checkpoints
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 3
     capsys.readouterr()
-    assert _one_process_run(out, "--lr", "0.01", "--overwrite") == 0
+    # the config file a run reads may live in the directory it replaces (as sdp compare's do): it is kept
+    (out / "config.json").write_text(json.dumps({"lr": 0.01}))
+    assert _one_process_run(out, "--config", str(out / "config.json"), "--overwrite") == 0
     assert json.loads((out / "summary.json").read_text())["config"]["lr"] == 0.01
+    assert json.loads((out / "config.json").read_text()) == {"lr": 0.01}
     assert oct((out / "summary.json").stat().st_mode & 0o777) == oct((out / "metrics.jsonl").stat().st_mode & 0o777)
     assert not (out / "checkpoints").exists()  # an old run's checkpoints cannot be adopted later
 

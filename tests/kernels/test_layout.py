@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from kernel_cases import DEVICE, buckets
 
 from kernels import ALIGN_ELEMENTS, BucketLayout, KernelLimitError, LayoutError, SegmentSpec
-from kernels.triton_ops import _descriptor
+from kernels.triton_ops import tile_descriptor
 from kernels.worklist import DESC_WIDTH, KIND_GATHER, KIND_RUN_ALIGNED, KIND_ZERO
 
 BIG = 2**31  # past int32
@@ -128,7 +128,7 @@ def test_offsets_past_2_pow_31_are_exact_int64_without_allocating_tensors():
 @triton.jit
 def _probe_descriptor(descriptors, out):
     tile = tl.program_id(0)
-    fields = _descriptor(descriptors, tile)
+    fields = tile_descriptor(descriptors, tile)
     for i in tl.static_range(10):
         tl.store(out + tile * 10 + i, fields[i].to(tl.int64))
 

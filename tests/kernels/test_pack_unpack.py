@@ -181,8 +181,8 @@ def test_unaligned_tensors_take_the_checked_fallback_and_stay_bit_exact():
         start += math.prod(s)
     layout = BucketLayout(shapes, specs, device=DEVICE)
     out = torch.empty(layout.total_numel, device=DEVICE)
-    assert not triton_ops._constexprs(views, layout, out)["ALIGNED"]
-    assert triton_ops._constexprs(make_tensors(shapes, torch.float32, 0), layout, out)["ALIGNED"]
+    assert not triton_ops.kernel_constexprs(views, layout, out)["ALIGNED"]
+    assert triton_ops.kernel_constexprs(make_tensors(shapes, torch.float32, 0), layout, out)["ALIGNED"]
     got = pack(views, layout, out, scale=layout.inverse_coverage, backend="triton")
     assert torch.equal(got, pack(views, layout, scale=layout.inverse_coverage, backend="reference"))
     copies = [v.clone() for v in views]

@@ -242,6 +242,25 @@ def test_a_single_process_wrapper_loads_a_full_state_and_exports_it_back():
     assert all(torch.equal(exported[n], full[n]) for n in full)
 
 
+def test_a_wrapper_nobody_references_is_freed_though_its_module_lives_on():
+    """Its gradient and optimizer hooks live in C++ on the module's parameters and the optimizer:
+    held strongly, they kept the wrapper (and on a real run its process groups, whose threads then
+    aborted the process at exit) alive for as long as the model. DDP is freed when dropped; so is this."""
+    import gc
+    import weakref
+
+    net = Net()
+    sdp = SubnetworkDataParallel(net, active=1.0, masking="backward")
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    sdp.register_optimizer(optimizer)
+    wrapper = weakref.ref(sdp)
+    del sdp
+    gc.collect()
+    assert wrapper() is None
+    net(torch.randn(2, 5)).sum().backward()  # the orphaned hooks do nothing
+    optimizer.step()
+
+
 def test_user_errors_name_the_bad_value():
     with pytest.raises(ConfigError, match="exactly one of mask= and active="):
         SubnetworkDataParallel(Net())

@@ -17,7 +17,7 @@ from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError, NonFiniteError
-from sdp_train.loop import _resume_after_restart
+from sdp_train.loop import resume_after_restart
 from sdp_train.train import Run, prepare
 
 TINY = {"model": "llama-debug", "model_overrides": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},
@@ -135,13 +135,13 @@ def test_keep_zero_keeps_every_checkpoint(tmp_path):
 
 def test_restarted_attempt_resumes_from_the_newest_valid_checkpoint(two_checkpoints, tmp_path, monkeypatch, capsys):
     prep = prepare(TrainConfig(**{**TINY, "out": str(tmp_path)}))
-    assert _resume_after_restart(prep).resume_from is None  # first attempt: no automatic resume
+    assert resume_after_restart(prep).resume_from is None  # first attempt: no automatic resume
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     (two_checkpoints / "step_6").mkdir()  # the failed attempt was writing this one
-    assert _resume_after_restart(prep).resume_from == two_checkpoints / "step_4"
+    assert resume_after_restart(prep).resume_from == two_checkpoints / "step_4"
     assert "step_6 skipped: it has no manifest.json" in capsys.readouterr().err
     no_ckpt = prepare(TrainConfig(**{**TINY, "checkpoint_every": 0, "out": str(tmp_path)}))
-    assert _resume_after_restart(no_ckpt).resume_from is None
+    assert resume_after_restart(no_ckpt).resume_from is None
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -156,16 +156,16 @@ def test_reliability_fields_are_validated_naming_the_value(field, value, message
 
 
 def test_nonfinite_stop_raises_a_report_naming_step_loss_and_gradient_norm(tmp_path, monkeypatch):
+    monkeypatch.setenv("SDP_TEST_INJECT_NAN", "1:0")  # read once, when the run is built
     run, batches = _run(tmp_path, nonfinite="stop")
-    monkeypatch.setenv("SDP_TEST_INJECT_NAN", "1:0")
     _train_steps(run, batches, range(1))
     with pytest.raises(NonFiniteError, match=r"step 1: non-finite .*mean loss nan, averaged gradient norm nan"):
         _train_steps(run, batches, range(1, 2))
 
 
 def test_nonfinite_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path, monkeypatch):
-    run, batches = _run(tmp_path, nonfinite="skip")
     monkeypatch.setenv("SDP_TEST_INJECT_NAN", "1:0")
+    run, batches = _run(tmp_path, nonfinite="skip")
     _train_steps(run, batches, range(1))
     params = {n: t.clone() for n, t in run.model.state_dict().items()}
     optim = [{k: v.clone() for k, v in s.items()} for s in run.optimizer.state.values()]
@@ -188,12 +188,12 @@ def test_a_restart_resumes_only_checkpoints_of_its_own_launch_and_config(two_che
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     other_lr = prepare(TrainConfig(**{**TINY, "lr": 0.001, "out": str(tmp_path)}))
     with pytest.raises(ConfigError, match=r"config.lr: checkpoint 0.003, this run 0.001"):
-        _resume_after_restart(other_lr)
+        resume_after_restart(other_lr)
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
                         "TORCHELASTIC_RUN_ID": "a-later-launch"}.items():
         monkeypatch.setenv(name, value)
     prep = prepare(TrainConfig(**{**TINY, "out": str(tmp_path)}))
-    assert _resume_after_restart(prep).resume_from is None
+    assert resume_after_restart(prep).resume_from is None
     assert "written by another launch (run id None, this one 'a-later-launch')" in capsys.readouterr().err
 
 

@@ -82,3 +82,16 @@ def test_two_seeds_add_a_seed_table_and_say_which_differences_exceed_the_spread(
     single = build_report("x", preset, planned, {0: summaries[0]})
     assert "seed_stats" not in single and single["command"] == "sdp compare --preset x"
     assert not any(line.startswith("Over ") for line in markdown_table(single).splitlines())
+
+
+def test_a_failed_runslog_tail_shows_the_ranks_error_not_the_launchers_lines():
+    from sdp_train.compare import log_tail
+
+    log = ("step 1 loss 5.0\n"
+           "sdp train: error: config.json: no such file\n"
+           "W1204 15:48:12.325000 23405 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1 closing signal SIGTERM\n"
+           "E1204 15:48:12.357000 23405 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0\n"
+           "sdp: worker failed: rank 0 (exit code 2); stopped by the launcher after it: ranks 1, 2\n")
+    tail = log_tail(log, lines=2)
+    assert tail.splitlines() == ["sdp train: error: config.json: no such file",
+                                 "sdp: worker failed: rank 0 (exit code 2); stopped by the launcher after it: ranks 1, 2"]

@@ -1,8 +1,8 @@
 """Every holder-set process group gets the collective timeout, whichever path creates it.
 
 Runs in one process: ``torch.distributed.new_group`` is replaced by a recorder, so the test sees
-each group's ranks and timeout without a rendezvous. The sync engine's groups, the API's
-FSDP meshes and the built-in runtime's FSDP meshes (B-SDP + FSDP) all go through one creator;
+each group's ranks and timeout without a rendezvous. The sync engine's groups and the FSDP
+meshes of holder sets (B-SDP + FSDP, built-in models and the API alike) go through one creator;
 a path that called ``new_group`` without ``timeout=`` would leave that run waiting for a dead
 peer for torch's default 30 minutes instead of ``SDP_COLLECTIVE_TIMEOUT_S``.
 """
@@ -18,8 +18,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from masklab import Mask
-from sdp_train import sync, train
+from sdp_train import sync
 from sdp_train.models.blocks import SliceSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,12 +47,6 @@ def created(monkeypatch) -> list[dict]:
 def assert_timeouts(calls: list[dict], expected_ranks: list[list[int]]) -> None:
     assert sorted(c["ranks"] for c in calls) == sorted(expected_ranks)
     assert all(c.get("timeout") == timedelta(seconds=TIMEOUT_S) for c in calls), calls
-
-
-def test_holder_meshes_of_bsdp_fsdp_groups_get_the_collective_timeout(created):
-    meshes, groups = train.holder_meshes(Mask(MATRIX), ("b0", "b1", "b2", "b3"), rank=0, device_type="cpu")
-    assert set(meshes) == {"b0", "b1", "b3"} and all(meshes[n] is groups[h] for n, h in [("b0", (0, 1))])
-    assert_timeouts(created, [[0, 1], [0, 2], [1, 2]])
 
 
 def test_sync_engine_groups_get_the_collective_timeout(created):

@@ -21,7 +21,8 @@ from sdp_train.models import block_map, get_model_config
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.subnet import build_worker_model, held_tensors
 from sdp_train.sync import SyncEngine, layer_of, plan_buckets
-from sdp_train.train import design_for_model, loss_fn, owned_positions, owned_slices
+from sdp_train.sdp_export import assemble, owned_positions
+from sdp_train.train import design_for_model, family_layout, loss_fn
 
 LLAMA = get_model_config("llama-debug")
 GROUPS = LLAMA.neuron_groups
@@ -97,9 +98,10 @@ def test_packed_bucket_is_each_held_slice_scaled_by_inverse_coverage(rank):
 
 
 def _assembled(mask: np.ndarray) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """Sum over ranks of each rank's owned slices (what the all-reduce/reduce computes)."""
+    """Sum over ranks of each rank's owned slices as `assemble` places them (what its reduce computes)."""
     held = held_by_rank(mask)
     shapes = block_map(LLAMA).shapes
+    tensors = family_layout(LLAMA, "neuron").tensors
     workers, total = [], {n: torch.zeros(s) for n, s in shapes.items()}
     for r in range(mask.shape[0]):
         model = build_worker_model(LLAMA, mask[r], "neuron", seed=0)
@@ -108,16 +110,9 @@ def _assembled(mask: np.ndarray) -> tuple[dict[str, torch.Tensor], list[dict[str
                 p.add_(r + 1.0)  # each rank's values differ: the assembly must take the lowest holder's
         state = model.state_dict()
         workers.append(state)
-        index = model.full_index()
-        for name, value in state.items():
-            owned = owned_slices(name, index[name], held, r)
-            if owned is None:
-                continue
-            dim, full_pos, local_pos = owned
-            if dim is None:
-                total[name] += value
-            else:
-                total[name].index_add_(dim, torch.tensor(full_pos), value.index_select(dim, torch.tensor(local_pos)))
+        pieces = assemble(state, model.full_index(), tensors, held, r, rank0_only=False, device=torch.device("cpu"))
+        for name, piece in pieces.items():  # one process: this rank's owned slices, zeros elsewhere
+            total[name] += piece
     return total, workers
 
 

@@ -172,7 +172,7 @@ def test_constants_file_needs_smoothness_somewhere_and_excludes_totals(tmp_path)
     args = parser.parse_args(["verify", "m.json", "--constants", path, "--sigma", "1", "--eta", "0.1",
                               "--steps", "10"])
     with pytest.raises(TheoryError, match="--sigma is a total"):
-        cli._constants(_issue_mask(), args)
+        cli.constants_from_args(_issue_mask(), args)
 
 
 def test_permute_schedule_worst_split_is_also_the_least_covered_block():
