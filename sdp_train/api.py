@@ -36,7 +36,9 @@ from sdp_train.sdp_export import assemble, save_safetensors
 from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
 from sdp_train.sdp_parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
 from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, holder_set_groups, plan_buckets,
-                            weak_grad_hook)
+                            unpin_default_group, weak_grad_hook)
+
+unpin_default_group()  # before any user group exists, or undoing what an earlier import pinned
 
 MASKINGS = ("forward", "backward")
 

@@ -205,6 +205,29 @@ def _segment(atom: Atom, local: SliceSpec) -> tuple[str, tuple[int, ...]]:
     return ("rows" if atom.dim == 0 else "cols"), local.local_positions(atom.index)
 
 
+def unpin_default_group() -> None:
+    """Keep ``torch.distributed.nn.functional`` from holding the default process group to exit.
+
+    Its collectives' default arguments are ``group.WORLD`` as it was when the module was imported.
+    torch imports it lazily (``torch._dynamo`` does, and the first meta-device operation imports
+    that: a pass-through's first call probes its block on the meta device), so in a process whose
+    group already exists the defaults pin that group: ``destroy_process_group`` then leaves its
+    gloo threads running, the group is freed during interpreter shutdown, and a finished process
+    can abort there (``terminate called without an active exception``). Imported here (while no
+    group exists, its defaults are None) and, if it was imported earlier, its pinned defaults
+    replaced by None, which the collectives read as the default group when they are called.
+    """
+    if not dist.is_available():
+        return
+    import inspect
+
+    import torch.distributed.nn.functional as functional
+
+    for fn in vars(functional).values():
+        if inspect.isfunction(fn) and fn.__defaults__ and any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in fn.__defaults__)
+
+
 def holder_set_groups(holder_sets: Iterable[Sequence[int]], world_size: int, *,
                       singletons: bool) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
     """One process group per distinct holder set, each with the collective timeout.

@@ -48,6 +48,25 @@ def test_no_process_group_or_gloo_thread_outlives_a_finished_run_in_any_mode(tmp
     assert not left, "process groups outlived train():\n" + "\n".join(left)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["import-first", "init-first"])
+def test_no_gloo_thread_outlives_destroy_process_group_in_a_users_own_loop(tmp_path, order):
+    """The examples' shape: the user's loop ends with ``dist.destroy_process_group()``; after it no
+    gloo thread may run, whether ``sdp_train.api`` was imported before the group existed or after.
+
+    The first meta-device operation imports ``torch._dynamo``, which imports
+    ``torch.distributed.nn.functional``, whose default arguments are ``group.WORLD`` read at
+    import: imported while a group exists (a pass-through's first call probes its block on the
+    meta device), they kept the default group alive past ``destroy_process_group`` to interpreter
+    shutdown; a fresh clone's run of examples/train_custom_model.py aborted so.
+    """
+    script = str(Path(__file__).with_name("api_teardown_script.py"))
+    torchrun(2, [script, str(tmp_path), order])
+    for rank in range(2):
+        threads = json.loads((tmp_path / f"threads_{order}_rank{rank}.json").read_text())
+        assert not [t for t in threads if "gloo" in t], f"rank {rank}: gloo threads after destroy: {threads}"
+
+
 LAUNCHES = [  # (ranks, mode flags): FSDP, whose groups torch keeps referenced after the run, with
     (3, ["--mode", "bsdp", "--active", "0.5", "--fsdp", "--ac"]),  # holder-set groups besides the world
 ]
