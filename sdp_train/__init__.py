@@ -6,7 +6,7 @@ Importing this package imports no torch; the command line loads each subcommand 
 """
 
 _API = {"SubnetworkDataParallel": "sdp_train.api", "SDP": "sdp_train.api", "MLPSpec": "sdp_train.sdp_blocks",
-        "find_blocks": "sdp_train.sdp_blocks"}
+        "find_blocks": "sdp_train.sdp_blocks", "OverlapAveraging": "sdp_train.overlap"}
 
 __all__ = sorted(_API)
 

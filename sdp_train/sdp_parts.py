@@ -28,9 +28,10 @@ from sdp_train.sync import BucketPlan
 
 
 def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, workers: int,
-                 layout: ModelLayout, *, seed: int, construction: str = "auto") -> Mask:
+                 layout: ModelLayout, *, seed: int, construction: str = "auto", schedules: bool = False) -> Mask:
     """The mask for ``layout`` on ``workers`` ranks: given, read from a file, or designed for ``active``
     (``masklab.design`` with ``construction`` and ``seed``; one design per block's neuron groups).
+    A schedule other than static is refused unless `schedules` (overlap averaging trains them).
 
     Raises
     ------
@@ -61,7 +62,7 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
     if result.blocks != len(columns):
         raise ConfigError(f"the mask has {result.blocks} columns but the model has {len(columns)} maskable "
                           f"blocks at level {layout.level!r} ({columns[0]} ... {columns[-1]})")
-    if not result.schedule.is_static:
+    if not result.schedule.is_static and not schedules:
         raise ConfigError(f"SubnetworkDataParallel trains static masks; this one has a "
                           f"{result.schedule.kind!r} schedule")
     for k in range(workers):
