@@ -148,16 +148,8 @@ class OverlapAveraging(nn.Module):
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s steps: after every ``local_steps``-th, average each block among its
         holders and switch to the next round's mask. The hooks hold this wrapper weakly."""
-        ref = weakref.ref(self)
-        optimizer.register_step_pre_hook(_weak(ref, "_drop_unheld_grads"))
-        optimizer.register_step_post_hook(_weak(ref, "step_done"))
+        optimizer.register_step_post_hook(_weak(weakref.ref(self), "step_done"))
         self.optimizers_registered += 1
-
-    def _drop_unheld_grads(self) -> None:
-        held = self.layout.held(self.round_matrix(self.steps)[self.rank])
-        for name, p in self.module.named_parameters():
-            if name not in held:
-                p.grad = None
 
     def step_done(self) -> None:
         """One optimizer step has been taken (the registered hook calls this; every rank must).
