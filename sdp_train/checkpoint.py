@@ -3,7 +3,10 @@
 A checkpoint is a directory ``step_N`` with one ``rank{r}.pt`` per rank and a ``manifest.json``.
 A rank file holds plain tensors and dicts only (``torch.load(weights_only=True)`` reads it): the
 rank's held parameters and buffers (its local shards under FSDP), its optimizer state, its data
-stream position and its RNG state. The manifest holds what the run must match to resume (model
+stream position, its RNG state and, under overlap averaging, its position in the mask schedule
+(the optimizer steps taken; the schedule's draws are a function of that and the seed, so nothing
+else of the schedule needs saving). Under overlap averaging the model is the worker's own copy.
+The manifest holds what the run must match to resume (model
 config, mode, world size, mask matrix, FSDP), the full TrainConfig, and the size and sha256 of
 every rank file.
 
@@ -66,12 +69,19 @@ class RunState(Protocol):
     optimizer: torch.optim.Optimizer
     device: torch.device
 
+    def schedule_state(self) -> dict[str, int]: ...
+
+    def load_schedule_state(self, state: dict[str, int]) -> None: ...
+
 
 def identity(cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> dict[str, Any]:
     """What a checkpoint and the run resuming from it must agree on (JSON-normalised)."""
     ident = {"model_config": asdict(model_config), "mode": cfg.mode, "world_size": cfg.workers,
              "fsdp": cfg.fsdp, "mask": None if mask is None else mask.matrix.astype(int).tolist(),
-             "seed": cfg.seed}  # the data order continues from the checkpoint's: another seed would not
+             "seed": cfg.seed,  # the data order continues from the checkpoint's: another seed would not
+             # absent (None) where they cannot differ, so checkpoints written before they existed still match
+             "schedule": None if mask is None or mask.schedule.is_static else [mask.schedule.kind, mask.schedule.every],
+             "local_steps": cfg.local_steps if cfg.mode == "overlap" else None}
     return json.loads(json.dumps(ident))
 
 
@@ -226,6 +236,7 @@ def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, k
         "optimizer": _to_local(run.optimizer.state_dict()),
         "data": batches.state_dict(),
         "rng": _rng_state(run.device),
+        "schedule": run.schedule_state(),  # mode overlap: the optimizer steps that fix the round and its mask
     }
     files = {name: _write_atomic(path / name, lambda f: torch.save(state, f))}
     if dist.is_initialized():
@@ -323,6 +334,7 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
                            for k, v in values.items() if v.shape == param.to_local().shape and v.dim() > 0})
     run.optimizer.load_state_dict(state["optimizer"])
     batches.load_state_dict(state["data"])
+    run.load_schedule_state(state.get("schedule", {}))
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)

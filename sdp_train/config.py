@@ -16,9 +16,11 @@ from typing import Any
 from sdp_train.errors import ConfigError
 from sdp_train.user_model import is_user_model
 
-MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")
+MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp", "overlap")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
-LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron"}
+LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron", "overlap": "block"}
+STEPWISE_MODES = ("bsdp", "nsdp", "bbsdp")  # holders agree at every step; overlap averaging every local_steps
+SCHEDULE_KINDS = ("static", "permute", "cyclic")  # as masklab.Schedule
 MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
 
@@ -38,13 +40,25 @@ class TrainConfig:
     matches one name component (``"model.layers.*"``) or comma-separated names; found when omitted."""
     mode: str = "bsdp"
     """``ddp`` (torch DDP baseline), ``fsdp`` (FSDP2 ``fully_shard`` baseline), ``bsdp`` (block,
-    forward masking), ``nsdp`` (neurons, forward masking) or ``bbsdp`` (blocks, backward masking)."""
+    forward masking), ``nsdp`` (neurons, forward masking), ``bbsdp`` (blocks, backward masking) or
+    ``overlap`` (overlap averaging: every worker keeps its own copy of the model, trains the blocks
+    it holds for `local_steps` steps, then each block becomes its holders' average;
+    `sdp_train.overlap`)."""
     active: float | None = 0.5
     """Active fraction C for a designed mask; ignored when `mask` is given or mode is ddp/fsdp."""
     mask: str | None = None
     """Path of a mask JSON file (``sdp design --out``); overrides `active`."""
     construction: str = "auto"
     """Construction passed to ``masklab.design`` when the mask is designed from `active`."""
+    schedule: str | None = None
+    """How the mask changes over training: ``static``, ``permute`` (rows reassigned to workers by a
+    fresh random permutation every `every` steps) or ``cyclic`` (rows rotate by one worker every
+    `every` steps); replaces a mask file's schedule. None: the mask file's (static when designed).
+    Schedules other than static train in mode ``overlap``."""
+    every: int = 1
+    """Steps between schedule changes (R), with `schedule`; a multiple of `local_steps`."""
+    local_steps: int = 1
+    """Mode ``overlap`` only: optimizer steps between holder averages (H)."""
     workers: int = 2
     """Number of ranks (K). Under torchrun it must equal WORLD_SIZE."""
     steps: int = 50
@@ -116,7 +130,7 @@ class TrainConfig:
         for name in ("model", "construction", "data", "out"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
-        for name in ("mask", "resume", "blocks"):
+        for name in ("mask", "resume", "blocks", "schedule"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string or null")
         for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model"):
@@ -134,7 +148,22 @@ class TrainConfig:
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
         _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
                           "keep_checkpoints", "max_restarts", "log_every")
-        _positive_int(self, "max_consecutive_skips")
+        _positive_int(self, "max_consecutive_skips", "every", "local_steps")
+        if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
+            raise ConfigError(f"schedule={self.schedule!r} is not one of {SCHEDULE_KINDS}")
+        if self.every != 1 and self.schedule is None:
+            raise ConfigError(f"every={self.every} (--every) needs schedule (--schedule permute|cyclic)")
+        if self.local_steps != 1 and self.mode != "overlap":
+            raise ConfigError(f"local_steps={self.local_steps} (--local-steps) is the averaging period of mode "
+                              f"'overlap', got mode {self.mode!r} (whose holders agree at every step)")
+        if self.schedule is not None and self.mode in BASELINES:
+            raise ConfigError(f"schedule={self.schedule!r} (--schedule) changes a mask; mode {self.mode!r} has none")
+        if self.schedule not in (None, "static") and self.mode in STEPWISE_MODES:
+            raise ConfigError(f"schedule={self.schedule!r} (--schedule): mode {self.mode!r} trains a static mask; "
+                              "schedules train with --mode overlap")
+        if self.schedule not in (None, "static") and self.every % self.local_steps:
+            raise ConfigError(f"every={self.every} (--every) must be a multiple of local_steps={self.local_steps} "
+                              f"(--local-steps): each round of {self.local_steps} steps trains under one mask")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if self.active is not None and (isinstance(self.active, bool) or not (

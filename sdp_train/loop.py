@@ -9,8 +9,13 @@ first ``memory_steps`` steps, with its breakdown (`sdp_train.memory`); ``num_par
 per rank, the parameter elements its optimizer updates (the held blocks and shared parameters
 under SDP, the whole model under DDP, the local shards under FSDP); ``skipped_steps`` and
 ``num_skipped_steps``: the steps whose update ``nonfinite='skip'`` dropped; ``final_train_loss``:
-the loss of the last step not skipped; ``comm_bytes_per_step`` (buffer bytes) and
-``wire_bytes_per_step`` (bytes sent under ``wire_model``), medians per rank; ``model_file``: the
+the loss of the last step not skipped; under overlap averaging (mode ``overlap``)
+``final_consensus_distance``: how far the workers' copies are apart at the end, per block, ``other``
+and ``total`` (`sdp_train.OverlapAveraging.consensus_distance`), which the metrics line of every
+evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance``;
+``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
+``wire_model``), medians per rank (under overlap averaging, which sends once every
+``local_steps`` steps, means over every step); ``model_file``: the
 final full model's file name, ``model.safetensors`` (null under ``save_model=False``), written by
 rank 0 just before summary.json (`sdp_train.run_outputs`). Validation loss is that of the full
 assembled model, the very tensors the model file holds. While the run goes, rank 0 shows a
@@ -113,6 +118,8 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 val_history.append({"step": step, "val_loss": evaluate(run, prep)})
                 record["val_loss"] = val_history[-1]["val_loss"]
+                if (consensus := run.consensus_distance()) is not None:  # mode overlap (a collective)
+                    val_history[-1]["consensus_distance"] = record["consensus_distance"] = consensus
             records.append(record)
             consecutive_skips = consecutive_skips + 1 if stats["skipped"] else 0
             if consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank: stats are all-reduced
@@ -126,6 +133,7 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
                 save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
             log.update(record, meter.peak.get("total"))
         val_loss = evaluate(run, prep, save_to=out if cfg.save_model else None)
+        final_consensus = run.consensus_distance()
         log.final(val_loss)
         trained = sum(p.numel() for p in _optimizer_params(run))
         per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
@@ -139,14 +147,17 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
         return None
     history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
     timed = records[1:] or records or history  # this attempt's first step pays one-off warm-up costs
+    # overlap averaging sends once every local_steps steps: its bytes per step are the mean over the
+    # whole run; the stepwise modes send the same every step, so the median of `timed` is that number
+    per_step, every = (statistics.fmean, history) if cfg.mode == "overlap" else (statistics.median, timed)
     skipped = [r["step"] for r in history if r.get("skipped")]
     finite = [r["loss"] for r in history if not r.get("skipped")]
     summary = {
         "final_train_loss": finite[-1] if finite else None,
         "final_val_loss": val_loss,
         "val_history": val_history,
-        "comm_bytes_per_step": statistics.median(r["comm_bytes"] for r in timed),
-        "wire_bytes_per_step": statistics.median(w) if (w := [r["wire_bytes"] for r in timed if "wire_bytes" in r])
+        "comm_bytes_per_step": per_step([r["comm_bytes"] for r in every]),
+        "wire_bytes_per_step": per_step(w) if (w := [r["wire_bytes"] for r in every if "wire_bytes" in r])
         else None,
         "wire_model": WIRE_MODEL,
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
@@ -163,6 +174,8 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
         "mask": None if prep.mask is None else mask_to_dict(prep.mask),
         "model_file": MODEL_FILE if cfg.save_model else None,
     }
+    if final_consensus is not None:
+        summary["final_consensus_distance"] = final_consensus
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     final = summary["final_train_loss"]
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "

@@ -163,6 +163,19 @@ class OverlapAveraging(nn.Module):
             self.average(matrix)
             self._set_trainable(self.round_matrix(self.steps))
 
+    def schedule_state(self) -> dict[str, int]:
+        """Where training is in the schedule: ``{"steps": optimizer steps taken}``, which fixes the
+        round, its mask and the next average. Save it with the model and optimizer state."""
+        return {"steps": self.steps}
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        """Continue from `schedule_state` (after loading this worker's own copy and optimizer state)."""
+        steps = state.get("steps") if isinstance(state, dict) else None
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"schedule state {state!r}: expected {{'steps': n}} with an integer n >= 0")
+        self.steps = steps
+        self._set_trainable(self.round_matrix(steps))
+
     @torch.no_grad()
     def average(self, matrix: np.ndarray | None = None) -> None:
         """Replace every tensor by its average over its holders in `matrix` (default: the mask in

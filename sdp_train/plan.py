@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from masklab import Mask, load_mask
-from sdp_train.config import LEVEL_OF_MODE, MODES, TrainConfig
+from sdp_train.config import LEVEL_OF_MODE, TrainConfig
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, get_model_config, model_class, subnet_kwargs
 from sdp_train.parallelize import residual_blocks
@@ -56,6 +56,7 @@ from sdp_train.plan_activations import ActivationModel, activation_model
 from sdp_train.plan_comm import predict_comm, process_group_holder_sets
 from sdp_train.subnet import check_held, held_tensors
 
+PLANNED_MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")  # sdp train's modes but overlap averaging
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEVICES = ("cpu", "cuda")
 NCCL_COMMUNICATOR_BYTES = 688 * 2**20
@@ -174,8 +175,11 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
         ``eval_peak``: rank 0's peak during validation, which assembles the full model on rank 0 only.
     """
     config = _model_config(model, model_overrides, image_size)
-    if mode not in MODES:
-        raise ConfigError(f"mode {mode!r} is not one of {MODES}")
+    if mode not in PLANNED_MODES:
+        raise ConfigError(f"mode {mode!r} is not one of {PLANNED_MODES}"
+                          + (": overlap averaging is not planned; each worker keeps the full model and, once a schedule "
+                             "has moved every block to it, AdamW state for all of it, like ddp"
+                             if mode == "overlap" else ""))
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     # the same checks as `sdp train` (the mask itself is checked against the model below)

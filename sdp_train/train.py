@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from masklab import Mask, design, load_mask
+from masklab import Mask, Schedule, design, load_mask
 from sdp_train.checkpoint import check_resumable, find_checkpoint
 from sdp_train.config import BASELINES, TrainConfig
 from sdp_train.data import DataConfig
@@ -42,6 +42,7 @@ from sdp_train.faults import InjectedFaults
 from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.api import SubnetworkDataParallel
+from sdp_train.overlap import OverlapAveraging
 from sdp_train.parallelize import parallelize
 from sdp_train.sdp_blocks import find_blocks
 from sdp_train.sdp_masking import ModelLayout, describe
@@ -112,7 +113,8 @@ def _prepare_user_model(cfg: TrainConfig) -> Prepared:
         if cfg.mode not in BASELINES:
             layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS)
             mask = resolve_mask(cfg.mask, None if cfg.mask is not None else cfg.active, cfg.workers, layout,
-                                seed=cfg.seed, construction=cfg.construction)
+                                seed=cfg.seed, construction=cfg.construction, schedules=True)
+            mask = with_schedule(cfg, mask)
     resume_from = None
     if cfg.resume is not None:
         resume_from = find_checkpoint(cfg.resume)
@@ -190,13 +192,32 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
     if mask.blocks != blocks:
         raise ConfigError(f"the mask has {mask.blocks} blocks (columns) but {cfg.model} has {blocks} "
                           f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
-    if not mask.schedule.is_static:
-        raise ConfigError(f"the runtime trains static masks; this mask has a {mask.schedule.kind!r} schedule")
+    mask = with_schedule(cfg, mask)
     for k in range(mask.workers):  # the model's structural rules, per worker (raises ConfigError)
         try:
             held_tensors(model_config, mask.matrix[k], cfg.level)
         except ConfigError as exc:
             raise ConfigError(f"mask row {k} (worker {k}) does not fit {cfg.model}: {exc}") from None
+    return mask
+
+
+def with_schedule(cfg: TrainConfig, mask: Mask) -> Mask:
+    """`mask` under the run's schedule (``--schedule``/``--every`` replace the mask file's), refused
+    where the mode cannot train it: the stepwise modes train static masks, overlap averaging any
+    schedule whose R is a multiple of ``local_steps`` (one mask per round of averaging)."""
+    if cfg.schedule is not None:
+        mask = mask.replace(schedule=Schedule(cfg.schedule, cfg.every))
+    schedule = mask.schedule
+    if schedule.is_static:
+        return mask
+    if cfg.mode != "overlap":
+        raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); mode "
+                          f"{cfg.mode!r} trains static masks (--schedule static replaces it); schedules train "
+                          "with --mode overlap")
+    if schedule.every % cfg.local_steps:
+        raise ConfigError(f"the mask's {schedule.kind!r} schedule changes it every {schedule.every} steps, not a "
+                          f"multiple of local_steps={cfg.local_steps} (--local-steps): each round of averaging "
+                          "must train under one mask")
     return mask
 
 
@@ -270,6 +291,7 @@ class Run:
         self.mask = prep.mask
         self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
         self.sdp: SubnetworkDataParallel | None = None  # SDP modes: the library API syncs, as for a user's loop
+        self.overlap: OverlapAveraging | None = None  # mode overlap: the library API averages every H steps
         self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         if self.uses_fsdp and not dist.is_initialized():
             raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
@@ -278,6 +300,9 @@ class Run:
         self.fsdp_step_bytes: ByteCount | None = None  # FSDP: counted on the first step, equal on every step
         if isinstance(mc, UserModel):
             self._build_user_model(world_mesh)
+        elif cfg.mode == "overlap":
+            self.model = build_model(mc, seed=cfg.seed, device=device)
+            self._build_overlap(list(block_map(mc).block_names("block")))
         elif cfg.mode in BASELINES:
             self.model = build_model(mc, seed=cfg.seed, device=device)
             self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * info.world_size
@@ -299,7 +324,8 @@ class Run:
                 activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp,
                 values_agree=True)  # every rank built its part from the same seed
             self.train_model = self.sdp
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # overlap averaging trains another set of blocks each round: its optimizer has every parameter
+        trainable = [p for p in self.model.parameters() if p.requires_grad or self.overlap is not None]
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -308,6 +334,20 @@ class Run:
         )
         if self.sdp is not None:
             self.sdp.register_optimizer(self.optimizer, hook=False)  # `step` calls broadcast_held
+        if self.overlap is not None:
+            self.overlap.register_optimizer(self.optimizer)  # averages after every local_steps-th step
+
+    def _build_overlap(self, blocks: list[str]) -> None:
+        """Mode ``overlap``: this worker's own full copy of the model, wrapped in `OverlapAveraging`
+        (activation checkpointing inside each block first, as `parallelize` orders it)."""
+        cfg = self.cfg
+        self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * self.info.world_size
+        if cfg.activation_checkpointing:
+            parallelize(self.model, activation_checkpointing=True, block_meshes=None, root_mesh=None,
+                        blocks=[(n, self.model.get_submodule(n)) for n in blocks])
+        self.overlap = OverlapAveraging(self.model, mask=self.mask, blocks=blocks, local_steps=cfg.local_steps,
+                                        seed=cfg.seed)
+        self.train_model = self.overlap
 
     def _build_user_model(self, world_mesh: DeviceMesh | None) -> None:
         """A ``FILE.py:FACTORY`` model: built on every rank from the run's seed, then handed to
@@ -316,6 +356,10 @@ class Run:
         torch.manual_seed(cfg.seed)
         model = user.build(self.device)
         model.to(self.device)
+        if cfg.mode == "overlap":
+            self.model = model
+            self._build_overlap(find_blocks(model, user_blocks(cfg)))
+            return
         if cfg.mode in BASELINES:
             self.model = model
             self.held_by_rank = [{n: SliceSpec() for n in model.state_dict()}] * self.info.world_size
@@ -361,7 +405,7 @@ class Run:
         """
         if self.sdp is not None:
             self.sdp.close()
-        self.sdp = None
+        self.sdp = self.overlap = None
         self.model = self.train_model = self.optimizer = None
 
     @property
@@ -385,6 +429,7 @@ class Run:
         total = ByteCount()
         total += self.run_bytes
         counters = [self.sdp.engine, self.sdp.broadcaster, self.sdp.buffer_averager] if self.sdp is not None else []
+        counters += [self.overlap] if self.overlap is not None else []
         for counter in counters:
             if counter is not None:
                 total += counter.bytes
@@ -424,6 +469,8 @@ class Run:
             self.run_bytes += self.fsdp_step_bytes
         if self.sdp is not None:  # its hooks finished the holder averages (and statistics) when backward returned
             sq_norm = self.sdp.local_grad_sq_norm()
+        elif self.overlap is not None:  # every worker's own gradient: the norm reported is their RMS
+            sq_norm = _sq_norm(self.model)
         elif self.uses_fsdp:  # every gradient entry lives in exactly one rank's shard
             sq_norm = torch.stack([_local(p.grad).float().pow(2).sum() for p in self.model.parameters()
                                    if p.grad is not None]).sum()
@@ -436,6 +483,8 @@ class Run:
             dist.all_reduce(stats)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
         mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
+        if self.overlap is not None:
+            grad_norm /= math.sqrt(self.info.world_size)
         if self.faults.kill(step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
@@ -446,8 +495,10 @@ class Run:
                     f"(--nonfinite skip skips such steps; a lower --lr may avoid them)")
             self.optimizer.zero_grad(set_to_none=False)
             return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": True}
-        if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
-            coef = cfg.grad_clip / (grad_norm + 1e-6)
+        # overlap averaging clips each worker's own gradient by its own norm (no gradient is averaged)
+        clip_norm = math.sqrt(sq_norm.item()) if self.overlap is not None else grad_norm
+        if cfg.grad_clip > 0 and clip_norm > cfg.grad_clip:
+            coef = cfg.grad_clip / (clip_norm + 1e-6)
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
@@ -469,6 +520,9 @@ class Run:
         (read them, do not write them).
         """
         main = self.info.rank == 0
+        if self.overlap is not None:  # every tensor averaged over its holders of the last round
+            state = self.overlap.full_state_dict(rank0_only=True)
+            return state if main else None
         if self.sdp is not None:
             state = self.sdp.full_state_dict(rank0_only=True)
             return state if main else None
@@ -480,6 +534,25 @@ class Run:
                     state[name] = value.detach()
             return state if main else None
         return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
+
+    def consensus_distance(self) -> dict[str, float] | None:
+        """Mode ``overlap``: how far the workers' copies are apart, per block, ``other`` and ``total``
+        (`OverlapAveraging.consensus_distance`; a collective); None in the other modes, whose holders agree."""
+        return self.overlap.consensus_distance() if self.overlap is not None else None
+
+    def schedule_state(self) -> dict[str, int]:
+        """What a checkpoint keeps of the mask schedule's position (mode ``overlap``: optimizer steps
+        taken, which fix the round and its mask); ``{}`` in the other modes."""
+        return self.overlap.schedule_state() if self.overlap is not None else {}
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        if self.overlap is not None:
+            self.overlap.load_schedule_state(state)
+
+
+def _sq_norm(model: nn.Module) -> torch.Tensor:
+    grads = [p.grad.float().pow(2).sum() for p in model.parameters() if p.grad is not None]
+    return torch.stack(grads).sum() if grads else torch.zeros((), device=next(model.parameters()).device)
 
 
 class FSDPCollectiveBytes(TorchDispatchMode):

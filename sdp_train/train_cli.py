@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import fields
 
-from sdp_train.config import BASELINES, MODES, NONFINITE_POLICIES, TrainConfig, load_config_file
+from sdp_train.config import BASELINES, MODES, NONFINITE_POLICIES, SCHEDULE_KINDS, TrainConfig, load_config_file
 from sdp_train.errors import ConfigError
 from sdp_train.rundir import LOCKED_ENV, OutLock, check_out_dir, clear_previous_run, die_with_parent
 
@@ -31,9 +31,10 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
-    "--log-every": ("log_every", int), "--blocks": ("blocks", str),
+    "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--schedule": ("schedule", str),
+    "--every": ("every", int), "--local-steps": ("local_steps", int),
 }
-_CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES}
+_CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS}
 _SWITCHES = {  # flag -> (TrainConfig field, help)
     "--heterogeneous": ("heterogeneous", "give each worker a different part of the data (by file / class)"),
     "--ac": ("activation_checkpointing", "recompute each residual block's activations in backward"),
@@ -50,7 +51,7 @@ _OVERWRITE_HELP = ("replace the results of an earlier run in --out (summary, met
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train with SDP (or the DDP baseline) on torch.distributed",
-                              description="Train a model with DDP, FSDP, B-SDP, N-SDP or Bb-SDP.")
+                              description="Train a model with DDP, FSDP, B-SDP, N-SDP, Bb-SDP or overlap averaging.")
     p.add_argument("--config", metavar="FILE", help="JSON file of TrainConfig fields; flags override it")
     docs = {f.name: f for f in fields(TrainConfig)}
     for flag, (name, typ) in _FLAGS.items():

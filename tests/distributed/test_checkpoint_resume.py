@@ -36,6 +36,12 @@ def runs(tmp_path_factory) -> Path:
     for name, kw in kinds.items():
         configs.append(_cfg(out / name, checkpoint_every=2, **kw))
         configs.append(_cfg(out / f"{name}-resumed", resume=str(out / name / "checkpoints" / "step_2"), **kw))
+    # overlap averaging resumed at step 3: in the middle of an averaging round (H = 2) and of a
+    # permute round (R = 4), with a freshly drawn mask at step 4 after the resume
+    overlap = {"mode": "overlap", "active": 0.5, "schedule": "permute", "every": 4, "local_steps": 2, "steps": 7,
+               "eval_every": 2}
+    configs.append(_cfg(out / "overlap", checkpoint_every=3, **overlap))
+    configs.append(_cfg(out / "overlap-resumed", resume=str(out / "overlap" / "checkpoints" / "step_3"), **overlap))
     run_rank_script(2, "train", {"configs": configs}, out)
     return out
 
@@ -52,6 +58,29 @@ def test_resumed_run_repeats_the_uninterrupted_loss_trajectory_exactly(runs, nam
     summary = json.loads((runs / f"{name}-resumed" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2
     assert summary["final_val_loss"] == json.loads((runs / name / "summary.json").read_text())["final_val_loss"]
+
+
+def test_overlap_averaging_resumed_mid_round_repeats_the_uninterrupted_run_and_logs_its_consensus(runs):
+    full, resumed = _metrics(runs / "overlap"), _metrics(runs / "overlap-resumed")
+    assert [m["step"] for m in resumed] == [3, 4, 5, 6]
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[3:]]
+    summaries = [json.loads((runs / name / "summary.json").read_text()) for name in ("overlap", "overlap-resumed")]
+    assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+    assert summaries[0]["final_consensus_distance"] == summaries[1]["final_consensus_distance"]
+    # every copy differs after local steps: the consensus distance of every block, other, and their total
+    consensus = summaries[0]["final_consensus_distance"]
+    blocks = [f"layers.{i}" for i in range(4)]
+    assert sorted(consensus) == sorted([*blocks, "other", "total"])
+    assert consensus["total"] == pytest.approx(sum(v for k, v in consensus.items() if k != "total"))
+    assert all(consensus[b] > 0 for b in blocks)
+    # logged at each evaluation (steps 1, 3, 5), in the metrics line and the summary's val_history
+    assert [m["step"] for m in full if "consensus_distance" in m] == [1, 3, 5]
+    assert [h["consensus_distance"] for h in summaries[0]["val_history"]] == \
+        [m["consensus_distance"] for m in full if "consensus_distance" in m]
+    # one holder average every H = 2 steps, nothing in between but the 8-byte stats all-reduce
+    sent = [m["comm_bytes"] for m in full]
+    assert sent[0] == sent[2] == sent[4] == sent[6] == 8 and min(sent[1], sent[3], sent[5]) > 10_000
+    assert summaries[0]["comm_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
 
 
 def test_checkpoint_is_every_n_steps_and_at_the_end_and_loads_as_plain_tensors(runs):
@@ -75,6 +104,18 @@ def test_checkpoint_is_every_n_steps_and_at_the_end_and_loads_as_plain_tensors(r
 def test_checkpoint_of_another_run_is_refused_naming_what_differs(runs, change, message):
     cfg = TrainConfig(**{**BASE, "mode": "bsdp", "active": 0.5, **change,
                          "resume": str(runs / "bsdp" / "checkpoints" / "step_2"), "out": str(runs / "x")})
+    with pytest.raises(ConfigError, match=f"cannot resume from .*{message}"):
+        prepare(cfg)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"local_steps": 1, "every": 4}, "local_steps: checkpoint 2, this run 1"),
+    ({"schedule": "cyclic"}, "schedule: checkpoint \\['permute', 4\\], this run \\['cyclic', 4\\]"),
+])
+def test_overlap_checkpoint_of_another_schedule_or_averaging_period_is_refused(runs, change, message):
+    overlap = {"mode": "overlap", "active": 0.5, "schedule": "permute", "every": 4, "local_steps": 2, "steps": 7}
+    cfg = TrainConfig(**{**BASE, **overlap, **change, "resume": str(runs / "overlap" / "checkpoints" / "step_3"),
+                         "out": str(runs / "x")})
     with pytest.raises(ConfigError, match=f"cannot resume from .*{message}"):
         prepare(cfg)
 

@@ -59,6 +59,17 @@ def test_scheduled_mask_and_structural_violations_are_refused(tmp_path, capsys):
              "mask row 1 (worker 1) does not fit resnet18-cifar")
 
 
+def test_a_mask_files_schedule_trains_in_mode_overlap_and_schedule_flags_replace_it(tmp_path, capsys):
+    path = save_mask(Mask(np.ones((2, 4)), schedule=Schedule("cyclic", 4)), tmp_path / "s.json")
+    base = {"workers": 2, "mask": str(path), "active": None}
+    assert prepare(TrainConfig(**base, mode="overlap", local_steps=2)).mask.schedule == Schedule("cyclic", 4)
+    assert prepare(TrainConfig(**base, mode="overlap", schedule="permute", every=2)).mask.schedule == \
+        Schedule("permute", 2)
+    assert prepare(TrainConfig(**base, mode="bsdp", schedule="static")).mask.schedule.is_static
+    _refused(capsys, ["--mask", str(path), "--workers", "2", "--mode", "overlap", "--local-steps", "3"],
+             "changes it every 4 steps, not a multiple of local_steps=3")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -69,6 +80,12 @@ def test_scheduled_mask_and_structural_violations_are_refused(tmp_path, capsys):
         (["--data", "cifar:/nonexistent"], "is not a directory"),
         (["--model", "resnet18-cifar", "--data", "stdlib"], "does not fit model"),
         (["--mask", "/nonexistent.json"], "no such mask file"),
+        (["--schedule", "permute"], "mode 'bsdp' trains a static mask; schedules train with --mode overlap"),
+        (["--mode", "ddp", "--schedule", "cyclic"], "changes a mask; mode 'ddp' has none"),
+        (["--every", "2"], "every=2 (--every) needs schedule"),
+        (["--local-steps", "2"], "is the averaging period of mode 'overlap', got mode 'bsdp'"),
+        (["--mode", "overlap", "--schedule", "permute", "--every", "3", "--local-steps", "2"],
+         "every=3 (--every) must be a multiple of local_steps=2"),
     ],
 )
 def test_bad_flags_are_one_clear_line(capsys, argv, message):
