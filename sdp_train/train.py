@@ -1,16 +1,11 @@
 """The training run, top to bottom: config -> mask -> model -> sync -> optimizer -> loop -> summary.
 
-Runs as one process or under torchrun (one rank per worker). ``ddp`` wraps the full model in
-``torch.nn.parallel.DistributedDataParallel``, ``fsdp`` shards it with FSDP2 ``fully_shard``
-(activation checkpointing and FSDP by `sdp_train.parallelize`). The SDP modes go through the
-library API, as a user's loop does: ``bsdp``/``nsdp`` build each worker's forward-masked
-subnetwork, ``bbsdp`` the full model with non-held blocks frozen, and
-`SubnetworkDataParallel.from_subnetwork` does the rest (holder-set averaging overlapped with
-backward, or with ``fsdp=True`` each block sharded among its holders; Bb-SDP's broadcast of new
-values after each step; BatchNorm running statistics averaged among their holders; activation
-checkpointing). Validation always uses the full assembled model, which only rank 0 builds
-(`Run.full_state`).
-Everything a run needs is checked by `prepare` before any process group exists.
+Runs as one process or under torchrun (one rank per worker). `prepare` checks everything a run
+needs before any process group exists. `Run` holds one rank's model, its mode's synchronisation
+and the optimizer: the mode is one `sdp_train.modes.ModeSync` (``ddp``: torch DDP; ``fsdp``: FSDP2
+``fully_shard``; ``bsdp``/``nsdp``/``bbsdp``: the library API `SubnetworkDataParallel`, as a
+user's loop uses it; ``overlap``: `OverlapAveraging`), so `Run.step` is one step for every mode.
+Validation always uses the full assembled model, which only rank 0 builds (`Run.full_state`).
 """
 
 from __future__ import annotations
@@ -18,8 +13,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from masklab import Mask, Schedule, design, load_mask
 from sdp_train.checkpoint import check_resumable, find_checkpoint
@@ -39,16 +29,13 @@ from sdp_train.data import DataConfig
 from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.faults import InjectedFaults
-from sdp_train.models import ModelConfig, block_map, build_model, get_model_config, model_class
-from sdp_train.models.blocks import SliceSpec
-from sdp_train.api import SubnetworkDataParallel
-from sdp_train.overlap import OverlapAveraging
-from sdp_train.parallelize import parallelize
+from sdp_train.models import ModelConfig, block_map, get_model_config
+from sdp_train.modes import ModeSync, build_sync, user_blocks
 from sdp_train.sdp_blocks import find_blocks
-from sdp_train.sdp_masking import ModelLayout, describe
+from sdp_train.sdp_masking import describe
 from sdp_train.sdp_parts import resolve_mask
-from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
-from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, UserModel, build_user_model,
+from sdp_train.subnet import held_tensors
+from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, build_user_model,
                                   describe_user_model, is_user_model, logits_of)
 from sdp_train.wire import ByteCount
 
@@ -120,13 +107,6 @@ def _prepare_user_model(cfg: TrainConfig) -> Prepared:
         resume_from = find_checkpoint(cfg.resume)
         check_resumable(resume_from, cfg, user, mask)
     return Prepared(cfg, user, mask, data, resume_from)
-
-
-def user_blocks(cfg: TrainConfig) -> str | list[str] | None:
-    """``--blocks`` as `find_blocks` takes it: a pattern, or the names of a comma-separated list."""
-    if cfg.blocks is None or "," not in cfg.blocks:
-        return cfg.blocks
-    return [name.strip() for name in cfg.blocks.split(",") if name.strip()]
 
 
 @torch.no_grad()
@@ -283,117 +263,28 @@ def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Run:
-    """One rank's model, synchronisation and optimizer for a prepared config."""
+    """One rank's model, synchronisation and optimizer for a prepared config.
+
+    The mode's synchronisation is one `sdp_train.modes.ModeSync` (`build_sync`), so the step below
+    is the same for every mode.
+    """
 
     def __init__(self, prep: Prepared, info: DistInfo, device: torch.device) -> None:
-        cfg, mc = prep.config, prep.model_config
-        self.cfg, self.model_config, self.info, self.device = cfg, mc, info, device
+        cfg = prep.config
+        self.cfg, self.model_config, self.info, self.device = cfg, prep.model_config, info, device
         self.mask = prep.mask
-        self.run_bytes = ByteCount()  # DDP's buckets, the per-step stats all-reduce, FSDP's collectives
-        self.sdp: SubnetworkDataParallel | None = None  # SDP modes: the library API syncs, as for a user's loop
-        self.overlap: OverlapAveraging | None = None  # mode overlap: the library API averages every H steps
+        self.run_bytes = ByteCount()  # the per-step stats all-reduce
         self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
-        if self.uses_fsdp and not dist.is_initialized():
-            raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
-                              f"or with --workers >= 2 (got workers={cfg.workers})")
-        world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if self.uses_fsdp else None
-        self.fsdp_step_bytes: ByteCount | None = None  # FSDP: counted on the first step, equal on every step
-        if isinstance(mc, UserModel):
-            self._build_user_model(world_mesh)
-        elif cfg.mode == "overlap":
-            self.model = build_model(mc, seed=cfg.seed, device=device)
-            self._build_overlap(list(block_map(mc).block_names("block")))
-        elif cfg.mode in BASELINES:
-            self.model = build_model(mc, seed=cfg.seed, device=device)
-            self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * info.world_size
-            parallelize(self.model, activation_checkpointing=cfg.activation_checkpointing,
-                        block_meshes=None, root_mesh=world_mesh)
-            use_ddp = cfg.mode == "ddp" and info.world_size > 1
-            self.train_model: nn.Module = self._wrap_ddp(self.model) if use_ddp else self.model
-        else:  # a built-in family builds the worker's part itself; the library API does the rest
-            rows = prep.mask.matrix.astype(bool)
-            self.held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
-            if cfg.mode == "bbsdp":
-                self.model = build_model(mc, seed=cfg.seed, device=device)
-                apply_backward_mask(self.model, mc, rows[info.rank])
-            else:
-                self.model = build_worker_model(mc, rows[info.rank], cfg.level, seed=cfg.seed, device=device)
-            self.sdp = SubnetworkDataParallel.from_subnetwork(
-                self.model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=self.held_by_rank,
-                local_index=self.model.full_index(), masking="backward" if cfg.mode == "bbsdp" else "forward",
-                activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp,
-                values_agree=True)  # every rank built its part from the same seed
-            self.train_model = self.sdp
-        # overlap averaging trains another set of blocks each round: its optimizer has every parameter
-        trainable = [p for p in self.model.parameters() if p.requires_grad or self.overlap is not None]
+        self.sync: ModeSync | None = build_sync(prep, info, device)
+        self.model, self.train_model = self.sync.model, self.sync.train_model
+        trainable = self.sync.trainable()
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
         )
-        if self.sdp is not None:
-            self.sdp.register_optimizer(self.optimizer, hook=False)  # `step` calls broadcast_held
-        if self.overlap is not None:
-            self.overlap.register_optimizer(self.optimizer)  # averages after every local_steps-th step
-
-    def _build_overlap(self, blocks: list[str]) -> None:
-        """Mode ``overlap``: this worker's own full copy of the model, wrapped in `OverlapAveraging`
-        (activation checkpointing inside each block first, as `parallelize` orders it)."""
-        cfg = self.cfg
-        self.held_by_rank = [{n: SliceSpec() for n in self.model.state_dict()}] * self.info.world_size
-        if cfg.activation_checkpointing:
-            parallelize(self.model, activation_checkpointing=True, block_meshes=None, root_mesh=None,
-                        blocks=[(n, self.model.get_submodule(n)) for n in blocks])
-        self.overlap = OverlapAveraging(self.model, mask=self.mask, blocks=blocks, local_steps=cfg.local_steps,
-                                        seed=cfg.seed)
-        self.train_model = self.overlap
-
-    def _build_user_model(self, world_mesh: DeviceMesh | None) -> None:
-        """A ``FILE.py:FACTORY`` model: built on every rank from the run's seed, then handed to
-        `SubnetworkDataParallel` (SDP modes), torch DDP or FSDP2 ``fully_shard`` (the baselines)."""
-        cfg, user = self.cfg, self.model_config
-        torch.manual_seed(cfg.seed)
-        model = user.build(self.device)
-        model.to(self.device)
-        if cfg.mode == "overlap":
-            self.model = model
-            self._build_overlap(find_blocks(model, user_blocks(cfg)))
-            return
-        if cfg.mode in BASELINES:
-            self.model = model
-            self.held_by_rank = [{n: SliceSpec() for n in model.state_dict()}] * self.info.world_size
-            if cfg.activation_checkpointing or world_mesh is not None:
-                names = find_blocks(model, user_blocks(cfg))
-                blocks = [(n, model.get_submodule(n)) for n in names]
-                parallelize(model, activation_checkpointing=cfg.activation_checkpointing, block_meshes=None,
-                            root_mesh=world_mesh, blocks=blocks)
-            use_ddp = cfg.mode == "ddp" and self.info.world_size > 1
-            self.train_model = self._wrap_ddp(model) if use_ddp else model
-            return
-        self.sdp = SubnetworkDataParallel(
-            model, mask=self.mask, blocks=user_blocks(cfg), level=cfg.level,
-            masking="backward" if cfg.mode == "bbsdp" else "forward", neuron_groups=USER_NEURON_GROUPS,
-            seed=cfg.seed, device=self.device, activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp)
-        self.model, self.train_model, self.held_by_rank = self.sdp.module, self.sdp, self.sdp.held_by_rank
-
-    def _wrap_ddp(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if self.device.type == "cpu" else [self.device])
-
-        # The reducer (C++) keeps the hook alive and the garbage collector cannot see through it:
-        # a hook that referenced this Run strongly would keep the Run, the DDP module and the
-        # process group alive past destroy_process_group (see `Run.close`).
-        run = weakref.ref(self)
-
-        def counting_allreduce(state, bucket):
-            buf = bucket.buffer()
-            run().run_bytes.add("all_reduce", buf.numel() * buf.element_size(), run().info.world_size)
-            return allreduce_hook(state, bucket)
-
-        ddp.register_comm_hook(None, counting_allreduce)
-        return ddp
+        self.sync.attach(self.optimizer)
 
     def close(self) -> None:
         """Release the hooks, buffers and process-group references this rank's run holds.
@@ -403,36 +294,21 @@ class Run:
         ``destroy_process_group`` and abort the process at interpreter exit. Call once, after the
         last collective (`sdp_train.loop.train` does).
         """
-        if self.sdp is not None:
-            self.sdp.close()
-        self.sdp = self.overlap = None
-        self.model = self.train_model = self.optimizer = None
-
-    @property
-    def uses_fsdp(self) -> bool:
-        return self.cfg.mode == "fsdp" or self.cfg.fsdp
-
-    @property
-    def engine(self):
-        """The SDP modes' gradient sync engine (`sdp_train.sync.SyncEngine`, from the library API);
-        None for the baselines and where no block has two holders."""
-        return self.sdp.engine if self.sdp is not None else None
+        if self.sync is not None:
+            self.sync.close()
+        self.sync = self.model = self.train_model = self.optimizer = None
 
     @property
     def comm_buffers(self) -> list[torch.Tensor]:
-        """The sync engine's long-lived bucket buffers (counted as "other" memory)."""
-        return [b.buffer for b in self.engine.buckets] if self.engine is not None else []
+        """The mode's long-lived communication buffers (counted as "other" memory)."""
+        return self.sync.buffers
 
     @property
     def bytes(self) -> ByteCount:
         """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.wire`)."""
         total = ByteCount()
         total += self.run_bytes
-        counters = [self.sdp.engine, self.sdp.broadcaster, self.sdp.buffer_averager] if self.sdp is not None else []
-        counters += [self.overlap] if self.overlap is not None else []
-        for counter in counters:
-            if counter is not None:
-                total += counter.bytes
+        total += self.sync.bytes
         return total
 
     @property
@@ -446,45 +322,30 @@ class Run:
         return self.bytes.wire
 
     def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | bool]:
-        """One optimizer step; returns the worker-mean loss, the averaged gradient's norm and ``skipped``.
+        """One optimizer step; returns the worker-mean loss, the gradient norm and ``skipped``.
 
         The loss and squared gradient norm travel in one all-reduce, so a non-finite value on any
         rank (or in any held block's averaged gradient) is seen by every rank in the same step:
         ``nonfinite='stop'`` raises NonFiniteError everywhere, ``'skip'`` drops this step's update
-        on every rank (the learning-rate schedule stays indexed by step).
+        on every rank (the learning-rate schedule stays indexed by step). The norm is that of the
+        averaged gradient, each block counted once (under overlap averaging, whose workers keep
+        their own gradients, the root mean square of the workers' norms, and each clips by its own).
         """
-        cfg = self.cfg
+        cfg, sync = self.cfg, self.sync
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        # FSDP's collectives are the same on every step: intercept the first step's, then add those
-        counter = FSDPCollectiveBytes() if self.uses_fsdp and self.fsdp_step_bytes is None else None
-        with counter if counter is not None else nullcontext():
+        with sync.step_context():
             loss = loss_fn(self.train_model(inputs), targets)
             if self.faults.nan(step, self.info.rank):
                 loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()
-        if counter is not None:
-            self.fsdp_step_bytes = counter.bytes
-        if self.fsdp_step_bytes is not None:
-            self.run_bytes += self.fsdp_step_bytes
-        if self.sdp is not None:  # its hooks finished the holder averages (and statistics) when backward returned
-            sq_norm = self.sdp.local_grad_sq_norm()
-        elif self.overlap is not None:  # every worker's own gradient: the norm reported is their RMS
-            sq_norm = _sq_norm(self.model)
-        elif self.uses_fsdp:  # every gradient entry lives in exactly one rank's shard
-            sq_norm = torch.stack([_local(p.grad).float().pow(2).sum() for p in self.model.parameters()
-                                   if p.grad is not None]).sum()
-        else:  # DDP: every rank holds the same averaged gradient; rank 0 contributes the norm
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            sq_norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if self.info.rank == 0 \
-                else torch.zeros((), device=self.device)
-        stats = torch.stack([loss.detach().float(), sq_norm.float()])
+        own_sq = sync.grad_sq_norm()
+        stats = torch.stack([loss.detach().float(), own_sq.float()])
         if self.info.world_size > 1:
             dist.all_reduce(stats)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
-        mean_loss, grad_norm = stats[0].item() / self.info.world_size, stats[1].sqrt().item()
-        if self.overlap is not None:
-            grad_norm /= math.sqrt(self.info.world_size)
+        mean_loss = stats[0].item() / self.info.world_size
+        grad_norm, clip_norm = sync.norms(stats[1].item(), own_sq)
         if self.faults.kill(step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
@@ -495,16 +356,13 @@ class Run:
                     f"(--nonfinite skip skips such steps; a lower --lr may avoid them)")
             self.optimizer.zero_grad(set_to_none=False)
             return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": True}
-        # overlap averaging clips each worker's own gradient by its own norm (no gradient is averaged)
-        clip_norm = math.sqrt(sq_norm.item()) if self.overlap is not None else grad_norm
         if cfg.grad_clip > 0 and clip_norm > cfg.grad_clip:
             coef = cfg.grad_clip / (clip_norm + 1e-6)
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
         self.optimizer.step()
-        if self.sdp is not None:
-            self.sdp.broadcast_held()  # backward masking: holders send their blocks' new values
+        sync.after_step()
         self.optimizer.zero_grad(set_to_none=False)
         return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
 
@@ -514,81 +372,23 @@ class Run:
 
         Under SDP the library API assembles it (`SubnetworkDataParallel.full_state_dict`): each
         tensor slice from its lowest-ranked holder, one tensor at a time, summed onto rank 0, so
-        no rank but rank 0 ever holds more than its own model and one full tensor. Under FSDP each
-        tensor is gathered over the world mesh, in one order on every rank. Under DDP (or on one
-        rank) rank 0 already holds the full model: its tensors are returned as they are, not copied
-        (read them, do not write them).
+        no rank but rank 0 ever holds more than its own model and one full tensor. Under overlap
+        averaging each tensor is its holders' average in the last round. Under FSDP each tensor is
+        gathered over the world mesh, in one order on every rank. Under DDP (or on one rank) rank 0
+        already holds the full model: its tensors are returned as they are, not copied (read them,
+        do not write them).
         """
-        main = self.info.rank == 0
-        if self.overlap is not None:  # every tensor averaged over its holders of the last round
-            state = self.overlap.full_state_dict(rank0_only=True)
-            return state if main else None
-        if self.sdp is not None:
-            state = self.sdp.full_state_dict(rank0_only=True)
-            return state if main else None
-        if self.uses_fsdp:
-            state = {}
-            for name, value in self.model.state_dict().items():
-                value = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
-                if main:
-                    state[name] = value.detach()
-            return state if main else None
-        return {n: v.detach() for n, v in self.model.state_dict().items()} if main else None
+        return self.sync.full_state()
 
     def consensus_distance(self) -> dict[str, float] | None:
         """Mode ``overlap``: how far the workers' copies are apart, per block, ``other`` and ``total``
         (`OverlapAveraging.consensus_distance`; a collective); None in the other modes, whose holders agree."""
-        return self.overlap.consensus_distance() if self.overlap is not None else None
+        return self.sync.consensus_distance()
 
     def schedule_state(self) -> dict[str, int]:
         """What a checkpoint keeps of the mask schedule's position (mode ``overlap``: optimizer steps
         taken, which fix the round and its mask); ``{}`` in the other modes."""
-        return self.overlap.schedule_state() if self.overlap is not None else {}
+        return self.sync.schedule_state()
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
-        if self.overlap is not None:
-            self.overlap.load_schedule_state(state)
-
-
-def _sq_norm(model: nn.Module) -> torch.Tensor:
-    grads = [p.grad.float().pow(2).sum() for p in model.parameters() if p.grad is not None]
-    return torch.stack(grads).sum() if grads else torch.zeros((), device=next(model.parameters()).device)
-
-
-class FSDPCollectiveBytes(TorchDispatchMode):
-    """Counts the bytes of FSDP2's all-gathers and reduce-scatters as they are dispatched.
-
-    Each collective counts its full (unsharded) buffer as buffer bytes, as an all-reduce counts
-    its buffer; its group size is the ratio of the full buffer to the shard (FSDP2 pads shards to
-    equal size). `Run` uses it for the first step only: intercepting every op costs step time.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = ByteCount()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.c10d._allgather_base_.default:  # (output, input shard, ...)
-            self._count("all_gather", full=args[0], shard=args[1])
-        elif func is torch.ops.c10d._reduce_scatter_base_.default:  # (output shard, input, ...)
-            self._count("reduce_scatter", full=args[1], shard=args[0])
-        return func(*args, **(kwargs or {}))
-
-    def _count(self, collective: str, *, full: torch.Tensor, shard: torch.Tensor) -> None:
-        ranks = full.numel() // shard.numel() if shard.numel() else 1
-        self.bytes.add(collective, full.numel() * full.element_size(), ranks)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def family_layout(config: ModelConfig, level: str) -> ModelLayout:
-    """The library API's `ModelLayout` of a built-in family's full model: every tensor's shape and dtype,
-    the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups)."""
-    bmap = block_map(config)
-    with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
-        dtypes = {n: t.dtype for n, t in model_class(config)(config).state_dict().items()}
-    tensors = {n: (tuple(shape), dtypes[n]) for n, shape in bmap.shapes.items()}
-    params = tuple(n for n in bmap.shapes if n in bmap.parameter_names)
-    return ModelLayout(tensors, params, tuple(bmap.block_names("block")), level)
+        self.sync.load_schedule_state(state)

@@ -37,34 +37,34 @@ def grads_case(spec: dict, info, device, out: Path) -> None:
                           model_overrides=case.get("model_overrides", {}))
         prep = prepare(cfg)
         run = Run(prep, info, device)
-        run.engine.backend = case["backend"]  # "triton" fails unless the Triton kernels really run
+        run.sync.engine.backend = case["backend"]  # "triton" fails unless the Triton kernels really run
         inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
                                              world_size=info.world_size))
         before, wire_before = run.comm_bytes, run.wire_bytes
         loss_fn(run.train_model(inputs), targets).backward()
-        sq_norm = run.sdp.local_grad_sq_norm()  # the API finished the averaging when backward ended
+        sq_norm = run.sync.grad_sq_norm()  # the API finished the averaging when backward ended
         torch.save({
             "inputs": inputs, "targets": targets, "sq_norm": sq_norm,
             "grads": {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None},
             "index": {n: (s.dim, list(s.index), s.full_size) for n, s in run.model.full_index().items()},
             "comm_bytes": run.comm_bytes - before, "wire_bytes": run.wire_bytes - wire_before,
-            "buckets": [(list(b.plan.holders), b.buffer.numel() * b.buffer.element_size()) for b in run.engine.buckets],
+            "buckets": [(list(b.plan.holders), b.buffer.numel() * b.buffer.element_size()) for b in run.sync.engine.buckets],
         }, out / f"grads{i}_rank{info.rank}.pt")
 
 
 def steps_case(spec: dict, info, device, out: Path) -> None:
     """`spec["steps"]` optimizer steps of each case; every rank saves its state dict before and after
     them, and per step its buffer and wire bytes and the ops FSDP's byte counter intercepted."""
-    import sdp_train.train as train_module
+    import sdp_train.modes as modes_module
 
     calls = [0]
-    original = train_module.FSDPCollectiveBytes.__torch_dispatch__
+    original = modes_module.FSDPCollectiveBytes.__torch_dispatch__
 
     def counted(self, func, types, args=(), kwargs=None):
         calls[0] += 1
         return original(self, func, types, args, kwargs)
 
-    train_module.FSDPCollectiveBytes.__torch_dispatch__ = counted
+    modes_module.FSDPCollectiveBytes.__torch_dispatch__ = counted
     for i, case in enumerate(spec["cases"]):
         cfg = TrainConfig(model=case["model"], mode=case["mode"], workers=info.world_size, batch_size=2,
                           seq_len=16, active=None, mask=case.get("mask"), out=str(out), warmup_steps=1,
