@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from masklab import Mask
+from sdp_train import clip_guard
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import WHOLE, SliceSpec
 from sdp_train.sdp_blocks import MLPSpec, find_blocks
@@ -207,6 +208,8 @@ class SubnetworkDataParallel(nn.Module):
         hook = weak_grad_hook(self)
         self._hooks = [] if fsdp else [p.register_post_accumulate_grad_hook(hook)
                                        for p in module.parameters() if p.requires_grad]
+        if self.world_size > 1:  # torch's clipping would scale each rank's holders differently: warn
+            clip_guard.watch(module.parameters())
 
     # -- construction helpers ------------------------------------------------------------------
     def _held_block_flags(self) -> list[bool]:
@@ -328,7 +331,8 @@ class SubnetworkDataParallel(nn.Module):
 
         The norm counts every block once across ranks and every rank applies the same factor, so
         holders stay identical (``torch.nn.utils.clip_grad_norm_`` on one rank's subnetwork would
-        use a different norm on every rank). Every rank must call it.
+        use a different norm on every rank, and on more than one rank warns so: `sdp_train.clip_guard`).
+        Every rank must call it.
         """
         if norm_type != 2.0:
             raise ConfigError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -358,11 +359,14 @@ def accumulation_and_clipping_ranks(out: Path, rank: int) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         loss_of("custom", model, *batch("custom", 0, rank)).backward()
         grads = _grads(model)
-        norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2) if how == "torch"
-                else model.clip_grad_norm_(1e-2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2) if how == "torch"
+                    else model.clip_grad_norm_(1e-2))
         opt.step()
         state = {n: t.clone() for n, t in model.module.state_dict().items()}
-        saved[how] = {"norm": norm, "grads": grads, "state": state}
+        saved[how] = {"norm": norm, "grads": grads, "state": state,
+                      "warnings": [(str(w.message), Path(w.filename).name) for w in caught]}
     bf16 = SubnetworkDataParallel(make_model("custom"), mask=Mask(BLOCK_MASK), comm_dtype=torch.bfloat16,
                                   autocast_dtype=torch.bfloat16)
     loss_of("custom", bf16, *batch("custom", 0, rank)).backward()
@@ -522,6 +526,12 @@ def test_library_clipping_keeps_holders_identical_where_torch_clipping_does_not(
     for name in set(a["sdp"]["state"]) & set(b["sdp"]["state"]):
         assert torch.equal(a["sdp"]["state"][name], b["sdp"]["state"][name]), name
     assert a["sdp"]["norm"] == b["sdp"]["norm"]
+    # torch's clipping on an SDP model warns, naming the caller's file; the library's does not
+    for saved in (a, b):
+        [(message, where)] = saved["torch"]["warnings"]
+        assert message.startswith("torch.nn.utils.clip_grad_norm_ on the parameters of a SubnetworkDataParallel")
+        assert "model.clip_grad_norm_(max_norm)" in message and where == "test_api_training.py"
+        assert saved["sdp"]["warnings"] == []
 
 
 def test_bf16_buffers_halve_the_bytes_and_keep_fp32_gradients(ranks_out):
