@@ -76,6 +76,12 @@ class Preset:
     memory_steps: int = 2
     """Measured steps: the second is the first with AdamW's state allocated."""
     data: str = "auto"
+    model_overrides: tuple[tuple[str, Any], ...] = ()
+    """Fields of the model config every run replaces (``sdp train``'s ``model_overrides``)."""
+    overlap: bool = False
+    """Only the overlap-averaging comparison (`overlap_specs`) instead of the systems of `run_specs`."""
+    local_steps: int = 2
+    """H of the overlap-averaging runs (their schedules change the mask every H steps)."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -89,6 +95,15 @@ PRESETS: dict[str, Preset] = {
                                "its loss is DDP's; the GPU presets train it.",)),
     # GPU presets: the paper's LLaMA shapes on 4 GPUs (one per rank). The stdlib default data is
     # small; for real pre-training data pass uint16 token shards: sdp compare --data bin:DIR.
+    # Overlap averaging, where the mask graph's spectral gap is said to matter: 7 CPU ranks of a
+    # 7-block byte-level LM, so that a Fano plane (gamma 1/3) and a random balanced mask of the same
+    # coverage 3 (gamma 0.096) can be compared; about 15 min on 2 cores.
+    "cpu-overlap": Preset(model="llama-debug", workers=7, steps=120, batch_size=4, seq_len=64, lr=3e-3,
+                          warmup_steps=10, active=3 / 7, heterogeneous=True, eval_every=10, eval_batches=4,
+                          max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True,
+                          notes=("B-SDP with a permute schedule (stepwise averaging with blocks moving between "
+                                 "workers) is not in this comparison: sdp train trains schedules in mode overlap "
+                                 "only (issue 15, section 1).",)),
     "gpu-134m": Preset(model="llama-134m", workers=4, steps=2000, batch_size=16, seq_len=1024, lr=6e-4,
                        warmup_steps=100, sweep=(0.375, 0.69, 1.0), heterogeneous=True, eval_every=200,
                        eval_batches=16, max_data_bytes=200_000_000),
@@ -109,10 +124,18 @@ class RunSpec:
     fsdp: bool = False
     heterogeneous: bool = False
     flop_matched: bool = False
+    schedule: str | None = None
+    """``sdp train --schedule`` (mode overlap: the mask changes every ``local_steps`` steps)."""
+    construction: str = "auto"
+    """The mask design (``sdp train --construction``)."""
+    design_seed: int = 0
+    """Seed of the mask design (of a ``random`` construction), apart from the runs' seeds."""
 
 
 def run_specs(preset: Preset) -> list[RunSpec]:
     """The systems of a preset, baselines first."""
+    if preset.overlap:
+        return overlap_specs(preset)
     c = preset.active
     specs = [
         RunSpec("ddp", "ddp"),
@@ -131,6 +154,24 @@ def run_specs(preset: Preset) -> list[RunSpec]:
     return specs
 
 
+def overlap_specs(preset: Preset) -> list[RunSpec]:
+    """Stepwise B-SDP and Bb-SDP against overlap averaging with a static and a ``permute`` mask, on iid
+    and heterogeneous data, and two masks of equal coverage but different spectral gap under
+    ``permute`` (the designed one, a projective plane where one exists, and a random balanced one)."""
+    c = preset.active
+    return [
+        RunSpec("ddp", "ddp"),
+        RunSpec("bsdp", "bsdp", c),
+        RunSpec("bbsdp", "bbsdp", c),
+        RunSpec("overlap-static", "overlap", c),
+        RunSpec("overlap-permute", "overlap", c, schedule="permute"),
+        RunSpec("overlap-permute-random", "overlap", c, schedule="permute", construction="random", design_seed=3),
+        RunSpec("ddp-hetero", "ddp", heterogeneous=True),
+        RunSpec("bsdp-hetero", "bsdp", c, heterogeneous=True),
+        RunSpec("overlap-permute-hetero", "overlap", c, schedule="permute", heterogeneous=True),
+    ]
+
+
 def run_dir(out: Path, name: str, seed: int) -> Path:
     """Where the run of system `name` at `seed` writes: ``runs/NAME`` for seed 0 (the one-seed layout),
     ``runs/NAME/seed_S`` for the further seeds of ``--seeds N``."""
@@ -146,37 +187,61 @@ def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
         eval_batches=preset.eval_batches, eval_every=preset.eval_every, activation_checkpointing=spec.ac,
         fsdp=spec.fsdp, memory_steps=preset.memory_steps, out=str(run_dir(out, spec.name, 0)),
         save_model=False,  # a comparison reports metrics; a gpu-1b run's model would be GBs per system
+        model_overrides=dict(preset.model_overrides), construction=spec.construction,
+        schedule=spec.schedule, every=preset.local_steps if spec.schedule else 1,
+        local_steps=preset.local_steps if spec.mode == "overlap" else 1,
     )
 
 
 # -- design and verification ---------------------------------------------------------------------
-def certify(mask, steps: int, mode: str) -> dict[str, Any]:
+def certify(mask, steps: int, mode: str, *, local_steps: int = 1) -> dict[str, Any]:
     """masklab's certificate of `mask`, the conditions a theorem needs of it, and the covering bound ratio.
 
     The one condition every theorem of docs/theory.md needs is that every block is held. The
     mixing graph's connectivity (spectral gap > 0) is reported but is no condition: it governs
-    only overlap averaging, which these runs do not use. ``bound_vs_ddp`` is the covering
-    theorem's bound over DDP's (`theory.coverage.covered_bound_ratio`), None where no theorem
-    covers the run (forward-masked B-/N-SDP).
+    only overlap averaging (mode ``overlap``, backward masking with its copies kept: Theorems 4
+    and 6), whose ``consensus_gap`` is Theorem 4's per-period gap g = min_j g_j of the schedule's
+    expected mixing operator (``consensus_period`` rounds of ``local_steps`` steps; 0 for a static
+    mask, whose non-holders never mix) and whose bound is infinite without one. ``bound_vs_ddp``
+    is the covering theorem's bound over DDP's (`theory.coverage.covered_bound_ratio`), None where
+    no theorem covers the run (forward-masked B-/N-SDP) or, with ``bound_infinite``, where the
+    covering theorem gives no finite bound (overlap averaging with a static mask).
     """
-    from masklab import analyze
+    from masklab import Schedule, analyze
+    from theory.consensus import consensus_period, consensus_rate
     from theory.coverage import covered_bound_ratio, covering_theorem
 
     cert = analyze(mask).to_dict()
-    ratio = covered_bound_ratio(mode, mask, steps=steps)
+    overlap = mode == "overlap"
+    theory_mode = "bbsdp" if overlap else mode  # overlap averaging is backward masking, copies kept
+    ratio = covered_bound_ratio(theory_mode, mask, steps=steps, local_steps=local_steps, overlap=overlap)
     conditions = {"every block held (coverage >= 1)": cert["coverage_min"] >= 1}
-    if ratio is not None:
+    if ratio is not None and not overlap:  # a static overlap mask has no finite bound, and is compared for that
         conditions["finite bound (unit constants)"] = math.isfinite(ratio)
-    coverage = covering_theorem(mode, mask.schedule)
-    return {"certificate": cert, "conditions": conditions, "verified": all(conditions.values()),
-            "bound_vs_ddp": ratio, "theorem": coverage.theorem if coverage.covered else None}
+    coverage = covering_theorem(theory_mode, mask.schedule, local_steps=local_steps, overlap=overlap)
+    infinite = ratio is not None and not math.isfinite(ratio)  # kept out of the JSON report as null
+    verification = {"certificate": cert, "conditions": conditions, "verified": all(conditions.values()),
+                    "bound_vs_ddp": None if infinite else ratio, "bound_infinite": infinite,
+                    "theorem": coverage.theorem if coverage.covered else None}
+    if overlap:  # the certificate's gap is the schedule's expectation (the same for every mask under permute)
+        verification["matrix_spectral_gap"] = analyze(mask.replace(schedule=Schedule())).spectral_gap
+        verification["consensus_gap"] = consensus_rate(mask, local_steps=local_steps)
+        verification["consensus_period"] = consensus_period(mask, local_steps=local_steps)
+    return verification
 
 
 def _bound_text(verification: dict[str, Any]) -> str:
     ratio = verification["bound_vs_ddp"]
-    if ratio is None:
+    if verification["bound_infinite"]:
+        ratio = math.inf
+    elif ratio is None:
         return "no theorem covers this mode (forward masking): no bound"
-    return f"bound x DDP {ratio:.2f} ({verification['theorem']})"
+    consensus = (f", gamma of the matrix {verification['matrix_spectral_gap']:.3f}, Theorem 4 consensus gap "
+                 f"{verification['consensus_gap']:.3f} per "
+                 f"{verification['consensus_period']} round(s)" if "consensus_gap" in verification else "")
+    if not math.isfinite(ratio):
+        return f"no finite bound ({verification['theorem']}: the copies never reach consensus){consensus}"
+    return f"bound x DDP {ratio:.2f} ({verification['theorem']}){consensus}"
 
 
 def flops_per_step(cfg: TrainConfig, mask) -> float:
@@ -197,7 +262,7 @@ def flops_per_step(cfg: TrainConfig, mask) -> float:
             model = model_class(model_config)(model_config, **subnet_kwargs(model_config, row, cfg.level))
         held.append(sum(p.numel() for p in model.parameters()))
     mean_held = float(np.mean(held))
-    if cfg.mode == "bbsdp":
+    if cfg.mode in ("bbsdp", "overlap"):  # the full model forward and backward, weight gradients of held blocks
         return tokens * (2 * forwards * full + 2 * full + 2 * mean_held)
     return tokens * mean_held * (2 * forwards + 4)
 
@@ -221,14 +286,15 @@ def plan_runs(preset: Preset, out: Path) -> list[Planned]:
     (out / "masks").mkdir(parents=True, exist_ok=True)
     for spec in run_specs(preset):
         cfg = base_config(preset, spec, out)
-        mask = prepare(cfg).mask  # the mask `sdp train` would design, with every check it makes
+        # the mask `sdp train` would design, with every check it makes
+        mask = prepare(replace(cfg, seed=spec.design_seed)).mask
         verification = duplicate = None
         if mask is not None:
             mask_path = out / "masks" / f"{spec.name}.json"
             if not mask_path.is_file() or mask_path.read_bytes() != _mask_bytes(mask):
                 save_mask(mask, mask_path)
             cfg = replace(cfg, mask=str(mask_path), active=None)
-            verification = certify(mask, cfg.steps, cfg.mode)
+            verification = certify(mask, cfg.steps, cfg.mode, local_steps=cfg.local_steps)
             if spec.name.startswith("bsdp-C"):
                 duplicate = next((p.spec.name for p in planned if p.mask is not None and p.config.mode == "bsdp"
                                   and not p.spec.heterogeneous and np.array_equal(p.mask.matrix, mask.matrix)), None)
@@ -310,8 +376,18 @@ def _rows(preset: Preset, planned: list[Planned],
             "val_history": [*s.get("val_history", []), {"step": s["config"]["steps"] - 1,
                                                          "val_loss": s["final_val_loss"]}],
             "bound_vs_ddp": None if p.verification is None else p.verification["bound_vs_ddp"],
+            "bound_infinite": p.verification is not None and p.verification["bound_infinite"],
             "mask_file": s["config"].get("mask"),
         }
+        if p.spec.mode == "overlap":
+            row |= {"schedule": p.mask.schedule.kind, "local_steps": s["config"]["local_steps"],
+                    "spectral_gap": p.verification["matrix_spectral_gap"],
+                    "consensus_gap": p.verification["consensus_gap"],
+                    "consensus_period": p.verification["consensus_period"],
+                    "consensus_history": [
+                        *({"step": v["step"], **v["consensus_distance"]} for v in s.get("val_history", [])
+                          if "consensus_distance" in v),
+                        {"step": s["config"]["steps"] - 1, **s["final_consensus_distance"]}]}
         if ddp is not None:
             ref = {"peak_memory": max(q.get("total", 0) for q in ddp["peak_memory_bytes"]),
                    "comm_bytes_per_step": ddp["comm_bytes_per_step"],

@@ -16,7 +16,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "same data, seeds and budget; write compare.json, compare.md and plots. "
                     "Re-running skips the runs that finished. With --seeds N every system is trained with "
                     "seeds 0..N-1 and the report adds mean, spread and 95% confidence intervals of every ratio "
-                    "to DDP, and says which val-loss differences to DDP are larger than the seed-to-seed spread.")
+                    "to DDP, and says which val-loss differences to DDP are larger than the seed-to-seed spread. "
+                    "--preset cpu-overlap instead compares overlap averaging (static and permute masks, iid and "
+                    "heterogeneous data, two masks of one coverage and different spectral gap) with DDP and "
+                    "stepwise B-SDP/Bb-SDP, with the consensus distance beside Theorem 4.")
     p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="(default cpu-small)")
     p.add_argument("--out", default="runs/compare", metavar="DIR", help="(default runs/compare)")
     p.add_argument("--data", default=None, metavar="SOURCE",
@@ -34,5 +37,7 @@ def run(args: argparse.Namespace) -> int:
     compare(args.preset, out, data=args.data, seeds=args.seeds)
     print()
     print((out / "compare.md").read_text(encoding="utf-8"))
-    print(f"report: {out / 'compare.json'}; plots: {out / 'compare_loss.png'}, {out / 'compare_cost.png'}")
+    plots = [out / name for name in ("compare_loss.png", "compare_cost.png", "compare_consensus.png")
+             if (out / name).is_file()]
+    print(f"report: {out / 'compare.json'}; plots: {', '.join(map(str, plots))}")
     return 0

@@ -12,7 +12,9 @@ held-out batches for every run.
 
 Plots: ``compare_loss.png`` (validation loss against steps and against training FLOPs per rank)
 and ``compare_cost.png`` (peak memory per rank stacked by category, buffer and wire bytes per step
-per rank, median step time), both of seed 0's runs.
+per rank, median step time), both of seed 0's runs; with overlap-averaging runs (``--preset
+cpu-overlap``) also ``compare_consensus.png`` (`plot_consensus`) and a table of their consensus
+distances beside Theorem 4's rates (`consensus_table`).
 
 With ``--seeds N`` (N > 1) compare.md adds a table over the seeds (`seed_table`) and compare.json
 the keys ``seeds``, ``seed_runs`` and ``seed_stats`` (`sdp_train.compare_stats` documents them).
@@ -58,7 +60,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         "(all-reduce 2(c-1)/c of its buffer, all-gather / reduce-scatter / broadcast (c-1)/c; docs/design.md). "
         "bound x: the bound of the theorem that covers the run (docs/theory.md), over DDP's, under unit "
         "constants; '-' where no theorem covers it (forward-masked B-/N-SDP, whose subnetworks are not the "
-        "backward-masked algorithm the theorems bound).",
+        "backward-masked algorithm the theorems bound), 'inf' where it gives no finite bound.",
         "",
         "| run | C | steps | val loss | x | train FLOPs x | peak MiB | x | P / G / O / A | buffer MiB/step | x "
         "| wire MiB/step | x | step s | x | bound x |",
@@ -68,7 +70,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         p = r["peak_memory_bytes"]
         parts = " / ".join(f"{p.get(c, 0) / 2**20:.1f}" for c in CATEGORIES[:4])
         active = "1" if r["active"] is None else f"{r['active']:.3g}"
-        bound = "-" if r["bound_vs_ddp"] is None else f"{r['bound_vs_ddp']:.2f}"
+        bound = "inf" if r.get("bound_infinite") else "-" if r["bound_vs_ddp"] is None else f"{r['bound_vs_ddp']:.2f}"
         lines.append(
             f"| {name} | {active} | {r['steps']} | {r['final_val_loss']:.4f} | {_ratio(r, 'final_val_loss', 3)} "
             f"| {_ratio(r, 'training_flops')} | {_mib(p.get('total', 0))} | {_ratio(r, 'peak_memory')} | {parts} "
@@ -77,6 +79,8 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {_ratio(r, 'wire_bytes_per_step')} | {r['step_time_s']:.3f} "
             f"| {_ratio(r, 'step_time_s')} | {bound} |"
         )
+    if any("consensus_history" in r for r in report["runs"].values()):
+        lines += ["", *consensus_table(report)]
     if "seed_stats" in report:
         lines += ["", *seed_table(report)]
     for name, why in report.get("not_run", {}).items():
@@ -84,6 +88,33 @@ def markdown_table(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         lines.append(f"\n{note}")
     return "\n".join(lines) + "\n"
+
+
+def consensus_table(report: dict[str, Any]) -> list[str]:
+    """The lines of the overlap-averaging table: per run its schedule, H, the mask's spectral gap
+    gamma(M), Theorem 4's gap g of the schedule (per period of P rounds) and the per-round factor
+    (1 - g)^(1/P) it guarantees for the copies' disagreement without training, and the measured
+    consensus distance (sum over blocks and the shared parameters) at the middle and the end."""
+    lines = [
+        "Overlap averaging (copies kept; each block averaged among its current holders every H steps). "
+        "gamma(M): the spectral gap of the mask matrix (a permute schedule's expected graph has the same gap "
+        "for every mask of one coverage); g: Theorem 4's gap of the schedule's expected mixing operator, "
+        "per period of P rounds, and (1 - g)^(1/P) the per-round contraction of the copies' disagreement it "
+        "guarantees when nothing trains; consensus distance: sum over blocks of the mean squared distance of "
+        "the workers' copies from their average (compare_consensus.png plots it against step).",
+        "",
+        "| run | schedule | H | gamma(M) | g (P) | (1 - g)^(1/P) | consensus distance, middle | at the end |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in report["runs"].items():
+        if "consensus_history" not in r:
+            continue
+        history, gap, period = r["consensus_history"], r["consensus_gap"], r["consensus_period"]
+        middle = history[(len(history) - 1) // 2]
+        lines.append(f"| {name} | {r['schedule']} | {r['local_steps']} | {r['spectral_gap']:.3f} | {gap:.3f} "
+                     f"({period}) | {(1 - gap) ** (1 / period):.3f} | {middle['total']:.4g} (step "
+                     f"{middle['step'] + 1}) | {history[-1]['total']:.4g} |")
+    return lines
 
 
 SEED_RATIOS = (("val loss x", "final_val_loss_vs_ddp"), ("train FLOPs x", "training_flops_vs_ddp"),
@@ -179,6 +210,41 @@ def plot(report: dict[str, Any], out: Path) -> None:
     fig.suptitle(f"{report['command']}  ({report['date']})")
     fig.tight_layout()
     _save(fig, out / "compare_cost.png")
+    plt.close(fig)
+    if any("consensus_history" in r for r in runs.values()):
+        plot_consensus(report, out)
+
+
+def plot_consensus(report: dict[str, Any], out: Path) -> None:
+    """compare_consensus.png: each overlap-averaging run's measured consensus distance against step
+    (solid), and from each measured point the decay Theorem 4 guarantees over the next evaluation
+    interval when nothing trains, (1 - g)^floor(rounds / P) (dotted): where the measurement stays
+    above it, training (local steps) adds the disagreement the averages take away."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (name, r) in enumerate((n, r) for n, r in report["runs"].items() if "consensus_history" in r):
+        steps = np.array([h["step"] + 1 for h in r["consensus_history"]])
+        total = np.array([h["total"] for h in r["consensus_history"]])
+        color = f"C{i}"
+        ax.plot(steps, total, "-o", ms=3, color=color,
+                label=f"{name}: gamma(M) {r['spectral_gap']:.3f}, g {r['consensus_gap']:.3f}")
+        for (s0, x0), s1 in zip(zip(steps, total), steps[1:]):
+            span = np.arange(s0, s1 + 1)
+            rounds = (span - s0) // r["local_steps"]
+            ax.plot(span, x0 * (1 - r["consensus_gap"]) ** (rounds // r["consensus_period"]), ":", color=color)
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_xlabel("optimizer steps")
+    ax.set_ylabel("consensus distance (sum over blocks)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{report['command']}  ({report['date']}): measured (solid), Theorem 4 without training (dotted)",
+                 fontsize=8)
+    fig.tight_layout()
+    _save(fig, out / "compare_consensus.png")
     plt.close(fig)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from sdp_train import compare as compare_mod
@@ -72,8 +73,8 @@ def test_compare_trains_reports_and_resumes(tmp_path, tiny, capsys, monkeypatch)
     out = tmp_path / "cmp"
     certify = compare_mod.certify
 
-    def refusing_small_c(mask, steps, mode):  # the path of a mask that fails a condition
-        result = certify(mask, steps, mode)
+    def refusing_small_c(mask, steps, mode, **kw):  # the path of a mask that fails a condition
+        result = certify(mask, steps, mode, **kw)
         if mask.active_fraction < 0.4:
             result["conditions"]["test: C below 0.4 refused"] = False
             result["verified"] = False
@@ -125,6 +126,49 @@ def test_compare_trains_reports_and_resumes(tmp_path, tiny, capsys, monkeypatch)
     assert stats["bsdp"]["peak_memory_vs_ddp"]["sd"] == 0.0  # the same shapes at every seed
     assert again["command"] == "sdp compare --preset tiny --seeds 2"
     assert "Over 2 seeds (0, 1;" in (out / "compare.md").read_text()
+
+
+def test_the_overlap_preset_compares_two_masks_of_one_coverage_and_different_gamma(tmp_path):
+    planned = {p.spec.name: p for p in plan_runs(compare_mod.PRESETS["cpu-overlap"], tmp_path)}
+    fano, rand = (planned[n].verification for n in ("overlap-permute", "overlap-permute-random"))
+    assert planned["overlap-permute"].mask.construction == "projective-plane"
+    assert np.array_equal(planned["overlap-permute"].mask.coverage, planned["overlap-permute-random"].mask.coverage)
+    assert fano["matrix_spectral_gap"] == pytest.approx(1 / 3) and rand["matrix_spectral_gap"] < 0.2
+    # under permute Theorem 4's gap is the per-block (c - 1)/(K - 1) for both: what the runs test
+    assert fano["consensus_gap"] == pytest.approx(rand["consensus_gap"]) == pytest.approx(2 / 6)
+    static = planned["overlap-static"].verification
+    assert static["consensus_gap"] == 0 and static["bound_infinite"] and static["bound_vs_ddp"] is None
+    assert static["theorem"] == fano["theorem"] == "Theorem 6" and math.isfinite(fano["bound_vs_ddp"])
+    assert planned["overlap-permute"].config.every == planned["overlap-permute"].config.local_steps == 2
+    assert all(p.config.model_overrides == {"n_layers": 7} for p in planned.values())
+
+
+TINY_OVERLAP = Preset(model="llama-debug", workers=3, steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1,
+                      active=2 / 3, eval_every=2, eval_batches=1, max_data_bytes=100_000, memory_steps=1,
+                      model_overrides=(("n_layers", 3),), overlap=True)
+
+
+@pytest.mark.slow
+def test_overlap_rows_report_consensus_beside_theorem_4(tmp_path, monkeypatch):
+    monkeypatch.setitem(compare_mod.PRESETS, "tiny-overlap", TINY_OVERLAP)
+    kept = ("ddp", "overlap-static", "overlap-permute")
+    monkeypatch.setattr(compare_mod, "run_specs",
+                        lambda preset: [s for s in compare_mod.overlap_specs(preset) if s.name in kept])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "cmp"
+    report = compare("tiny-overlap", out, log=lambda line: None)
+    runs = report["runs"]
+    assert set(runs) == set(kept) and "consensus_history" not in runs["ddp"]
+    for name in kept[1:]:
+        history = runs[name]["consensus_history"]
+        assert [h["step"] for h in history] == [1, 3] and all(h["total"] > 0 for h in history)
+        assert runs[name]["local_steps"] == 2 and runs[name]["comm_bytes_per_step_vs_ddp"] < 1
+    assert runs["overlap-static"]["bound_infinite"] and runs["overlap-permute"]["schedule"] == "permute"
+    json.loads((out / "compare.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+    table = (out / "compare.md").read_text()
+    assert "| overlap-static | static | 2 | " in table and "| inf |" in table
+    assert (out / "compare_consensus.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_unknown_preset_and_bad_out_are_one_line_errors(tmp_path, capsys):
