@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,8 +37,10 @@ from sdp_train.sdp_blocks import MLPSpec, find_blocks
 from sdp_train.sdp_export import assemble, save_safetensors
 from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
 from sdp_train.sdp_parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
+from sdp_train.sdp_schedule import move_optimizer_state
 from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, holder_set_groups, plan_buckets,
                             unpin_default_group, weak_grad_hook)
+from sdp_train.wire import ByteCount
 
 unpin_default_group()  # before any user group exists, or undoing what an earlier import pinned
 
@@ -105,9 +108,11 @@ class SubnetworkDataParallel(nn.Module):
         # 1. blocks, the full model's layout and the mask (identical on every rank)
         block_names = find_blocks(module, blocks)
         layout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
-        mask = resolve_mask(mask, active, world_size, layout, seed=seed)
-        held_by_rank = [layout.held(mask.matrix[r]) for r in range(world_size)]
-        row = mask.matrix[rank]
+        mask = resolve_mask(mask, active, world_size, layout, seed=seed,
+                            schedules=masking == "backward" and level == "block" and not fsdp)
+        matrix = mask.round_matrix(0, seed=seed)  # a schedule's first round
+        held_by_rank = [layout.held(matrix[r]) for r in range(world_size)]
+        row = matrix[rank]
         # 2. this worker's subnetwork (state-dict names stay the full model's)
         if masking == "backward":
             freeze_blocks(module, layout, row)
@@ -122,14 +127,14 @@ class SubnetworkDataParallel(nn.Module):
         device = _materialise(module, device, init, init_state is not None)
         self._setup(module, layout, mask, held_by_rank, local_index, device, masking=masking,
                     activation_checkpointing=activation_checkpointing, fsdp=fsdp, autocast_dtype=autocast_dtype,
-                    comm_dtype=comm_dtype, init_state=init_state, values_agree=False)
+                    comm_dtype=comm_dtype, init_state=init_state, values_agree=False, seed=seed)
 
     @classmethod
     def from_subnetwork(cls, module: nn.Module, *, layout: ModelLayout, mask: Mask,
                         held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: Mapping[str, SliceSpec],
                         masking: str = "forward", activation_checkpointing: bool = False, fsdp: bool = False,
                         autocast_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
-                        values_agree: bool = False) -> SubnetworkDataParallel:
+                        values_agree: bool = False, seed: int = 0) -> SubnetworkDataParallel:
         """Wrap a subnetwork this rank has already built (steps 4 and 5 of the constructor only).
 
         For models that know how to build a worker's part without the full model: the built-in
@@ -138,7 +143,8 @@ class SubnetworkDataParallel(nn.Module):
         the part of the full tensor it holds, ``held_by_rank`` gives that map for every rank, and
         ``layout`` describes the full model (its ``blocks`` and ``level``). With ``values_agree``
         the holders of every tensor already hold the same values (built from one seed), so the
-        initial broadcast is skipped.
+        initial broadcast is skipped. A `mask` with a schedule (backward masking) starts in its first
+        round, ``mask.round_matrix(0, seed=seed)``: build the module and ``held_by_rank`` from that.
         """
         _check_options(layout.level, masking, fsdp, comm_dtype)
         self = cls.__new__(cls)
@@ -147,16 +153,26 @@ class SubnetworkDataParallel(nn.Module):
         device = params[0].device if params else torch.device("cpu")
         self._setup(module, layout, mask, held_by_rank, dict(local_index), device, masking=masking,
                     activation_checkpointing=activation_checkpointing, fsdp=fsdp, autocast_dtype=autocast_dtype,
-                    comm_dtype=comm_dtype, init_state=None, values_agree=values_agree)
+                    comm_dtype=comm_dtype, init_state=None, values_agree=values_agree, seed=seed)
         return self
 
     def _setup(self, module: nn.Module, layout: ModelLayout, mask: Mask,
                held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: dict[str, SliceSpec],
                device: torch.device, *, masking: str, activation_checkpointing: bool, fsdp: bool,
                autocast_dtype: torch.dtype | None, comm_dtype: torch.dtype | None,
-               init_state: Mapping[str, torch.Tensor] | None, values_agree: bool) -> None:
+               init_state: Mapping[str, torch.Tensor] | None, values_agree: bool, seed: int) -> None:
         """Steps 3 (values) to 5 (gradient averaging), for a module already cut to this worker's part."""
         self.rank, self.world_size = _rank_and_world()
+        if not mask.schedule.is_static and (masking != "backward" or layout.level != "block" or fsdp):
+            raise ConfigError(f"a mask with a {mask.schedule.kind!r} schedule trains with masking='backward' at "
+                              f"level 'block' without fsdp, got masking={masking!r}, level={layout.level!r}, "
+                              f"fsdp={fsdp}")
+        self.seed, self.steps = seed, 0
+        self._matrix = mask.round_matrix(0, seed=seed)
+        self.mask_change_bytes = ByteCount()
+        """Bytes of the optimizer state moved at mask changes (a schedule), apart from gradient traffic."""
+        self._old_bytes = ByteCount()  # of the engines and broadcasters that no_sync and mask changes retired
+        self._optimizers: list[weakref.ref] = []
         self.level, self.masking, self.autocast_dtype, self.comm_dtype = layout.level, masking, autocast_dtype, comm_dtype
         self.layout, self.mask, self.held_by_rank, self.local_index = layout, mask, list(held_by_rank), local_index
         self.module, self.device, self.fsdp = module, device, fsdp
@@ -165,11 +181,7 @@ class SubnetworkDataParallel(nn.Module):
         # the holder sets' process groups, made once (`holder_set_groups`): buckets, statistics, FSDP meshes
         shapes = {n: shape for n, (shape, _) in layout.tensors.items()}
         self.plans = plan_buckets(self.held_by_rank, layout.parameter_names, shapes=shapes)
-        buffer_names = [n for n, (_, dtype) in layout.tensors.items()
-                        if dtype.is_floating_point and n not in set(layout.parameter_names)]
-        # averaged after backward, not during it: one bucket per holder set
-        buffer_plans = (plan_buckets(self.held_by_rank, buffer_names, shapes=shapes,
-                                     layers_per_bucket=len(buffer_names) + 1) if buffer_names else [])
+        buffer_plans = self._buffer_plans()
         holder_sets = [p.holders for p in [*self.plans, *buffer_plans]]
         if fsdp:
             holder_sets += [tuple(int(k) for k in mask.holder_set(j)) for j in range(mask.blocks)]
@@ -188,7 +200,6 @@ class SubnetworkDataParallel(nn.Module):
         self.broadcaster: ParamBroadcaster | None = None
         self.buffer_averager: BufferAverager | None = None
         self.optimizers_registered = 0
-        self._bytes_of_old_engines = 0
         self._sync_enabled = True
         self._sq_norm: torch.Tensor | None = None
         self._finish_queued = False
@@ -208,15 +219,24 @@ class SubnetworkDataParallel(nn.Module):
         hook = weak_grad_hook(self)
         self._hooks = [] if fsdp else [p.register_post_accumulate_grad_hook(hook)
                                        for p in module.parameters() if p.requires_grad]
+        self._hooked = {id(p) for p in module.parameters() if p.requires_grad and not fsdp}
         if self.world_size > 1:  # torch's clipping would scale each rank's holders differently: warn
             clip_guard.watch(module.parameters())
 
     # -- construction helpers ------------------------------------------------------------------
     def _held_block_flags(self) -> list[bool]:
-        row = self.mask.matrix[self.rank].astype(bool)
+        row = self._matrix[self.rank].astype(bool)
         if self.level == "neuron":
             return [True] * len(self.layout.blocks)
         return list(row)
+
+    def _buffer_plans(self) -> list:
+        """The floating-point buffers' buckets (averaged after backward, not during it: one per holder set)."""
+        tensors, params = self.layout.tensors, set(self.layout.parameter_names)
+        names = [n for n, (_, dtype) in tensors.items() if dtype.is_floating_point and n not in params]
+        shapes = {n: shape for n, (shape, _) in tensors.items()}
+        return (plan_buckets(self.held_by_rank, names, shapes=shapes, layers_per_bucket=len(names) + 1)
+                if names else [])
 
     def _new_engine(self) -> SyncEngine:
         engine = SyncEngine(self.module, self.plans, self.local_index, self.groups, self.rank)
@@ -276,7 +296,7 @@ class SubnetworkDataParallel(nn.Module):
         if self.fsdp:
             self.module.set_requires_gradient_sync(False)
         else:
-            self._bytes_of_old_engines += self.engine.comm_bytes
+            self._old_bytes += self.engine.bytes
             self.engine.remove_hooks()
         try:
             yield
@@ -288,15 +308,85 @@ class SubnetworkDataParallel(nn.Module):
                 self.engine = self._new_engine()
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer, *, hook: bool = True) -> None:
-        """Backward masking: after each ``optimizer.step()``, send held blocks' new values to the others.
+        """Backward masking: after each ``optimizer.step()``, send held blocks' new values to the others
+        and, under a schedule, move to the next round's mask (`step_done`).
 
-        With ``hook=False`` nothing is registered on `optimizer`: call `broadcast_held` yourself
-        after each step (``sdp train`` does, so that its memory meter, which files what a step
-        allocates as optimizer state, sees the broadcast's buffers as temporaries of their own).
+        With ``hook=False`` nothing is registered on `optimizer`: call `step_done` yourself after
+        each step (``sdp train`` does, so that its memory meter, which files what a step allocates as
+        optimizer state, sees the broadcast's buffers as temporaries of their own). Under a schedule
+        the optimizer must step every parameter (build it over all of ``model.parameters()``): its
+        state moves to a block's new holders at a mask change.
         """
-        if self.broadcaster is not None and hook:
-            optimizer.register_step_post_hook(_weak_broadcast(weakref.ref(self)))
+        if (self.broadcaster is not None or not self.mask.schedule.is_static) and hook:
+            optimizer.register_step_post_hook(_weak_step_done(weakref.ref(self)))
+        self._optimizers.append(weakref.ref(optimizer))
         self.optimizers_registered += 1
+
+    def step_done(self) -> None:
+        """After each optimizer step (every rank): `broadcast_held`, and under a schedule, when the
+        mask changes, the next round (`sdp_train.sdp_schedule`: every tensor's optimizer state
+        moves from its lowest-ranked old holder to its new holders; the gradient averages, the
+        broadcasts and requires_grad follow the new mask)."""
+        self.broadcast_held()
+        if self.mask.schedule.is_static:
+            return
+        self.steps += 1
+        matrix = self.mask.round_matrix(self.steps, seed=self.seed)
+        if not np.array_equal(matrix, self._matrix):
+            self._enter_round(matrix, move_state=True)
+
+    def schedule_state(self) -> dict[str, int]:
+        """``{"steps": optimizer steps taken}`` under a schedule (it fixes the round), ``{}`` for a
+        static mask: save it with each worker's model and optimizer state."""
+        return {} if self.mask.schedule.is_static else {"steps": self.steps}
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        """Continue from `schedule_state`, after this worker's model and optimizer state are loaded."""
+        if self.mask.schedule.is_static and not state:
+            return
+        steps = state.get("steps") if isinstance(state, dict) else None
+        if self.mask.schedule.is_static or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"schedule state {state!r} does not fit a {self.mask.schedule.kind!r} mask: expected "
+                              + ("{}" if self.mask.schedule.is_static else "{'steps': n} with an integer n >= 0"))
+        self.steps = steps
+        matrix = self.mask.round_matrix(steps, seed=self.seed)
+        if not np.array_equal(matrix, self._matrix):
+            self._enter_round(matrix, move_state=False)  # the loaded state is already this round's
+
+    def _enter_round(self, matrix: np.ndarray, *, move_state: bool) -> None:
+        """Train under `matrix` from now on (backward masking; every rank calls it)."""
+        new_held = [self.layout.held(matrix[r]) for r in range(self.world_size)]
+        if move_state:
+            optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
+            move_optimizer_state(optimizers, self.module, self.layout.parameter_names, self.held_by_rank, new_held,
+                                 self.rank, self.mask_change_bytes)
+        held = new_held[self.rank]
+        hook = weak_grad_hook(self)
+        for name, param in self.module.named_parameters():
+            param.requires_grad_(name in held)
+            if name not in held:
+                param.grad = None
+            elif id(param) not in self._hooked:  # first held in this round: it needs the sync hook
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                self._hooked.add(id(param))
+        self.held_by_rank, self._matrix = new_held, matrix
+        self.held_blocks = tuple(b for b, keep in zip(self.layout.blocks, self._held_block_flags()) if keep)
+        shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
+        self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names, shapes=shapes)
+        buffer_plans = self._buffer_plans()
+        missing = sorted({p.holders for p in [*self.plans, *buffer_plans]} - set(self.groups))
+        if missing:  # every rank reaches this with the same sets (the schedule is computed, not sent)
+            made = holder_set_groups(missing, self.world_size, singletons=False) if self.world_size > 1 else {}
+            self.groups.update({h: None if len(h) == 1 else made.get(h) for h in missing})
+        for retired in (self.engine, self.broadcaster, self.buffer_averager):
+            if retired is not None:
+                self._old_bytes += retired.bytes
+        self.engine.remove_hooks()
+        self.engine = self._new_engine()
+        if self.world_size > 1:
+            self.broadcaster = ParamBroadcaster(self.module, self.plans, self.world_size)
+        if buffer_plans and self.world_size > 1:
+            self.buffer_averager = BufferAverager(self.module, buffer_plans, self.local_index, self.groups, self.rank)
 
     def broadcast_held(self) -> None:
         """Backward masking: send each held block's values to the workers that do not hold it (every
@@ -390,16 +480,20 @@ class SubnetworkDataParallel(nn.Module):
             local.copy_(self.local_index[name].take(state[name].to(local.device)))
 
     @property
+    def bytes(self) -> ByteCount:
+        """Buffer and wire bytes of the gradient averages, backward masking's broadcasts and the
+        statistics' averages so far (`sdp_train.wire`); a schedule's moves are `mask_change_bytes`."""
+        total = ByteCount()
+        total += self._old_bytes
+        for counter in (self.engine, self.broadcaster, self.buffer_averager):
+            if counter is not None:
+                total += counter.bytes
+        return total
+
+    @property
     def comm_bytes(self) -> int:
         """Bytes this rank passed to gradient collectives (and backward masking's broadcasts) so far."""
-        total = self._bytes_of_old_engines
-        if self.engine is not None:
-            total += self.engine.comm_bytes
-        if self.broadcaster is not None:
-            total += self.broadcaster.comm_bytes
-        if self.buffer_averager is not None:
-            total += self.buffer_averager.bytes.buffer
-        return total
+        return self.bytes.buffer
 
 
 SDP = SubnetworkDataParallel
@@ -461,13 +555,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 __all__ = ["MLPSpec", "SDP", "SubnetworkDataParallel", "find_blocks"]
 
 
-def _weak_broadcast(wrapper: weakref.ref) -> Callable[..., None]:
-    """An optimizer step hook that sends the wrapper's new values while the wrapper exists (weak, as
+def _weak_step_done(wrapper: weakref.ref) -> Callable[..., None]:
+    """An optimizer step hook that calls the wrapper's `step_done` while the wrapper exists (weak, as
     the gradient hooks are: an optimizer kept after the wrapper must not keep its groups alive)."""
 
     def hook(*_) -> None:
         alive = wrapper()
         if alive is not None:
-            alive.broadcast_held()
+            alive.step_done()
 
     return hook

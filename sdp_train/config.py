@@ -20,6 +20,7 @@ MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp", "overlap")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
 LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron", "overlap": "block"}
 STEPWISE_MODES = ("bsdp", "nsdp", "bbsdp")  # holders agree at every step; overlap averaging every local_steps
+SCHEDULED_MODES = ("bbsdp", "overlap")  # modes that train a mask schedule (forward masking trains static masks)
 SCHEDULE_KINDS = ("static", "permute", "cyclic")  # as masklab.Schedule
 MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
@@ -54,7 +55,8 @@ class TrainConfig:
     """How the mask changes over training: ``static``, ``permute`` (rows reassigned to workers by a
     fresh random permutation every `every` steps) or ``cyclic`` (rows rotate by one worker every
     `every` steps); replaces a mask file's schedule. None: the mask file's (static when designed).
-    Schedules other than static train in mode ``overlap``."""
+    Schedules other than static train in modes ``bbsdp`` (each block's optimizer state moves to its
+    new holders at a change) and ``overlap``."""
     every: int = 1
     """Steps between schedule changes (R), with `schedule`; a multiple of `local_steps`."""
     local_steps: int = 1
@@ -151,16 +153,17 @@ class TrainConfig:
         _positive_int(self, "max_consecutive_skips", "every", "local_steps")
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"schedule={self.schedule!r} is not one of {SCHEDULE_KINDS}")
-        if self.every != 1 and self.schedule is None:
-            raise ConfigError(f"every={self.every} (--every) needs schedule (--schedule permute|cyclic)")
+        if self.every != 1 and self.schedule in (None, "static"):
+            raise ConfigError(f"every={self.every} (--every) needs schedule (--schedule permute|cyclic), got "
+                              f"schedule={self.schedule!r}")
         if self.local_steps != 1 and self.mode != "overlap":
             raise ConfigError(f"local_steps={self.local_steps} (--local-steps) is the averaging period of mode "
                               f"'overlap', got mode {self.mode!r} (whose holders agree at every step)")
         if self.schedule is not None and self.mode in BASELINES:
             raise ConfigError(f"schedule={self.schedule!r} (--schedule) changes a mask; mode {self.mode!r} has none")
-        if self.schedule not in (None, "static") and self.mode in STEPWISE_MODES:
+        if self.schedule not in (None, "static") and self.mode not in SCHEDULED_MODES:
             raise ConfigError(f"schedule={self.schedule!r} (--schedule): mode {self.mode!r} trains a static mask; "
-                              "schedules train with --mode overlap")
+                              "schedules train with --mode bbsdp or overlap")
         if self.schedule not in (None, "static") and self.every % self.local_steps:
             raise ConfigError(f"every={self.every} (--every) must be a multiple of local_steps={self.local_steps} "
                               f"(--local-steps): each round of {self.local_steps} steps trains under one mask")

@@ -12,7 +12,9 @@ under SDP, the whole model under DDP, the local shards under FSDP); ``skipped_st
 the loss of the last step not skipped; under overlap averaging (mode ``overlap``)
 ``final_consensus_distance``: how far the workers' copies are apart at the end, per block, ``other``
 and ``total`` (`sdp_train.OverlapAveraging.consensus_distance`), which the metrics line of every
-evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance``;
+evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance``; under a
+schedule in Bb-SDP ``mask_change_bytes``: buffer bytes of the optimizer state this rank's mask
+changes moved (rank 0's; not in ``comm_bytes``);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
 ``wire_model``), medians per rank (under overlap averaging, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
@@ -134,6 +136,7 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
             log.update(record, meter.peak.get("total"))
         val_loss = evaluate(run, prep, save_to=out if cfg.save_model else None)
         final_consensus = run.consensus_distance()
+        mask_change_bytes = run.mask_change_bytes
         log.final(val_loss)
         trained = sum(p.numel() for p in _optimizer_params(run))
         per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
@@ -176,6 +179,8 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
     }
     if final_consensus is not None:
         summary["final_consensus_distance"] = final_consensus
+    if mask_change_bytes is not None:
+        summary["mask_change_bytes"] = mask_change_bytes
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     final = summary["final_train_loss"]
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "

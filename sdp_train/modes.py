@@ -106,6 +106,12 @@ class ModeSync:
         """How far the workers' copies are apart (a collective); None where they agree."""
         return None
 
+    @property
+    def mask_change_bytes(self) -> ByteCount | None:
+        """Bytes moved at mask changes (a schedule under stepwise averaging), apart from `bytes`; None
+        where nothing moves."""
+        return None
+
     def schedule_state(self) -> dict[str, int]:
         """What a checkpoint keeps of the position in a mask schedule; ``{}`` where there is none."""
         return {}
@@ -170,15 +176,21 @@ class FullyShardedSync(ModeSync):
 
 class SubnetworkSync(ModeSync):
     """``bsdp``, ``nsdp``, ``bbsdp``: `SubnetworkDataParallel` averages each block among its holders
-    during backward, and (backward masking) sends the holders' new values after the step."""
+    during backward, and (backward masking) sends the holders' new values after the step and,
+    under a schedule, moves each block's optimizer state to its new holders at a mask change."""
 
     def __init__(self, sdp: SubnetworkDataParallel, model: nn.Module, info: DistInfo, *, fsdp: bool) -> None:
         super().__init__(info)
         self.sdp, self.model, self.train_model = sdp, model, sdp
         self._fsdp = FSDPStepBytes() if fsdp else None
 
+    def trainable(self) -> list[nn.Parameter]:
+        if self.sdp.mask.schedule.is_static:
+            return super().trainable()
+        return list(self.model.parameters())  # another set of blocks trains each round
+
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        self.sdp.register_optimizer(optimizer, hook=False)  # `after_step` calls broadcast_held
+        self.sdp.register_optimizer(optimizer, hook=False)  # `after_step` calls step_done
 
     def step_context(self) -> ContextManager[None]:
         return self._fsdp.counting() if self._fsdp is not None else nullcontext()
@@ -188,7 +200,7 @@ class SubnetworkSync(ModeSync):
 
     def after_step(self) -> None:
         # here, not in an optimizer hook: the memory meter would file its buffers as optimizer state
-        self.sdp.broadcast_held()
+        self.sdp.step_done()
 
     @property
     def engine(self):
@@ -197,11 +209,20 @@ class SubnetworkSync(ModeSync):
 
     @property
     def bytes(self) -> ByteCount:
-        total = ByteCount()
-        for counter in (self.sdp.engine, self.sdp.broadcaster, self.sdp.buffer_averager, self._fsdp):
-            if counter is not None:
-                total += counter.bytes
+        total = self.sdp.bytes
+        if self._fsdp is not None:
+            total += self._fsdp.bytes
         return total
+
+    @property
+    def mask_change_bytes(self) -> ByteCount | None:
+        return None if self.sdp.mask.schedule.is_static else self.sdp.mask_change_bytes
+
+    def schedule_state(self) -> dict[str, int]:
+        return self.sdp.schedule_state()
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        self.sdp.load_schedule_state(state)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -279,8 +300,8 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
                                    device=device)
     else:
         model = build_model(mc, seed=cfg.seed, device=device)
-        if cfg.mode == "bbsdp":
-            apply_backward_mask(model, mc, prep.mask.matrix[info.rank].astype(bool))
+        if cfg.mode == "bbsdp":  # a schedule starts in its first round
+            apply_backward_mask(model, mc, prep.mask.round_matrix(0, seed=cfg.seed)[info.rank].astype(bool))
     # 2. activation checkpointing (and FSDP) where the wrapper does not apply them, 3. the wrapper
     if cfg.mode in BASELINES:
         world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if cfg.mode == "fsdp" else None
@@ -304,12 +325,12 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
             neuron_groups=USER_NEURON_GROUPS, seed=cfg.seed, device=device,
             activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
-    rows = prep.mask.matrix.astype(bool)
+    rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
     held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
     sdp = SubnetworkDataParallel.from_subnetwork(
-        model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=held_by_rank, local_index=model.full_index(),
-        masking=masking, activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp,
-        values_agree=True)  # every rank built its part from the same seed
+        model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=held_by_rank,
+        local_index=model.full_index(), masking=masking, activation_checkpointing=cfg.activation_checkpointing,
+        fsdp=cfg.fsdp, values_agree=True, seed=cfg.seed)  # every rank built its part from the same seed
     return SubnetworkSync(sdp, model, info, fsdp=cfg.fsdp)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from masklab import Mask, Schedule, design, load_mask
 from sdp_train.checkpoint import check_resumable, find_checkpoint
-from sdp_train.config import BASELINES, TrainConfig
+from sdp_train.config import BASELINES, SCHEDULED_MODES, TrainConfig
 from sdp_train.data import DataConfig
 from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError, NonFiniteError
@@ -183,17 +183,18 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
 
 def with_schedule(cfg: TrainConfig, mask: Mask) -> Mask:
     """`mask` under the run's schedule (``--schedule``/``--every`` replace the mask file's), refused
-    where the mode cannot train it: the stepwise modes train static masks, overlap averaging any
-    schedule whose R is a multiple of ``local_steps`` (one mask per round of averaging)."""
+    where the mode cannot train it: forward masking (bsdp, nsdp) trains static masks, Bb-SDP any
+    schedule, overlap averaging any whose R is a multiple of ``local_steps`` (one mask per round of
+    averaging)."""
     if cfg.schedule is not None:
         mask = mask.replace(schedule=Schedule(cfg.schedule, cfg.every))
     schedule = mask.schedule
     if schedule.is_static:
         return mask
-    if cfg.mode != "overlap":
+    if cfg.mode not in SCHEDULED_MODES:
         raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); mode "
                           f"{cfg.mode!r} trains static masks (--schedule static replaces it); schedules train "
-                          "with --mode overlap")
+                          "with --mode bbsdp or overlap")
     if schedule.every % cfg.local_steps:
         raise ConfigError(f"the mask's {schedule.kind!r} schedule changes it every {schedule.every} steps, not a "
                           f"multiple of local_steps={cfg.local_steps} (--local-steps): each round of averaging "
@@ -386,9 +387,16 @@ class Run:
         return self.sync.consensus_distance()
 
     def schedule_state(self) -> dict[str, int]:
-        """What a checkpoint keeps of the mask schedule's position (mode ``overlap``: optimizer steps
-        taken, which fix the round and its mask); ``{}`` in the other modes."""
+        """What a checkpoint keeps of the mask schedule's position (under a schedule: optimizer steps
+        taken, which fix the round and its mask); ``{}`` in the other runs."""
         return self.sync.schedule_state()
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
         self.sync.load_schedule_state(state)
+
+    @property
+    def mask_change_bytes(self) -> int | None:
+        """Buffer bytes of the optimizer state moved at mask changes so far (Bb-SDP under a schedule),
+        None where nothing moves."""
+        moved = self.sync.mask_change_bytes
+        return None if moved is None else moved.buffer

@@ -1,0 +1,96 @@
+"""Stepwise SDP under a mask schedule: what moves when the mask changes (docs/api.md, "Schedules").
+
+With backward masking every worker holds every parameter's value (the holders' values reach the
+others after each step), so at a mask change only the *optimizer state* moves: for every tensor a
+worker starts to hold, its state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``; whatever the
+optimizer keeps) comes from the tensor's lowest-ranked holder of the round that ends, bit for bit,
+and a worker that stops holding a tensor frees its state and gradient. Every rank walks the
+parameters in one global order and takes part in one broadcast over the world group per state
+tensor that some worker receives (no process group is made for a change); the bytes are counted
+apart from gradient traffic (`move_optimizer_state`'s counter).
+
+Not here: forward masking, where a change would also move the blocks' parameters and rebuild each
+worker's subnetwork (`SubnetworkDataParallel` refuses a schedule there), and overlap averaging
+(`sdp_train.overlap`), whose workers keep their own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdp_train.errors import ConfigError
+from sdp_train.models.blocks import SliceSpec
+from sdp_train.wire import ByteCount
+
+
+@torch.no_grad()
+def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn.Module, names: Sequence[str],
+                         old_held: Sequence[Mapping[str, SliceSpec]], new_held: Sequence[Mapping[str, SliceSpec]],
+                         rank: int, counter: ByteCount) -> None:
+    """Give every new holder of a parameter its state from the lowest-ranked old holder; free the
+    state of the parameters this rank no longer holds. A collective: every rank calls it with the
+    same arguments but `rank`.
+
+    Parameters
+    ----------
+    optimizers : sequence of Optimizer
+        Those that step this module's parameters (each parameter in at most one of them).
+    names : sequence of str
+        The parameters, in the one order every rank walks.
+    old_held, new_held : sequence of mapping
+        Per rank, the tensors it holds in the round that ends and in the round that starts.
+    """
+    params = dict(module.named_parameters())
+    owner = {p: opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    world = len(new_held)
+    moves = []
+    for name in names:
+        old = [r for r in range(world) if name in old_held[r]]
+        new = [r for r in range(world) if name in new_held[r]]
+        receivers = [r for r in new if r not in old]
+        if receivers and old:
+            moves.append((name, old[0], receivers))
+    for name, src, _ in moves:
+        if params[name] not in owner:
+            raise ConfigError(f"parameter {name!r} moves to new holders at a mask change, but no registered "
+                              "optimizer steps it: build the optimizer over all of model.parameters()")
+    layouts: dict[int, dict[str, tuple]] = {}
+    if moves:  # what each moving tensor's state holds (keys, shapes, dtypes), from its senders: one gather
+        mine = {i: _state_layout(owner[params[name]], params[name]) for i, (name, src, _) in enumerate(moves)
+                if src == rank}
+        gathered: list[dict[int, dict[str, tuple]]] = [{}] * world
+        dist.all_gather_object(gathered, mine)
+        layouts = {i: layout for part in gathered for i, layout in part.items()}
+    for i, (name, src, receivers) in enumerate(moves):
+        param = params[name]
+        state = owner[param].state[param] if rank == src or rank in receivers else None
+        for key, (shape, dtype, on_param_device) in layouts[i].items():
+            # sent from the parameter's device (NCCL sends no CPU tensor), kept where the sender keeps it
+            tensor = (state[key].to(param.device) if rank == src
+                      else torch.empty(shape, dtype=dtype, device=param.device))
+            dist.broadcast(tensor, src=src)
+            counter.add("broadcast", tensor.numel() * tensor.element_size(), world)
+            if rank in receivers:
+                state[key] = tensor if on_param_device else tensor.cpu()
+    for name in names:  # a tensor this rank no longer holds: its state and gradient go
+        if name in old_held[rank] and name not in new_held[rank]:
+            param = params[name]
+            if param in owner:
+                owner[param].state.pop(param, None)
+            param.grad = None
+
+
+def _state_layout(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, tuple]:
+    """``{key: (shape, dtype, on the parameter's device)}`` of `param`'s tensor state."""
+    state = optimizer.state.get(param, {})
+    out = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"optimizer state {key!r} of a moving parameter is a {type(value).__name__}, not a "
+                              "tensor: only tensor state can move at a mask change")
+        out[key] = (tuple(value.shape), value.dtype, value.device == param.device)
+    return out

@@ -1,0 +1,153 @@
+"""Bb-SDP under a mask schedule, on 3 real gloo ranks through the public API: at every mask change each
+block's AdamW state reaches its new holders bit for bit, a worker that stops holding a block frees
+its state, and the run equals a single-process reference that trains one model with every block's
+holder-averaged gradient under the same schedule. Run as a script, this file is the ranks' program."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from masklab import Mask, Schedule
+
+pytestmark = pytest.mark.slow
+K, STEPS, LR = 3, 7, 1e-2
+MASK = Mask(np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), schedule=Schedule("permute", every=2))
+SEED = 4  # of the permute draws: rounds 0..3 draw 3 different permutations
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def make_net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+
+
+def rank_main(out: Path) -> None:
+    import torch.distributed as dist
+
+    from sdp_train import SubnetworkDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        model = SubnetworkDataParallel(make_net(), mask=MASK, masking="backward", seed=SEED)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        model.register_optimizer(opt)
+        names = {p: n for n, p in model.module.named_parameters()}
+        trace = []
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            (model(x) - y).square().mean().backward()
+            opt.step()  # the hook sends new values and, at a change, moves the state
+            opt.zero_grad()
+            trace.append({"params": {n: t.clone() for n, t in model.module.state_dict().items()},
+                          "state": {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()
+                                    if s},
+                          "held": model.held_blocks, "moved": model.mask_change_bytes.buffer})
+        torch.save(trace, out / f"rank{rank}.pt")
+        model.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[list[dict]]:
+    from tests.distributed.conftest import torchrun
+
+    out = tmp_path_factory.mktemp("bbsdp_schedule")
+    torchrun(K, [str(Path(__file__).resolve()), str(out)])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(K)]
+
+
+def reference() -> list[dict]:
+    """One model and one AdamW; each step every block's gradient is the mean of its holders' (the
+    round's mask), the shared parameters' the mean of all K workers'."""
+    model = make_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    blocks = [f"layers.{j}." for j in range(3)]
+    trace = []
+    for step in range(STEPS):
+        matrix = MASK.round_matrix(step, seed=SEED)
+        grads = []
+        for k in range(K):
+            model.zero_grad()
+            x, y = batch(step, k)
+            (model(x) - y).square().mean().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        for name, p in model.named_parameters():
+            j = next((j for j, b in enumerate(blocks) if name.startswith(b)), None)
+            holders = range(K) if j is None else np.flatnonzero(matrix[:, j])
+            p.grad = sum(grads[k][name] for k in holders) / len(holders)
+        opt.step()
+        names = {p: n for n, p in model.named_parameters()}
+        trace.append({"params": {n: t.clone() for n, t in model.state_dict().items()},
+                      "state": {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}})
+    return trace
+
+
+def _holders(step: int, name: str) -> list[int]:
+    j = int(name.split(".")[1]) if name.startswith("layers.") else None
+    matrix = MASK.round_matrix(step + 1, seed=SEED)  # after step's optimizer step: the next round's holders
+    return list(range(K)) if j is None else [int(k) for k in np.flatnonzero(matrix[:, j])]
+
+
+def test_the_schedule_changes_the_holders_of_every_block():
+    rounds = [MASK.round_matrix(2 * r, seed=SEED) for r in range(4)]
+    assert all(not np.array_equal(a, b) for a, b in zip(rounds, rounds[1:]))
+
+
+def test_new_holders_get_the_old_holders_adamw_state_bit_for_bit_and_others_free_it(ranks):
+    for step in range(STEPS):
+        params = [r[step]["params"] for r in ranks]
+        for name in params[0]:  # backward masking: every worker holds every value, the holders' own
+            assert all(torch.equal(params[0][name], p[name]) for p in params[1:]), (step, name)
+        for name in ranks[0][step]["params"]:
+            holders = _holders(step, name)
+            states = [ranks[k][step]["state"].get(name) for k in range(K)]
+            assert all(states[k] is not None for k in holders), (step, name, holders)
+            assert all(states[k] is None for k in range(K) if k not in holders), (step, name, holders)
+            for k in holders[1:]:
+                for key, value in states[holders[0]].items():
+                    assert torch.equal(value, states[k][key]), (step, name, key)
+    assert ranks[0][1]["moved"] > 0 and ranks[0][0]["moved"] == 0  # the first change comes after step 2
+
+
+def test_a_permute_run_equals_the_single_process_reference_of_the_same_schedule(ranks):
+    ref = reference()
+    for step in range(STEPS):
+        for name, value in ref[step]["params"].items():
+            torch.testing.assert_close(ranks[0][step]["params"][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+        for name in ref[step]["state"]:
+            k = _holders(step, name)[0]
+            for key, value in ref[step]["state"][name].items():
+                torch.testing.assert_close(ranks[k][step]["state"][name][key], value, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"step {step} {name} {key}: {m}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    rank_main(Path(sys.argv[1]))
