@@ -101,9 +101,10 @@ PRESETS: dict[str, Preset] = {
     "cpu-overlap": Preset(model="llama-debug", workers=7, steps=120, batch_size=4, seq_len=64, lr=3e-3,
                           warmup_steps=10, active=3 / 7, heterogeneous=True, eval_every=10, eval_batches=4,
                           max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True,
-                          notes=("B-SDP with a permute schedule (stepwise averaging with blocks moving between "
-                                 "workers) is not in this comparison: sdp train trains schedules in mode overlap "
-                                 "only (issue 15, section 1).",)),
+                          notes=("B-SDP (forward masking) with a permute schedule is not in this comparison: "
+                                 "a change would move blocks between workers' subnetworks, which sdp train does "
+                                 "not do; bbsdp-permute is stepwise averaging under the same schedule (each "
+                                 "block's optimizer state moves to its new holders at a change).",)),
     "gpu-134m": Preset(model="llama-134m", workers=4, steps=2000, batch_size=16, seq_len=1024, lr=6e-4,
                        warmup_steps=100, sweep=(0.375, 0.69, 1.0), heterogeneous=True, eval_every=200,
                        eval_batches=16, max_data_bytes=200_000_000),
@@ -125,7 +126,7 @@ class RunSpec:
     heterogeneous: bool = False
     flop_matched: bool = False
     schedule: str | None = None
-    """``sdp train --schedule`` (mode overlap: the mask changes every ``local_steps`` steps)."""
+    """``sdp train --schedule`` (modes bbsdp and overlap): the mask changes every ``local_steps`` steps."""
     construction: str = "auto"
     """The mask design (``sdp train --construction``)."""
     design_seed: int = 0
@@ -155,7 +156,8 @@ def run_specs(preset: Preset) -> list[RunSpec]:
 
 
 def overlap_specs(preset: Preset) -> list[RunSpec]:
-    """Stepwise B-SDP and Bb-SDP against overlap averaging with a static and a ``permute`` mask, on iid
+    """Stepwise B-SDP and Bb-SDP (static, and Bb-SDP under ``permute``) against overlap averaging with a
+    static and a ``permute`` mask, on iid
     and heterogeneous data, and two masks of equal coverage but different spectral gap under
     ``permute`` (the designed one, a projective plane where one exists, and a random balanced one)."""
     c = preset.active
@@ -163,6 +165,7 @@ def overlap_specs(preset: Preset) -> list[RunSpec]:
         RunSpec("ddp", "ddp"),
         RunSpec("bsdp", "bsdp", c),
         RunSpec("bbsdp", "bbsdp", c),
+        RunSpec("bbsdp-permute", "bbsdp", c, schedule="permute"),
         RunSpec("overlap-static", "overlap", c),
         RunSpec("overlap-permute", "overlap", c, schedule="permute"),
         RunSpec("overlap-permute-random", "overlap", c, schedule="permute", construction="random", design_seed=3),
