@@ -58,8 +58,8 @@ MANIFEST = "manifest.json"
 
 
 class RunState(Protocol):
-    """What a checkpoint saves and restores of a run (`sdp_train.train.Run` is one); train imports
-    this module, so this module names no type of train's."""
+    """What a checkpoint saves and restores of a run (`sdp_train.run.Run` is one); prepare and run
+    import this module, so this module names no type of theirs."""
 
     info: DistInfo
     cfg: TrainConfig

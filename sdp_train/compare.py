@@ -283,7 +283,7 @@ class Planned:
 def plan_runs(preset: Preset, out: Path) -> list[Planned]:
     """Design, certify and save every mask; fix every run's config (FLOP-matched steps included)."""
     from masklab.io import save_mask
-    from sdp_train.train import prepare
+    from sdp_train.prepare import prepare
 
     planned: list[Planned] = []
     (out / "masks").mkdir(parents=True, exist_ok=True)

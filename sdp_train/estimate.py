@@ -40,7 +40,8 @@ from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError
 from sdp_train.models import BlockMap, SliceSpec, block_map, build_model, model_class
 from sdp_train.models.blocks import WHOLE
-from sdp_train.train import Prepared, loss_fn
+from sdp_train.prepare import Prepared
+from sdp_train.run import loss_fn
 
 CONSTANTS_FORMAT = "sdp-constants"  # the format theory.constants.load_constants reads (docs/theory.md §7)
 CONSTANTS_VERSION = 1

@@ -90,7 +90,7 @@ def check_writable(path: str, flag: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     from masklab.io import atomic_write_text, save_mask
     from sdp_train.estimate import constants_file, estimate_constants, load_point, summary_lines
-    from sdp_train.train import prepare
+    from sdp_train.prepare import prepare
 
     if args.batches < 2:
         raise ConfigError(f"--steps {args.batches}: needs at least 2 batches per worker to tell noise from "

@@ -3,7 +3,7 @@
 ``SDP_TEST_INJECT_NAN=S:R`` makes rank R's loss (and so its gradients) NaN at step S;
 ``SDP_TEST_KILL_AT_STEP=S:R`` makes rank R SIGKILL itself at step S, after its gradient
 collectives and before the optimizer step. Both act on the first attempt of a job only: a
-restarted worker group runs clean. `sdp_train.train.Run` reads them once (`InjectedFaults.from_environment`);
+restarted worker group runs clean. `sdp_train.run.Run` reads them once (`InjectedFaults.from_environment`);
 the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
 lists the tests that use them.
 """

@@ -1,7 +1,7 @@
 """How each mode of ``sdp train`` synchronises a rank's model: one object per mode behind one small
 interface (`ModeSync`), built by `build_sync` in one numbered order.
 
-`sdp_train.train.Run` drives every mode the same way, with no mode tests in its step: the forward
+`sdp_train.run.Run` drives every mode the same way, with no mode tests in its step: the forward
 pass through `ModeSync.train_model` inside `ModeSync.step_context`, backward, this rank's share of
 the squared gradient norm (`ModeSync.grad_sq_norm`, summed over ranks with the loss), the norm to
 report and the norm to clip by (`ModeSync.norms`), the optimizer step, then `ModeSync.after_step`.
@@ -16,8 +16,8 @@ position) have one name in every mode.
 | ``bsdp``, ``nsdp``, ``bbsdp`` | `SubnetworkSync` | `SubnetworkDataParallel`, the library API a user's loop uses |
 | ``overlap`` | `OverlapSync` | `OverlapAveraging`, the library API of overlap averaging |
 
-Not here: the optimizer, the learning-rate schedule, clipping and the loop (`sdp_train.train.Run`,
-`sdp_train.loop`), and the checks of a config (`sdp_train.train.prepare`).
+Not here: the optimizer, the learning-rate schedule, clipping and the loop (`sdp_train.run.Run`,
+`sdp_train.train`), and the checks of a config (`sdp_train.prepare.prepare`).
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ class OverlapSync(ModeSync):
 
 
 def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
-    """This rank's model, made and wrapped for ``prep.config.mode`` (`sdp_train.train.Prepared`).
+    """This rank's model, made and wrapped for ``prep.config.mode`` (`sdp_train.prepare.Prepared`).
 
     In this order: 1. the model: every rank builds the full model from the run's seed, except
     that a built-in family in B-/N-SDP builds only its worker's part and Bb-SDP freezes the

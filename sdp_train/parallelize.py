@@ -3,7 +3,7 @@
 `parallelize` calls the parallelisms in a fixed order: activation checkpointing first (inside
 each residual block, so FSDP's hooks on the block run outside the checkpointed region and the
 recomputation sees unsharded parameters), then FSDP2 (every residual block, then the root). DDP
-and the SDP sync engine are set up by `sdp_train.train.Run`, since they need its byte counters.
+and the SDP sync engine are set up by `sdp_train.run.Run`, since they need its byte counters.
 
 With SDP (``--fsdp``) each held block is sharded among exactly its holders: its mesh is built
 from the block's holder-set process group, so FSDP's reduce-scatter computes the holder-set

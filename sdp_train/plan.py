@@ -303,7 +303,7 @@ def _model_config(model: str | ModelConfig, overrides: Mapping[str, Any] | None,
 
 
 def _mask_matrix(config: ModelConfig, mode: str, workers: int, active: float | None, mask, seed: int) -> np.ndarray:
-    from sdp_train.train import design_for_model
+    from sdp_train.prepare import design_for_model
 
     level = LEVEL_OF_MODE[mode]
     if mask is None:

@@ -12,7 +12,7 @@
   ``comm/comm_bytes``, ``comm/wire_bytes``; the global step is metrics.jsonl's ``step``). A run
   resumed at step S purges the events at steps >= S that an earlier attempt wrote.
 
-Not here: metrics.jsonl and summary.json, the record of the run (`sdp_train.loop`).
+Not here: metrics.jsonl and summary.json, the record of the run (`sdp_train.train`).
 """
 
 from __future__ import annotations

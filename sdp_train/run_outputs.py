@@ -12,7 +12,7 @@
 Every file is written whole through `masklab.io.atomic_write` (an exclusive temporary beside it,
 fsynced, renamed over the destination: never through a link planted in ``--out``, never seen
 half-written); the model through the API's own export, `sdp_train.sdp_export.save_safetensors`.
-Not here: metrics.jsonl and summary.json (`sdp_train.loop`), checkpoints
+Not here: metrics.jsonl and summary.json (`sdp_train.train`), checkpoints
 (`sdp_train.checkpoint`), who owns the directory (`sdp_train.rundir`).
 """
 

@@ -10,7 +10,7 @@
 - `die_with_parent` ties a rank process to the launcher that started it (Linux ``PR_SET_PDEATHSIG``):
   a SIGKILLed launcher takes its ranks with it instead of leaving them to finish on their own.
 
-Not here: the files a run writes (`sdp_train.loop`, `sdp_train.checkpoint`).
+Not here: the files a run writes (`sdp_train.train`, `sdp_train.checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sdp_train.errors import ConfigError
 
 LOCK_NAME = ".sdp.lock"
 LOCKED_ENV = "SDP_OUT_LOCKED_BY"  # set for ranks whose launcher holds the lock
-RESULTS = ("summary.json", "metrics.jsonl", "checkpoints",  # sdp_train.loop, sdp_train.checkpoint
+RESULTS = ("summary.json", "metrics.jsonl", "checkpoints",  # sdp_train.train, sdp_train.checkpoint
            "model.safetensors", "config.json", "mask.json", "certificate.json",  # run_outputs
            "tensorboard")  # run_log
 

@@ -1,402 +1,335 @@
-"""The training run, top to bottom: config -> mask -> model -> sync -> optimizer -> loop -> summary.
+"""`train(config)`: the loop every rank runs, and the files rank 0 writes.
 
-Runs as one process or under torchrun (one rank per worker). `prepare` checks everything a run
-needs before any process group exists. `Run` holds one rank's model, its mode's synchronisation
-and the optimizer: the mode is one `sdp_train.modes.ModeSync` (``ddp``: torch DDP; ``fsdp``: FSDP2
-``fully_shard``; ``bsdp``/``nsdp``/``bbsdp``: the library API `SubnetworkDataParallel`, as a
-user's loop uses it; ``overlap``: `OverlapAveraging`), so `Run.step` is one step for every mode.
-Validation always uses the full assembled model, which only rank 0 builds (`Run.full_state`).
+``DIR/metrics.jsonl`` gets one line per step (step, loss, lr, grad_norm, step_time_s,
+tokens_per_s, comm_bytes: buffer bytes, wire_bytes: bytes sent under ``wire_model``, skipped) as
+the run goes (`sdp_train.wire` states both); a non-finite loss or gradient norm is written
+as ``null`` so every line stays strict JSON. ``DIR/summary.json`` is written last, atomically, so
+its presence means the run finished. It holds ``peak_memory_bytes``: per rank, the peak over the
+first ``memory_steps`` steps, with its breakdown (`sdp_train.memory`); ``num_params_trained``:
+per rank, the parameter elements its optimizer updates (the held blocks and shared parameters
+under SDP, the whole model under DDP, the local shards under FSDP); ``skipped_steps`` and
+``num_skipped_steps``: the steps whose update ``nonfinite='skip'`` dropped; ``final_train_loss``:
+the loss of the last step not skipped; under overlap averaging (mode ``overlap``)
+``final_consensus_distance``: how far the workers' copies are apart at the end, per block, ``other``
+and ``total`` (`sdp_train.OverlapAveraging.consensus_distance`), which the metrics line of every
+evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance``; under a
+schedule in Bb-SDP ``mask_change_bytes``: buffer bytes of the optimizer state this rank's mask
+changes moved (rank 0's; not in ``comm_bytes``);
+``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
+``wire_model``), medians per rank (under overlap averaging, which sends once every
+``local_steps`` steps, means over every step); ``model_file``: the
+final full model's file name, ``model.safetensors`` (null under ``save_model=False``), written by
+rank 0 just before summary.json (`sdp_train.run_outputs`). Validation loss is that of the full
+assembled model, the very tensors the model file holds. While the run goes, rank 0 shows a
+progress bar, plain ``--log-every`` lines and TensorBoard scalars (`sdp_train.run_log`).
+
+Checkpoints and restarts: with ``checkpoint_every`` the loop writes ``DIR/checkpoints/step_N``
+(`sdp_train.checkpoint`, rotated to ``keep_checkpoints``). A resumed run keeps the metrics lines
+of the steps before its checkpoint. When torch's elastic agent restarts the worker group after a
+failure (``max_restarts``), the new attempt resumes by itself from the newest valid checkpoint
+under ``DIR/checkpoints`` (from the start, or from ``resume``, when there is none), so it ends
+with the same parameters and loss trajectory as an uninterrupted run. Under ``nonfinite='stop'``
+a non-finite step raises NonFiniteError on every rank and no summary.json is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
-import signal
-from dataclasses import dataclass
+import statistics
+import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-from masklab import Mask, Schedule, design, load_mask
-from sdp_train.checkpoint import check_resumable, find_checkpoint
-from sdp_train.config import BASELINES, SCHEDULED_MODES, TrainConfig
-from sdp_train.data import DataConfig
-from sdp_train.dist import DistInfo
+from masklab.io import atomic_write_text, mask_to_dict
+from sdp_train.checkpoint import (check_out_shared, check_resumable, latest_valid_checkpoint, load_checkpoint,
+                                   save_checkpoint)
+from sdp_train.config import TrainConfig
+from sdp_train.data import build_batches
+from sdp_train.dist import (default_device, destroy_distributed, get_dist_info, init_distributed, print0,
+                             restart_attempt, run_id)
 from sdp_train.errors import ConfigError, NonFiniteError
-from sdp_train.faults import InjectedFaults
-from sdp_train.models import ModelConfig, block_map, get_model_config
-from sdp_train.modes import ModeSync, build_sync, user_blocks
-from sdp_train.sdp_blocks import find_blocks
-from sdp_train.sdp_masking import describe
-from sdp_train.sdp_parts import resolve_mask
-from sdp_train.subnet import held_tensors
-from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, build_user_model,
-                                  describe_user_model, is_user_model, logits_of)
-from sdp_train.wire import ByteCount
+from sdp_train.memory import MemoryMeter, format_bytes
+from sdp_train.models import model_class
+from sdp_train.run_log import RunLog
+from sdp_train.run_outputs import MODEL_FILE, save_model
+from sdp_train.prepare import Prepared, prepare
+from sdp_train.run import Run, loss_fn
+from sdp_train.user_model import UserModel
+from sdp_train.wire import WIRE_MODEL
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What `prepare` validated: the config, the model shape and the mask (None for DDP)."""
-
-    config: TrainConfig
-    model_config: ModelConfig
-    mask: Mask | None
-    data: DataConfig
-    resume_from: Path | None = None
-    """The checkpoint directory to continue from, already checked against this run."""
-
-
-def prepare(cfg: TrainConfig) -> Prepared:
-    """Check config, model and mask together; raise ConfigError before anything distributed starts."""
-    if is_user_model(cfg.model):
-        return _prepare_user_model(cfg)
-    preset = get_model_config(cfg.model)
-    is_lm = hasattr(preset, "vocab_size")
-    data = _data_config(cfg, is_lm)
-    model_config = get_model_config(cfg.model, **{**_image_fields(preset, data), **cfg.model_overrides})
-    if is_lm and cfg.seq_len > model_config.max_seq_len:
-        raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model}'s max_seq_len={model_config.max_seq_len}")
-    _check_model_fits_data(cfg, model_config, data)
-    mask = None if cfg.mode in BASELINES else _mask_for_model(cfg, model_config)
-    resume_from = None
-    if cfg.resume is not None:
-        resume_from = find_checkpoint(cfg.resume)
-        check_resumable(resume_from, cfg, model_config, mask)
-    return Prepared(cfg, model_config, mask, data, resume_from)
+def train(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Run `cfg` on this rank; rank 0 returns the summary (other ranks None)."""
+    prep = resume_after_restart(prepare(cfg))  # every check before any process group exists
+    device = default_device()
+    info = get_dist_info()
+    if info.world_size != cfg.workers:
+        raise ConfigError(f"--workers {cfg.workers} but the launcher started {info.world_size} ranks")
+    torch.manual_seed(cfg.seed)
+    info = init_distributed(device)
+    try:
+        if cfg.checkpoint_every or prep.resume_from is not None:
+            check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
+        return train_prepared(prep, info, device)
+    except NonFiniteError as exc:
+        # Raised on every rank in the same step. Rank 0 reports it before any rank leaves: a
+        # launcher stops the other ranks at the first exit, which could cut rank 0 off unprinted.
+        if info.is_main:
+            print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+        raise
+    finally:
+        destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
 
 
-_IMAGE_SHAPE = {"digits": (1, 8), "cifar": (3, 32)}  # dataset -> (channels, side)
+def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
+    """`train` after its checks, on a process group that exists: rank 0 returns the summary."""
+    cfg = prep.config
+    out = Path(cfg.out)
+    run = Run(prep, info, device)
+    batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
+    start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
+    meter = MemoryMeter(run.model, run.optimizer, device, extra=run.comm_buffers)
+    metrics_file, history = open_metrics(out, start) if info.is_main else (None, [])
+    log = RunLog(cfg, start=start, enabled=info.is_main)
+    records: list[dict[str, Any]] = []
+    val_history: list[dict[str, float]] = []
+    consecutive_skips = 0
+    try:
+        for step in range(start, cfg.steps):
+            inputs, targets = (t.to(device) for t in next(batches))
+            bytes_before, wire_before = run.comm_bytes, run.wire_bytes
+            measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
+            t0 = time.perf_counter()
+            with measured:
+                stats = run.step(step, inputs, targets)
+            step_time = time.perf_counter() - t0
+            tokens = targets.numel() * info.world_size
+            record = {"step": step, "loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+                      "step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                      "comm_bytes": run.comm_bytes - bytes_before, "wire_bytes": run.wire_bytes - wire_before,
+                      "skipped": stats["skipped"]}
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                val_history.append({"step": step, "val_loss": evaluate(run, prep)})
+                record["val_loss"] = val_history[-1]["val_loss"]
+                if (consensus := run.consensus_distance()) is not None:  # mode overlap (a collective)
+                    val_history[-1]["consensus_distance"] = record["consensus_distance"] = consensus
+            records.append(record)
+            consecutive_skips = consecutive_skips + 1 if stats["skipped"] else 0
+            if consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank: stats are all-reduced
+                raise NonFiniteError(f"step {step}: {consecutive_skips} non-finite steps in a row "
+                                     f"(max_consecutive_skips={cfg.max_consecutive_skips}); the run has diverged")
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(_json_safe(record)) + "\n")
+                metrics_file.flush()
+            # after the metrics line: a checkpoint at step + 1 implies the lines of every step before it
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
+            log.update(record, meter.peak.get("total"))
+        val_loss = evaluate(run, prep, save_to=out if cfg.save_model else None)
+        final_consensus = run.consensus_distance()
+        mask_change_bytes = run.mask_change_bytes
+        log.final(val_loss)
+        trained = sum(p.numel() for p in _optimizer_params(run))
+        per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
+        num_params_local = sum(p.numel() for p in run.model.parameters())
+    finally:
+        log.close()
+        if metrics_file is not None:
+            metrics_file.close()
+        run.close()  # its hooks and groups go now, before `train` destroys the process groups
+    if not info.is_main:
+        return None
+    history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
+    timed = records[1:] or records or history  # this attempt's first step pays one-off warm-up costs
+    # overlap averaging sends once every local_steps steps: its bytes per step are the mean over the
+    # whole run; the stepwise modes send the same every step, so the median of `timed` is that number
+    per_step, every = (statistics.fmean, history) if cfg.mode == "overlap" else (statistics.median, timed)
+    skipped = [r["step"] for r in history if r.get("skipped")]
+    finite = [r["loss"] for r in history if not r.get("skipped")]
+    summary = {
+        "final_train_loss": finite[-1] if finite else None,
+        "final_val_loss": val_loss,
+        "val_history": val_history,
+        "comm_bytes_per_step": per_step([r["comm_bytes"] for r in every]),
+        "wire_bytes_per_step": per_step(w) if (w := [r["wire_bytes"] for r in every if "wire_bytes" in r])
+        else None,
+        "wire_model": WIRE_MODEL,
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "world_size": info.world_size,
+        "num_params_local": num_params_local,
+        "num_params_trained": [r["trained"] for r in per_rank],
+        "peak_memory_bytes": [r["peak"] for r in per_rank],
+        "num_skipped_steps": len(skipped),
+        "skipped_steps": skipped,
+        "resumed_from_step": start,
+        "restart_attempt": restart_attempt(),
+        "config": cfg.to_dict(),
+        "mask": None if prep.mask is None else mask_to_dict(prep.mask),
+        "model_file": MODEL_FILE if cfg.save_model else None,
+    }
+    if final_consensus is not None:
+        summary["final_consensus_distance"] = final_consensus
+    if mask_change_bytes is not None:
+        summary["mask_change_bytes"] = mask_change_bytes
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    final = summary["final_train_loss"]
+    print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
+           f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB of collective buffers per step per rank "
+           f"({(summary['wire_bytes_per_step'] or 0) / 1e6:.3f} MB sent, ring model), peak memory "
+           f"{_peak_text(summary['peak_memory_bytes'])}"
+           f"{f', {len(skipped)} step(s) skipped (non-finite)' if skipped else ''} -> {out}")
+    return summary
 
 
-def _image_fields(preset: ModelConfig, data: DataConfig) -> dict[str, int]:
-    """The config fields an image dataset decides: ``in_channels`` (digits are 1-channel 8x8 images,
-    CIFAR batches RGB 32x32) and, for a model built for one image side (Swin), ``image_size``."""
-    if data.dataset not in _IMAGE_SHAPE:
-        return {}
-    channels, side = _IMAGE_SHAPE[data.dataset]
-    return {"in_channels": channels, **({"image_size": side} if hasattr(preset, "image_size") else {})}
+def _peak_text(peaks: list[dict[str, int]]) -> str:
+    largest = max((p.get("total", 0) for p in peaks), default=0)
+    # nothing measured: memory_steps=0, or a restart from the final checkpoint trained no step
+    return f"{format_bytes(largest)} on the largest rank" if largest else "not measured (no step measured)"
 
 
-def _prepare_user_model(cfg: TrainConfig) -> Prepared:
-    """`prepare` for ``--model FILE.py:FACTORY``: import it, check it against the data, find its blocks
-    and resolve the mask for its layout, all on a meta-device instance."""
-    model = build_user_model(cfg.model, cfg.model_overrides, "meta")
-    user = describe_user_model(cfg.model, cfg.model_overrides, model)
-    explicit = cfg.data.partition(":")[0] != "auto"
-    data = _data_config(cfg, user.data == "text", any_kind=explicit)
-    if data.dataset == "stdlib-bytes" and user.vocab_size is not None and user.vocab_size < 256:
-        raise ConfigError(f"model {cfg.model!r} embeds {user.vocab_size} token ids; the stdlib byte data "
-                          "needs at least 256 (one id per byte)")
-    _probe_user_model(cfg, model, data)
-    mask = None
-    if cfg.mode not in BASELINES or cfg.blocks is not None or cfg.mode == "fsdp":
-        names = find_blocks(model, user_blocks(cfg))
-        if cfg.mode not in BASELINES:
-            layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS)
-            mask = resolve_mask(cfg.mask, None if cfg.mask is not None else cfg.active, cfg.workers, layout,
-                                seed=cfg.seed, construction=cfg.construction, schedules=True)
-            mask = with_schedule(cfg, mask)
-    resume_from = None
-    if cfg.resume is not None:
-        resume_from = find_checkpoint(cfg.resume)
-        check_resumable(resume_from, cfg, user, mask)
-    return Prepared(cfg, user, mask, data, resume_from)
+def resume_after_restart(prep: Prepared) -> Prepared:
+    """On a restarted attempt of the worker group, continue from the newest valid checkpoint of this run."""
+    cfg, attempt = prep.config, restart_attempt()
+    if attempt == 0 or not cfg.checkpoint_every:
+        return prep
+    found = latest_valid_checkpoint(Path(cfg.out) / "checkpoints", run_id=run_id())
+    if found is None:
+        start = "the start" if prep.resume_from is None else str(prep.resume_from)
+        print0(f"sdp train: restart {attempt}: no valid checkpoint under {Path(cfg.out) / 'checkpoints'}; "
+               f"starting again from {start}")
+        return prep
+    check_resumable(found, cfg, prep.model_config, prep.mask, finished_ok=True, same_config=True)
+    print0(f"sdp train: restart {attempt}: resuming from {found}")
+    return dataclasses.replace(prep, resume_from=found)
+
+
+def metrics_history(out: str | Path, start: int, *, report: bool = True) -> list[dict[str, Any]]:
+    """The records of steps ``0 .. start-1`` in ``out/metrics.jsonl``, which a run resumed at `start` keeps.
+
+    Lines after them (steps the checkpoint does not cover, or a line half-written when a run was
+    killed) are dropped, with a note on stderr when any was damaged. A damaged or missing line among
+    the kept steps is a ConfigError naming the file and line: the resume refuses rather than
+    continue with a history that has a hole. A missing file means no history.
+    """
+    path = Path(out) / "metrics.jsonl"
+    if not start or path.is_symlink() or not path.is_file():  # a link is not this run's file (replaced)
+        return []
+    kept: list[dict[str, Any]] = []
+    dropped = 0
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if len(kept) == start:
+            dropped += 1
+            continue
+        try:
+            record = json.loads(line)
+            step = record["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{path}:{lineno}: damaged metrics line ({type(exc).__name__}: {exc}); the resume "
+                              f"at step {start} keeps the lines of steps 0..{start - 1}: repair the file, or "
+                              f"remove it to resume without that history") from None
+        if step != len(kept):
+            raise ConfigError(f"{path}:{lineno}: expected the line of step {len(kept)}, found step {step!r}")
+        kept.append(record)
+    if dropped and report:
+        print0(f"sdp train: {path}: kept steps 0..{start - 1} (the checkpoint's), dropped {dropped} later line(s)")
+    return kept
+
+
+def open_metrics(out: Path, start: int):
+    """metrics.jsonl for writing, and the records it keeps: none (fresh), or (resuming) the steps before `start`.
+
+    The kept history is read and checked before anything is removed or rewritten.
+    """
+    kept = metrics_history(out, start)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", MODEL_FILE):  # present only once this run has finished
+        (out / stale).unlink(missing_ok=True)
+    path = out / "metrics.jsonl"
+    if path.is_symlink():  # never write through a link planted in --out: replace it by a real file
+        path.unlink()
+    f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w", encoding="utf-8")
+    f.writelines(json.dumps(record) + "\n" for record in kept)
+    f.flush()
+    return f, kept
+
+
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with non-finite floats as None (``null``): strict JSON, unlike Python's ``NaN``."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def _optimizer_params(run: Run) -> list[torch.Tensor]:
+    """The tensors this rank's optimizer steps (local shards of FSDP parameters)."""
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def _gather(value: Any, world_size: int) -> list[Any]:
+    """Every rank's `value` (a picklable object), in rank order (a collective)."""
+    if world_size == 1:
+        return [value]
+    values: list[Any] = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
 
 
 @torch.no_grad()
-def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> None:
-    """Call the meta-device model on a batch shaped like the data's and check the logits' shape, so a
-    model that does not fit the data fails here once instead of on every rank at step 0. A model
-    that cannot run on the meta device (data-dependent Python, ``.item()``) is not probed."""
-    if data.dataset in _IMAGE_SHAPE:
-        channels, side = _IMAGE_SHAPE[data.dataset]
-        inputs, what = torch.empty(2, channels, side, side, device="meta"), f"{data.dataset} images (2, {channels}, {side}, {side})"
-    else:
-        inputs, what = torch.empty(2, cfg.seq_len, dtype=torch.long, device="meta"), f"token ids (2, {cfg.seq_len})"
-    try:
-        logits = logits_of(model(inputs))
-    except (NotImplementedError, RuntimeError) as exc:
-        if "meta" in str(exc).lower() or isinstance(exc, NotImplementedError):
-            return
-        raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
-    except Exception as exc:  # the user's forward: one line naming the model and the input it got
-        raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
-    classes = 256 if data.dataset == "stdlib-bytes" else 10
-    expected = (2, cfg.seq_len) if what.startswith("token") else (2,)
-    if tuple(logits.shape[:-1]) != expected or (data.dataset != "token-bin" and logits.shape[-1] < classes):
-        raise ConfigError(f"model {cfg.model!r} returns logits of shape {tuple(logits.shape)} for {what}; "
-                          f"expected ({', '.join(map(str, expected))}, N) with N >= {classes} "
-                          f"{'token ids' if what.startswith('token') else 'classes'}")
+def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
+    """Mean validation loss of the full assembled model, evaluated on rank 0 only; every rank gets it.
 
+    With `save_to`, rank 0 also writes that full model to ``save_to/model.safetensors``
+    (`sdp_train.run_outputs.save_model`): the file holds exactly the model this loss scores.
 
-def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: DataConfig) -> None:
-    """Refuse a model whose inputs or outputs cannot match the data (else a crash at step 0 on every rank).
-
-    Token-bin shards are uint16 of an unknown tokenizer: their ids are not scanned here.
+    Rank 0 assembles the full model (`Run.full_state`) and scores the validation shards of every
+    rank (``eval_batches`` each), so no other rank ever holds a full model copy; under SDP, rank 0
+    holds its own subnetwork's training state plus one full model for the evaluation's duration
+    (docs/plan.md states that peak). The validation split is always interleaved (iid) across
+    ranks, also when training data is heterogeneous, so that runs with and without
+    ``heterogeneous`` are scored on the same batches.
     """
-    if data.dataset == "stdlib-bytes" and model_config.vocab_size < 256:
-        raise ConfigError(f"model {cfg.model!r} has vocab_size={model_config.vocab_size}; the stdlib byte data "
-                          "needs at least 256 (one id per byte)")
-    if data.dataset in _IMAGE_SHAPE:
-        channels, side = _IMAGE_SHAPE[data.dataset]
-        if model_config.num_classes < 10:
-            raise ConfigError(f"model {cfg.model!r} has num_classes={model_config.num_classes}; "
-                              f"{data.dataset} has 10 classes")
-        if model_config.in_channels != channels:
-            raise ConfigError(f"model {cfg.model!r} has in_channels={model_config.in_channels}; "
-                              f"{data.dataset} images have {channels}")
-        size = getattr(model_config, "image_size", side)
-        if size != side:
-            raise ConfigError(f"model {cfg.model!r} has image_size={size}; {data.dataset} images are {side} x {side}")
-        patch = getattr(model_config, "patch_size", None)
-        if patch is not None and side % patch:
-            raise ConfigError(f"model {cfg.model!r} has patch_size={patch}, which does not divide "
-                              f"the {side} x {side} {data.dataset} images")
+    info = run.info
+    full = run.full_state()
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)
+    if full is not None:
+        if isinstance(prep.model_config, UserModel):  # built for real: its non-persistent buffers are computed
+            model = prep.model_config.build(run.device).to(run.device)
+            model.load_state_dict(full, strict=True)
+        else:
+            with torch.device("meta"):
+                model = model_class(prep.model_config)(prep.model_config)
+            model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
+            model.to(run.device)  # assembled on CPU (`full_state_dict`): a no-op there, one copy on a GPU
+        if save_to is not None:
+            save_model(save_to, full, config=getattr(model, "config", None))
+        total += validation_sums(model, prep, info.world_size, run.device)
+        del model, full
+    if info.world_size > 1:
+        dist.broadcast(total, src=0)
+    return float(total[0] / total[1])
 
 
-def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
-    bmap = block_map(model_config)
-    blocks = bmap.num_blocks(cfg.level)
-    if cfg.mask is not None:
-        mask = load_mask(cfg.mask)
-    else:
-        mask = design_for_model(cfg, model_config)
-    if mask.workers != cfg.workers:
-        raise ConfigError(f"the mask has {mask.workers} workers (rows) but the run has --workers {cfg.workers}")
-    if mask.blocks != blocks:
-        raise ConfigError(f"the mask has {mask.blocks} blocks (columns) but {cfg.model} has {blocks} "
-                          f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
-    mask = with_schedule(cfg, mask)
-    for k in range(mask.workers):  # the model's structural rules, per worker (raises ConfigError)
-        try:
-            held_tensors(model_config, mask.matrix[k], cfg.level)
-        except ConfigError as exc:
-            raise ConfigError(f"mask row {k} (worker {k}) does not fit {cfg.model}: {exc}") from None
-    return mask
-
-
-def with_schedule(cfg: TrainConfig, mask: Mask) -> Mask:
-    """`mask` under the run's schedule (``--schedule``/``--every`` replace the mask file's), refused
-    where the mode cannot train it: forward masking (bsdp, nsdp) trains static masks, Bb-SDP any
-    schedule, overlap averaging any whose R is a multiple of ``local_steps`` (one mask per round of
-    averaging)."""
-    if cfg.schedule is not None:
-        mask = mask.replace(schedule=Schedule(cfg.schedule, cfg.every))
-    schedule = mask.schedule
-    if schedule.is_static:
-        return mask
-    if cfg.mode not in SCHEDULED_MODES:
-        raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); mode "
-                          f"{cfg.mode!r} trains static masks (--schedule static replaces it); schedules train "
-                          "with --mode bbsdp or overlap")
-    if schedule.every % cfg.local_steps:
-        raise ConfigError(f"the mask's {schedule.kind!r} schedule changes it every {schedule.every} steps, not a "
-                          f"multiple of local_steps={cfg.local_steps} (--local-steps): each round of averaging "
-                          "must train under one mask")
-    return mask
-
-
-def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
-    """The mask `sdp train --active C` uses: one design over the blocks, or one per layer for neurons.
-
-    At neuron level every layer gets its own (K x groups) design, so each worker keeps a fraction C
-    of every layer's neurons (the paper's N-SDP) and no layer loses all its neurons on a worker.
-    """
-    bmap = block_map(model_config)
-    names = list(bmap.block_names(cfg.level))
-    if cfg.level == "block":
-        mask = design(cfg.workers, len(names), active=cfg.active, construction=cfg.construction, seed=cfg.seed)
-        return mask.replace(block_names=names)
-    groups = model_config.neuron_groups
-    layers = [design(cfg.workers, groups, active=cfg.active, construction=cfg.construction, seed=cfg.seed + i)
-              for i in range(len(names) // groups)]
-    return Mask(np.hstack([m.matrix for m in layers]), block_names=names,
-                construction=f"per-layer {layers[0].construction}")
-
-
-def _data_config(cfg: TrainConfig, is_lm: bool, *, any_kind: bool = False) -> DataConfig:
-    kind, _, where = cfg.data.partition(":")
-    files: tuple[str, ...] = ()
-    val: tuple[str, ...] = ()
-    if kind == "auto":
-        kind = "stdlib-bytes" if is_lm else "digits"
-    elif kind == "stdlib":
-        kind = "stdlib-bytes"
-    elif kind in ("bin", "cifar"):
-        root = Path(where)
-        if not root.is_dir():
-            raise ConfigError(f"data {cfg.data!r}: {root} is not a directory")
-        pattern = "*.bin" if kind == "bin" else "data_batch_*"
-        files = tuple(str(p) for p in sorted(root.glob(pattern)))
-        val = tuple(str(p) for p in sorted(root.glob("val*.bin" if kind == "bin" else "test_batch")))
-        files = tuple(f for f in files if f not in val)
-        kind = "token-bin" if kind == "bin" else "cifar"
-        if not files:
-            raise ConfigError(f"data {cfg.data!r}: no training files ({pattern}) in {root}")
-        if not val:
-            raise ConfigError(f"data {cfg.data!r}: no validation files "
-                              f"({'val*.bin' if kind == 'token-bin' else 'test_batch'}) in {root}")
-    if (kind in ("stdlib-bytes", "token-bin")) != is_lm and not any_kind:
-        raise ConfigError(f"data {cfg.data!r} does not fit model {cfg.model!r}")
-    return DataConfig(dataset=kind, batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_bytes=cfg.max_data_bytes,
-                      heterogeneous=cfg.heterogeneous, train_files=files, val_files=val)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to `lr`, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of a model's logits (a tensor, or a user model's output: `logits_of`)."""
-    logits = logits_of(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-class Run:
-    """One rank's model, synchronisation and optimizer for a prepared config.
-
-    The mode's synchronisation is one `sdp_train.modes.ModeSync` (`build_sync`), so the step below
-    is the same for every mode.
-    """
-
-    def __init__(self, prep: Prepared, info: DistInfo, device: torch.device) -> None:
-        cfg = prep.config
-        self.cfg, self.model_config, self.info, self.device = cfg, prep.model_config, info, device
-        self.mask = prep.mask
-        self.run_bytes = ByteCount()  # the per-step stats all-reduce
-        self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
-        self.sync: ModeSync | None = build_sync(prep, info, device)
-        self.model, self.train_model = self.sync.model, self.sync.train_model
-        trainable = self.sync.trainable()
-        decay = [p for p in trainable if p.dim() >= 2]
-        no_decay = [p for p in trainable if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
-        )
-        self.sync.attach(self.optimizer)
-
-    def close(self) -> None:
-        """Release the hooks, buffers and process-group references this rank's run holds.
-
-        Gradient hooks live in C++ and hold the sync engine, its buffers and its process groups;
-        until they are removed, none of it can be freed, so the groups' gloo threads would outlive
-        ``destroy_process_group`` and abort the process at interpreter exit. Call once, after the
-        last collective (`sdp_train.loop.train` does).
-        """
-        if self.sync is not None:
-            self.sync.close()
-        self.sync = self.model = self.train_model = self.optimizer = None
-
-    @property
-    def comm_buffers(self) -> list[torch.Tensor]:
-        """The mode's long-lived communication buffers (counted as "other" memory)."""
-        return self.sync.buffers
-
-    @property
-    def bytes(self) -> ByteCount:
-        """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.wire`)."""
-        total = ByteCount()
-        total += self.run_bytes
-        total += self.sync.bytes
-        return total
-
-    @property
-    def comm_bytes(self) -> int:
-        """Buffer bytes so far: the sizes of the buffers passed to collectives."""
-        return self.bytes.buffer
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes this rank sent so far under the ring model of `sdp_train.wire`."""
-        return self.bytes.wire
-
-    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | bool]:
-        """One optimizer step; returns the worker-mean loss, the gradient norm and ``skipped``.
-
-        The loss and squared gradient norm travel in one all-reduce, so a non-finite value on any
-        rank (or in any held block's averaged gradient) is seen by every rank in the same step:
-        ``nonfinite='stop'`` raises NonFiniteError everywhere, ``'skip'`` drops this step's update
-        on every rank (the learning-rate schedule stays indexed by step). The norm is that of the
-        averaged gradient, each block counted once (under overlap averaging, whose workers keep
-        their own gradients, the root mean square of the workers' norms, and each clips by its own).
-        """
-        cfg, sync = self.cfg, self.sync
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        with sync.step_context():
-            loss = loss_fn(self.train_model(inputs), targets)
-            if self.faults.nan(step, self.info.rank):
-                loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
-            loss.backward()
-        own_sq = sync.grad_sq_norm()
-        stats = torch.stack([loss.detach().float(), own_sq.float()])
-        if self.info.world_size > 1:
-            dist.all_reduce(stats)
-            self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
-        mean_loss = stats[0].item() / self.info.world_size
-        grad_norm, clip_norm = sync.norms(stats[1].item(), own_sq)
-        if self.faults.kill(step, self.info.rank):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
-            if cfg.nonfinite == "stop":
-                raise NonFiniteError(
-                    f"step {step}: non-finite training state (mean loss {mean_loss}, averaged gradient norm "
-                    f"{grad_norm}, over {self.info.world_size} rank(s)); nonfinite='stop' ends the run "
-                    f"(--nonfinite skip skips such steps; a lower --lr may avoid them)")
-            self.optimizer.zero_grad(set_to_none=False)
-            return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": True}
-        if cfg.grad_clip > 0 and clip_norm > cfg.grad_clip:
-            coef = cfg.grad_clip / (clip_norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        self.optimizer.step()
-        sync.after_step()
-        self.optimizer.zero_grad(set_to_none=False)
-        return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
-
-    @torch.no_grad()
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The full assembled model on rank 0 (None on the other ranks); every rank must call it.
-
-        Under SDP the library API assembles it (`SubnetworkDataParallel.full_state_dict`): each
-        tensor slice from its lowest-ranked holder, one tensor at a time, summed onto rank 0, so
-        no rank but rank 0 ever holds more than its own model and one full tensor. Under overlap
-        averaging each tensor is its holders' average in the last round. Under FSDP each tensor is
-        gathered over the world mesh, in one order on every rank. Under DDP (or on one rank) rank 0
-        already holds the full model: its tensors are returned as they are, not copied (read them,
-        do not write them).
-        """
-        return self.sync.full_state()
-
-    def consensus_distance(self) -> dict[str, float] | None:
-        """Mode ``overlap``: how far the workers' copies are apart, per block, ``other`` and ``total``
-        (`OverlapAveraging.consensus_distance`; a collective); None in the other modes, whose holders agree."""
-        return self.sync.consensus_distance()
-
-    def schedule_state(self) -> dict[str, int]:
-        """What a checkpoint keeps of the mask schedule's position (under a schedule: optimizer steps
-        taken, which fix the round and its mask); ``{}`` in the other runs."""
-        return self.sync.schedule_state()
-
-    def load_schedule_state(self, state: dict[str, int]) -> None:
-        self.sync.load_schedule_state(state)
-
-    @property
-    def mask_change_bytes(self) -> int | None:
-        """Buffer bytes of the optimizer state moved at mask changes so far (Bb-SDP under a schedule),
-        None where nothing moves."""
-        moved = self.sync.mask_change_bytes
-        return None if moved is None else moved.buffer
+@torch.no_grad()
+def validation_sums(model: torch.nn.Module, prep: Prepared, world_size: int, device: torch.device) -> torch.Tensor:
+    """``[sum of batch losses, number of batches]`` (float64) of a full `model` over every rank's
+    validation shard, ``eval_batches`` each: what the validation loss of a run averages."""
+    cfg = prep.config
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    val_data = dataclasses.replace(prep.data, heterogeneous=False)
+    for rank in range(world_size):
+        val = build_batches(val_data, split="val", seed=cfg.seed, rank=rank, world_size=world_size)
+        for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
+            total[0] += loss_fn(model(inputs.to(device)), targets.to(device)).double()
+            total[1] += 1
+    return total

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from sdp_train.dist import get_dist_info, launch_local, restart_attempt, under_torchrun
     from sdp_train.errors import NonFiniteError
     from sdp_train.checkpoint import MANIFEST
-    from sdp_train.loop import metrics_history, train
-    from sdp_train.train import prepare
+    from sdp_train.train import metrics_history, train
+    from sdp_train.prepare import prepare
 
     cfg = config_from_args(args)
     if under_torchrun():

@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import default_device, destroy_distributed, init_distributed
-from sdp_train.loop import train_prepared
-from sdp_train.train import Run, loss_fn, prepare
+from sdp_train.train import train_prepared
+from sdp_train.prepare import prepare
+from sdp_train.run import Run, loss_fn
 
 
 def grads_case(spec: dict, info, device, out: Path) -> None:
@@ -117,7 +118,7 @@ class LiveBytes(TorchDispatchMode):
 
 def eval_memory_case(spec: dict, info, device, out: Path) -> None:
     """One step of each config, then `evaluate` tracking the bytes it allocates; saves them and the val loss."""
-    from sdp_train.loop import evaluate
+    from sdp_train.train import evaluate
 
     for i, cfg_dict in enumerate(spec["configs"]):
         prep = prepare(TrainConfig(**cfg_dict))

@@ -11,7 +11,8 @@ import time
 from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import default_device, destroy_distributed, init_distributed
-from sdp_train.train import Run, loss_fn, prepare
+from sdp_train.prepare import prepare
+from sdp_train.run import Run, loss_fn
 
 
 def main() -> None:

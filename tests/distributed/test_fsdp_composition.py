@@ -19,7 +19,8 @@ from sdp_train.config import TrainConfig
 from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, get_model_config
-from sdp_train.train import Run, prepare
+from sdp_train.prepare import prepare
+from sdp_train.run import Run
 from tests.distributed.conftest import run_rank_script
 
 LLAMA = get_model_config("llama-debug")

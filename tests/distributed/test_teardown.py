@@ -30,6 +30,9 @@ CONFIGS = [
     {"mode": "bsdp", "active": 0.5},
     {"mode": "nsdp", "active": 0.5},
     {"mode": "bbsdp", "active": 0.5},
+    # groups made mid-run, at mask changes: holder sets the first round did not have
+    {"mode": "bbsdp", "active": 0.5, "schedule": "permute", "every": 1},
+    {"mode": "overlap", "active": 0.5, "schedule": "permute", "every": 1},
 ]
 
 

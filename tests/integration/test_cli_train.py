@@ -17,9 +17,9 @@ from masklab.io import mask_to_dict
 from sdp_train.cli import main
 from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
-from sdp_train.loop import validation_sums
+from sdp_train.train import validation_sums
 from sdp_train.models import model_class
-from sdp_train.train import prepare
+from sdp_train.prepare import prepare
 from sdp_train.train_cli import config_from_args
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes"}

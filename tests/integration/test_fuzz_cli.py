@@ -22,12 +22,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sdp_train.dist
-import sdp_train.loop
+import sdp_train.train
 from masklab import Mask, save_mask
 from sdp_train.cli import main
 from sdp_train.config import MODES, TrainConfig
-from sdp_train.loop import train
-from sdp_train.train import Run, prepare
+from sdp_train.train import train
+from sdp_train.prepare import prepare
+from sdp_train.run import Run
 from sdp_train.train_cli import _FLAGS, _SWITCHES
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -65,7 +66,7 @@ def no_training(monkeypatch, tmp_path):
     def fake_launch(*args, **kwargs):
         raise _WouldStart
 
-    monkeypatch.setattr(sdp_train.loop, "train", fake_train)
+    monkeypatch.setattr(sdp_train.train, "train", fake_train)
     monkeypatch.setattr(sdp_train.dist, "launch_local", fake_launch)
 
 

@@ -24,7 +24,7 @@ import pytest
 from sdp_train.cli import main
 from sdp_train.config import TrainConfig
 from sdp_train.rundir import LOCK_NAME
-from sdp_train.train import prepare
+from sdp_train.prepare import prepare
 from sdp_train.train_cli import report_mask
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ import torch
 from sdp_train.cli import main
 from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
-from sdp_train.loop import validation_sums
-from sdp_train.train import prepare
+from sdp_train.train import validation_sums
+from sdp_train.prepare import prepare
 from sdp_train.user_model import UserModel, logits_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,8 +17,9 @@ from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError, NonFiniteError
-from sdp_train.loop import resume_after_restart
-from sdp_train.train import Run, prepare
+from sdp_train.train import resume_after_restart
+from sdp_train.prepare import prepare
+from sdp_train.run import Run
 
 TINY = {"model": "llama-debug", "model_overrides": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},
         "mode": "ddp", "workers": 1, "steps": 8, "batch_size": 2, "seq_len": 16, "max_data_bytes": 20_000,

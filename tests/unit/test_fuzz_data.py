@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from sdp_train.config import TrainConfig
 from sdp_train.data import DataConfig, build_batches, load_cifar_batches
 from sdp_train.errors import ConfigError, DataError, DataFileError
-from sdp_train.train import prepare
+from sdp_train.prepare import prepare
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SHARD_NAMES = ["a.bin", "b.bin", "c.bin", "val.bin", "val_2.bin", "notes.txt"]

@@ -11,7 +11,8 @@ from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError
 from sdp_train.models import build_model
-from sdp_train.train import loss_fn, prepare
+from sdp_train.prepare import prepare
+from sdp_train.run import loss_fn
 
 
 @pytest.mark.parametrize(

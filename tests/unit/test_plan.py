@@ -18,7 +18,7 @@ from sdp_train.models import block_map, build_model, get_model_config, model_cla
 from sdp_train.plan import NCCL_COMMUNICATOR_BYTES, meaningful_actives, parse_bytes, plan_systems, predict
 from sdp_train.plan_activations import activation_model
 from sdp_train.subnet import apply_backward_mask, build_worker_model
-from sdp_train.train import design_for_model
+from sdp_train.prepare import design_for_model
 
 LLAMA = dict(batch_size=8, seq_len=64)
 TINY_VIT = {"dim": 32, "n_heads": 2, "hidden_dim": 64, "n_layers": 4, "patch_size": 2, "in_channels": 1}

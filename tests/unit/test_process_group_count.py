@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from masklab import Mask
 from masklab.analysis import process_group_holder_sets as mask_holder_sets
 from masklab.testing import masks
-from sdp_train import train
+from sdp_train.prepare import prepare
+from sdp_train.run import Run
 from sdp_train.config import TrainConfig
 from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError
@@ -108,8 +109,8 @@ RUNS = [
 def test_a_run_creates_exactly_the_planned_groups_each_splittable_from_the_world(fake_world, model, mode, fsdp,
                                                                                  active, overrides):
     cfg = TrainConfig(model=model, mode=mode, workers=4, active=active, fsdp=fsdp, model_overrides=overrides)
-    prep = train.prepare(cfg)
-    run = train.Run(prep, DistInfo(rank=0, world_size=4, local_rank=0), torch.device("cpu"))
+    prep = prepare(cfg)
+    run = Run(prep, DistInfo(rank=0, world_size=4, local_rank=0), torch.device("cpu"))
     run.close()
     level = "neuron" if mode == "nsdp" else "block"
     planned = planned_holder_sets(prep.model_config, mode, _held(prep.model_config, prep.mask, level), 4, fsdp=fsdp)
@@ -127,7 +128,7 @@ def test_the_runtime_groups_of_a_mask_from_a_file_are_its_holder_sets(fake_world
     matrix = np.array([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]], dtype=np.uint8)
     save_mask(Mask(matrix), tmp_path / "mask.json")
     cfg = TrainConfig(model="llama-debug", mode="bbsdp", workers=4, mask=str(tmp_path / "mask.json"))
-    train.Run(train.prepare(cfg), DistInfo(rank=0, world_size=4, local_rank=0), torch.device("cpu")).close()
+    Run(prepare(cfg), DistInfo(rank=0, world_size=4, local_rank=0), torch.device("cpu")).close()
     assert sorted(tuple(call["ranks"]) for call in fake_world) == [(0, 1), (0, 2), (1, 2, 3)]
 
 

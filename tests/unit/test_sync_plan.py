@@ -23,7 +23,8 @@ from sdp_train.subnet import build_worker_model, held_tensors
 from sdp_train.sync import SyncEngine, layer_of, plan_buckets
 from sdp_train.sdp_export import assemble, owned_positions
 from sdp_train.modes import family_layout
-from sdp_train.train import design_for_model, loss_fn
+from sdp_train.prepare import design_for_model
+from sdp_train.run import loss_fn
 
 LLAMA = get_model_config("llama-debug")
 GROUPS = LLAMA.neuron_groups
