@@ -7,7 +7,10 @@ optimizer keeps) comes from the tensor's lowest-ranked holder of the round that 
 and a worker that stops holding a tensor frees its state and gradient. Every rank walks the
 parameters in one global order and takes part in one broadcast over the world group per state
 tensor that some worker receives (no process group is made for a change); the bytes are counted
-apart from gradient traffic (`move_optimizer_state`'s counter).
+apart from gradient traffic (`move_optimizer_state`'s counter). The world's broadcast, not
+point-to-point sends to the new holders only: every rank receives what only some need, but NCCL
+would create a communicator for every sender-receiver pair (hundreds of MiB each, docs/design.md
+§5), where the world's exists already.
 
 Not here: forward masking, where a change would also move the blocks' parameters and rebuild each
 worker's subnetwork (`SubnetworkDataParallel` refuses a schedule there), and overlap averaging
