@@ -50,13 +50,7 @@ def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn
     params = dict(module.named_parameters())
     owner = {p: opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
     world = len(new_held)
-    moves = []
-    for name in names:
-        old = [r for r in range(world) if name in old_held[r]]
-        new = [r for r in range(world) if name in new_held[r]]
-        receivers = [r for r in new if r not in old]
-        if receivers and old:
-            moves.append((name, old[0], receivers))
+    moves = plan_moves(names, old_held, new_held)
     for name, src, _ in moves:
         if params[name] not in owner:
             raise ConfigError(f"parameter {name!r} moves to new holders at a mask change, but no registered "
@@ -85,6 +79,25 @@ def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn
             if param in owner:
                 owner[param].state.pop(param, None)
             param.grad = None
+
+
+def plan_moves(names: Sequence[str], old_held: Sequence[Mapping[str, SliceSpec]],
+               new_held: Sequence[Mapping[str, SliceSpec]]) -> list[tuple[str, int, list[int]]]:
+    """``(name, sender, receivers)`` for every tensor that some worker starts to hold, in the order
+    of `names`: the sender is its lowest-ranked old holder, the receivers its new holders that did
+    not hold it (a tensor nobody held before has nothing to send and is left out).
+
+    >>> plan_moves(["a", "b"], [{"a": 0}, {"b": 0}, {}], [{"b": 0}, {"a": 0}, {"a": 0, "b": 0}])
+    [('a', 0, [1, 2]), ('b', 1, [0, 2])]
+    """
+    world = len(new_held)
+    moves = []
+    for name in names:
+        old = [r for r in range(world) if name in old_held[r]]
+        receivers = [r for r in range(world) if name in new_held[r] and r not in old]
+        if receivers and old:
+            moves.append((name, old[0], receivers))
+    return moves
 
 
 def _state_layout(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, tuple]:

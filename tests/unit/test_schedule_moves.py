@@ -1,0 +1,38 @@
+"""What moves at a mask change under backward masking (`sdp_train.sdp_schedule.plan_moves`): every
+tensor a worker starts to hold comes from exactly one old holder, the lowest-ranked, in one order."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdp_train.models.blocks import WHOLE
+from sdp_train.sdp_schedule import plan_moves
+
+
+@st.composite
+def two_rounds(draw):
+    workers, tensors = draw(st.integers(1, 6)), draw(st.integers(1, 8))
+    held = st.lists(st.lists(st.booleans(), min_size=tensors, max_size=tensors), min_size=workers, max_size=workers)
+    return [f"t{i}" for i in range(tensors)], np.array(draw(held)), np.array(draw(held))
+
+
+def _held(matrix: np.ndarray, names: list[str]) -> list[dict]:
+    return [{n: WHOLE for n, keep in zip(names, row) if keep} for row in matrix]
+
+
+@settings(max_examples=200, deadline=None)
+@given(two_rounds())
+def test_every_new_holder_receives_once_from_the_lowest_old_holder_in_name_order(rounds):
+    names, old, new = rounds
+    moves = plan_moves(names, _held(old, names), _held(new, names))
+    assert [m[0] for m in moves] == [n for n in names if n in {m[0] for m in moves}]  # the names' order
+    by_name = {name: (src, receivers) for name, src, receivers in moves}
+    for j, name in enumerate(names):
+        gained = [k for k in range(len(new)) if new[k, j] and not old[k, j]]
+        if not gained or not old[:, j].any():  # nothing new, or nobody to send it
+            assert name not in by_name
+            continue
+        src, receivers = by_name[name]
+        assert src == int(np.flatnonzero(old[:, j])[0]) and receivers == gained
