@@ -5,8 +5,9 @@ others after each step), so at a mask change only the *optimizer state* moves: f
 worker starts to hold, its state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``; whatever the
 optimizer keeps) comes from the tensor's lowest-ranked holder of the round that ends, bit for bit,
 and a worker that stops holding a tensor frees its state and gradient. Every rank walks the
-parameters in one global order and takes part in one broadcast over the world group per state
-tensor that some worker receives (no process group is made for a change); the bytes are counted
+parameters in one global order and takes part in one broadcast over the world group per sender
+and dtype, of the state tensors it sends packed into one buffer (no process group is made for a
+change); the bytes are counted
 apart from gradient traffic (`move_optimizer_state`'s counter). The world's broadcast, not
 point-to-point sends to the new holders only: every rank receives what only some need, but NCCL
 would create a communicator for every sender-receiver pair (hundreds of MiB each, docs/design.md
@@ -19,6 +20,7 @@ worker's subnetwork (`SubnetworkDataParallel` refuses a schedule there), and ove
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -62,17 +64,26 @@ def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn
         gathered: list[dict[int, dict[str, tuple]]] = [{}] * world
         dist.all_gather_object(gathered, mine)
         layouts = {i: layout for part in gathered for i, layout in part.items()}
-    for i, (name, src, receivers) in enumerate(moves):
-        param = params[name]
-        state = owner[param].state[param] if rank == src or rank in receivers else None
+    # one flat buffer per sender and dtype, in one order on every rank: a few broadcasts per change
+    packs: dict[tuple[int, str], list[tuple[int, str, tuple, torch.dtype, bool]]] = {}
+    for i, (_, src, _) in enumerate(moves):
         for key, (shape, dtype, on_param_device) in layouts[i].items():
-            # sent from the parameter's device (NCCL sends no CPU tensor), kept where the sender keeps it
-            tensor = (state[key].to(param.device) if rank == src
-                      else torch.empty(shape, dtype=dtype, device=param.device))
-            dist.broadcast(tensor, src=src)
-            counter.add("broadcast", tensor.numel() * tensor.element_size(), world)
-            if rank in receivers:
-                state[key] = tensor if on_param_device else tensor.cpu()
+            packs.setdefault((src, str(dtype)), []).append((i, key, shape, dtype, on_param_device))
+    for (src, _), entries in sorted(packs.items()):
+        device = params[moves[entries[0][0]][0]].device  # sent from the parameters' device (NCCL sends no CPU tensor)
+        sizes = [math.prod(shape) for _, _, shape, _, _ in entries]
+        if rank == src:
+            buffer = torch.cat([owner[params[moves[i][0]]].state[params[moves[i][0]]][key].reshape(-1).to(device)
+                                for i, key, _, _, _ in entries])
+        else:
+            buffer = torch.empty(sum(sizes), dtype=entries[0][3], device=device)
+        dist.broadcast(buffer, src=src)
+        counter.add("broadcast", buffer.numel() * buffer.element_size(), world)
+        for (i, key, shape, _, on_param_device), part in zip(entries, buffer.split(sizes)):
+            name, _, receivers = moves[i]
+            if rank in receivers:  # its own memory, where the sender keeps it
+                value = part.view(shape).clone()
+                owner[params[name]].state[params[name]][key] = value if on_param_device else value.cpu()
     for name in names:  # a tensor this rank no longer holds: its state and gradient go
         if name in old_held[rank] and name not in new_held[rank]:
             param = params[name]
