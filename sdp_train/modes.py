@@ -44,7 +44,7 @@ from sdp_train.parallelize import parallelize
 from sdp_train.sdp_blocks import find_blocks
 from sdp_train.sdp_masking import ModelLayout
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
-from sdp_train.user_model import NEURON_GROUPS as USER_NEURON_GROUPS, UserModel
+from sdp_train.user_model import NEURON_GROUPS as USER_NEURON_GROUPS, UserModel, user_blocks
 from sdp_train.wire import ByteCount
 
 
@@ -339,14 +339,6 @@ def _blocks(model: nn.Module, prep: Any) -> list[str]:
     if isinstance(prep.model_config, UserModel):
         return find_blocks(model, user_blocks(prep.config))
     return list(block_map(prep.model_config).block_names("block"))
-
-
-def user_blocks(cfg) -> str | list[str] | None:
-    """``--blocks`` (`TrainConfig.blocks`) as `find_blocks` takes it: a pattern, or the names of a
-    comma-separated list."""
-    if cfg.blocks is None or "," not in cfg.blocks:
-        return cfg.blocks
-    return [name.strip() for name in cfg.blocks.split(",") if name.strip()]
 
 
 def family_layout(config: ModelConfig, level: str) -> ModelLayout:

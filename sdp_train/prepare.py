@@ -25,13 +25,12 @@ from sdp_train.config import BASELINES, SCHEDULED_MODES, TrainConfig
 from sdp_train.data import DataConfig
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, get_model_config
-from sdp_train.modes import user_blocks
 from sdp_train.sdp_blocks import find_blocks
 from sdp_train.sdp_masking import describe
 from sdp_train.sdp_parts import resolve_mask
 from sdp_train.subnet import held_tensors
 from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, build_user_model,
-                                  describe_user_model, is_user_model, logits_of)
+                                  describe_user_model, is_user_model, logits_of, user_blocks)
 
 
 @dataclass(frozen=True)

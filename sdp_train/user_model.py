@@ -155,3 +155,11 @@ def logits_of(output: Any) -> torch.Tensor:
         return output[0]
     raise TypeError(f"the model returned {type(output).__name__}; sdp train needs logits: a tensor, an "
                     "object with .logits, a dict with 'logits' or a tuple whose first element is the logits")
+
+
+def user_blocks(cfg) -> str | list[str] | None:
+    """``--blocks`` (`TrainConfig.blocks`) as `find_blocks` takes it: a pattern, or the names of a
+    comma-separated list."""
+    if cfg.blocks is None or "," not in cfg.blocks:
+        return cfg.blocks
+    return [name.strip() for name in cfg.blocks.split(",") if name.strip()]
