@@ -3,7 +3,9 @@ parameters, or through the library's own clipping, it does not. (Multi-rank: tes
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -45,9 +47,12 @@ def test_the_guard_is_installed_once_and_forgets_freed_parameters():
     clip_guard.install()
     assert clip_grad._clip_grads_with_norm_ is wrapped and wrapped.sdp_clip_guard
     p = _with_grad(3)
+    alive = weakref.ref(p)
     clip_guard.watch([p])
-    del p  # freed: a later parameter, even at the same address, is not taken for it
-    assert _clip([_with_grad(3)]) == []
+    del p
+    gc.collect()
+    assert alive() is None  # watched weakly: the guard keeps no parameter (nor its model) alive
+    assert _clip([_with_grad(3)]) == []  # and a later one, even at the same address, is not taken for it
 
 
 def test_one_worker_is_not_watched_since_torch_clipping_is_right_there():
