@@ -53,17 +53,21 @@ def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn
     owner = {p: opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
     world = len(new_held)
     moves = plan_moves(names, old_held, new_held)
-    for name, src, _ in moves:
-        if params[name] not in owner:
-            raise ConfigError(f"parameter {name!r} moves to new holders at a mask change, but no registered "
-                              "optimizer steps it: build the optimizer over all of model.parameters()")
-    layouts: dict[int, dict[str, tuple]] = {}
-    if moves:  # what each moving tensor's state holds (keys, shapes, dtypes), from its senders: one gather
+    if not moves:
+        layouts: dict[int, dict[str, tuple]] = {}
+    else:  # what each moving tensor's state holds (keys, shapes, dtypes), from its senders: one gather
+        unowned = [name for name, src, receivers in moves
+                   if (rank == src or rank in receivers) and params[name] not in owner]
         mine = {i: _state_layout(owner[params[name]], params[name]) for i, (name, src, _) in enumerate(moves)
-                if src == rank}
-        gathered: list[dict[int, dict[str, tuple]]] = [{}] * world
-        dist.all_gather_object(gathered, mine)
-        layouts = {i: layout for part in gathered for i, layout in part.items()}
+                if src == rank and params[name] in owner}
+        gathered: list[tuple[dict[int, dict[str, tuple]], list[str]]] = [({}, [])] * world
+        dist.all_gather_object(gathered, (mine, unowned))
+        missing = {r: names_ for r, (_, names_) in enumerate(gathered) if names_}
+        if missing:  # every rank raises, none is left waiting in a collective
+            raise ConfigError(f"at a mask change, parameters move to new holders whose registered optimizer does not "
+                              f"step them (rank: parameters) {missing}: under a schedule build the optimizer over "
+                              "all of model.parameters()")
+        layouts = {i: layout for part, _ in gathered for i, layout in part.items()}
     # one flat buffer per sender and dtype, in one order on every rank: a few broadcasts per change
     packs: dict[tuple[int, str], list[tuple[int, str, tuple, torch.dtype, bool]]] = {}
     for i, (_, src, _) in enumerate(moves):

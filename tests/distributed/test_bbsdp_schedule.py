@@ -69,16 +69,35 @@ def rank_main(out: Path) -> None:
                           "held": model.held_blocks, "moved": model.mask_change_bytes.buffer})
         torch.save(trace, out / f"rank{rank}.pt")
         model.close()
+        # an optimizer over the first round's trainable parameters only: the first change is refused
+        # on every rank (one error, no rank left waiting in a collective)
+        partial = SubnetworkDataParallel(make_net(), mask=MASK, masking="backward", seed=SEED)
+        opt = torch.optim.AdamW([p for p in partial.parameters() if p.requires_grad], lr=LR)
+        partial.register_optimizer(opt)
+        error = None
+        try:
+            for step in range(2):
+                (partial(batch(step, rank)[0]) - batch(step, rank)[1]).square().mean().backward()
+                opt.step()
+        except ValueError as exc:
+            error = str(exc)
+        (out / f"error_rank{rank}.txt").write_text(repr(error))
+        partial.close()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[list[dict]]:
+def out(tmp_path_factory) -> Path:
     from tests.distributed.conftest import torchrun
 
     out = tmp_path_factory.mktemp("bbsdp_schedule")
     torchrun(K, [str(Path(__file__).resolve()), str(out)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(out) -> list[list[dict]]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(K)]
 
 
@@ -112,6 +131,12 @@ def _holders(step: int, name: str) -> list[int]:
     j = int(name.split(".")[1]) if name.startswith("layers.") else None
     matrix = MASK.round_matrix(step + 1, seed=SEED)  # after step's optimizer step: the next round's holders
     return list(range(K)) if j is None else [int(k) for k in np.flatnonzero(matrix[:, j])]
+
+
+def test_an_optimizer_without_the_moving_parameters_is_refused_on_every_rank(out):
+    for r in range(K):
+        text = (out / f"error_rank{r}.txt").read_text()
+        assert "optimizer does not step them" in text and "build the optimizer over all of model.parameters()" in text
 
 
 def test_the_schedule_changes_the_holders_of_every_block():
