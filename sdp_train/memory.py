@@ -1,7 +1,9 @@
 """Measured peak memory per rank, broken into parameters / gradients / optimizer / activations / other.
 
 On CPU the figures come from torch's ``MemTracker`` (a dispatch mode that attributes every live
-tensor storage to a category), so they are deterministic: the same run gives the same bytes.
+tensor storage to a category), so they are deterministic, with one exception: gloo's worker thread
+drops its reference to a collective's output only after it has woken the caller, so an output
+(FSDP's all-gather of a block) is now and then freed a moment late and counted in the peak.
 The tracker is entered once per measured step and its module statistics are reset between
 steps. Its "peak" snapshot is the breakdown at the moment the total peaks (usually in backward,
 when activations are already being freed, or in the optimizer step), so the activation figure is

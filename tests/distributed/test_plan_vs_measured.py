@@ -5,8 +5,11 @@ One torchrun launch trains every configuration for 2 steps (the second has AdamW
 later step does) with the memory tracker on; each summary.json's ``peak_memory_bytes`` is compared
 with `sdp_train.plan.predict`: the total within 10% on every rank and for the largest one (and within
 1%, so that a forgotten buffer shows), the persistent state (parameters, gradients, optimizer)
-exactly. On CPU the tracker's figures are
-deterministic. The GPU variant needs 4 CUDA devices (nccl cannot put two ranks on one device)
+exactly. On CPU the tracker's figures are deterministic but for one race: gloo's worker thread
+holds a collective's output until it takes its queue lock again, after the caller has been woken,
+so FSDP's all-gather output of a block (852,992 bytes here) is sometimes freed a moment late and
+counted in the peak (seen once in CI, on one rank of bsdp+fsdp+ac). With FSDP the 1% bound allows
+that one block more. The GPU variant needs 4 CUDA devices (nccl cannot put two ranks on one device)
 and is skipped elsewhere; CUDA adds cuBLAS workspaces and allocator rounding that the model does
 not count (docs/plan.md).
 """
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from sdp_train.compare import PRESETS, run_specs
+from sdp_train.models import get_model_config, model_class
 from sdp_train.plan import predict
 from tests.distributed.conftest import run_rank_script
 
@@ -37,6 +41,13 @@ def _config(spec, out: Path) -> dict:
             "batch_size": PRESET.batch_size, "seq_len": PRESET.seq_len, "active": spec.active or 0.5,
             "activation_checkpointing": spec.ac, "fsdp": spec.fsdp, "seed": 0, "eval_batches": 1,
             "max_data_bytes": 100_000, "out": str(out / spec.name)}
+
+
+def _block_bytes() -> int:
+    """Bytes of one transformer block's parameters unsharded: one FSDP all-gather output."""
+    with torch.device("meta"):
+        model = model_class(get_model_config(PRESET.model))(get_model_config(PRESET.model))
+    return sum(p.numel() * p.element_size() for p in model.layers["0"].parameters())
 
 
 def _predict(spec) -> dict:
@@ -76,7 +87,8 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak(measured, spec
         assert total == pytest.approx(p["total"], rel=0.10), (rank, total, p)
         # every tracked tensor is modelled (the 8 KiB int64 batch is made before tracking starts): a
         # forgotten buffer, such as DDP's buckets (8% here), fails this line, not the one above
-        assert total == pytest.approx(p["total"], rel=0.01), (rank, total, p)
+        late = _block_bytes() if spec.fsdp or spec.mode == "fsdp" else 0  # an all-gather output gloo's thread frees late
+        assert total * 0.99 <= p["total"] <= total * 1.01 + late, (rank, total, p)
     # parameters, gradients, optimizer state: counted exactly (FSDP's padded shards included)
     assert pred["persistent"] == peaks[pred["rank"]]["persistent"]
     act = max(p["activations"] for p in peaks)
