@@ -37,7 +37,7 @@ from sdp_train.sdp_blocks import MLPSpec, find_blocks
 from sdp_train.sdp_export import assemble, save_safetensors
 from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
 from sdp_train.sdp_parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
-from sdp_train.sdp_schedule import move_optimizer_state
+from sdp_train.sdp_schedule import OptimizerPlaces, gain_block, move_optimizer_state, send_blocks
 from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, holder_set_groups, plan_buckets,
                             unpin_default_group, weak_grad_hook)
 from sdp_train.wire import ByteCount
@@ -108,8 +108,7 @@ class SubnetworkDataParallel(nn.Module):
         # 1. blocks, the full model's layout and the mask (identical on every rank)
         block_names = find_blocks(module, blocks)
         layout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
-        mask = resolve_mask(mask, active, world_size, layout, seed=seed,
-                            schedules=masking == "backward" and level == "block" and not fsdp)
+        mask = resolve_mask(mask, active, world_size, layout, seed=seed, schedules=level == "block" and not fsdp)
         matrix = mask.round_matrix(0, seed=seed)  # a schedule's first round
         held_by_rank = [layout.held(matrix[r]) for r in range(world_size)]
         row = matrix[rank]
@@ -143,8 +142,10 @@ class SubnetworkDataParallel(nn.Module):
         the part of the full tensor it holds, ``held_by_rank`` gives that map for every rank, and
         ``layout`` describes the full model (its ``blocks`` and ``level``). With ``values_agree``
         the holders of every tensor already hold the same values (built from one seed), so the
-        initial broadcast is skipped. A `mask` with a schedule (backward masking) starts in its first
-        round, ``mask.round_matrix(0, seed=seed)``: build the module and ``held_by_rank`` from that.
+        initial broadcast is skipped. A `mask` with a schedule starts in its first round,
+        ``mask.round_matrix(0, seed=seed)``: build the module and ``held_by_rank`` from that (with
+        forward masking, replace each block it does not hold by a `sdp_train.sdp_masking.PassThrough`,
+        which keeps the block's meta-device copy: a worker that gains the block builds it from that).
         """
         _check_options(layout.level, masking, fsdp, comm_dtype)
         self = cls.__new__(cls)
@@ -163,16 +164,17 @@ class SubnetworkDataParallel(nn.Module):
                init_state: Mapping[str, torch.Tensor] | None, values_agree: bool, seed: int) -> None:
         """Steps 3 (values) to 5 (gradient averaging), for a module already cut to this worker's part."""
         self.rank, self.world_size = _rank_and_world()
-        if not mask.schedule.is_static and (masking != "backward" or layout.level != "block" or fsdp):
-            raise ConfigError(f"a mask with a {mask.schedule.kind!r} schedule trains with masking='backward' at "
-                              f"level 'block' without fsdp, got masking={masking!r}, level={layout.level!r}, "
-                              f"fsdp={fsdp}")
+        if not mask.schedule.is_static and (layout.level != "block" or fsdp):
+            raise ConfigError(f"a mask with a {mask.schedule.kind!r} schedule trains at level 'block' without fsdp "
+                              f"(B-SDP or Bb-SDP), got level={layout.level!r}, fsdp={fsdp}")
         self.seed, self.steps = seed, 0
         self._matrix = mask.round_matrix(0, seed=seed)
         self.mask_change_bytes = ByteCount()
         """Bytes of the optimizer state moved at mask changes (a schedule), apart from gradient traffic."""
         self._old_bytes = ByteCount()  # of the engines and broadcasters that no_sync and mask changes retired
         self._optimizers: list[weakref.ref] = []
+        self._places = OptimizerPlaces()  # forward masking under a schedule: where gained parameters go
+        self.activation_checkpointing = activation_checkpointing
         self.level, self.masking, self.autocast_dtype, self.comm_dtype = layout.level, masking, autocast_dtype, comm_dtype
         self.layout, self.mask, self.held_by_rank, self.local_index = layout, mask, list(held_by_rank), local_index
         self.module, self.device, self.fsdp = module, device, fsdp
@@ -217,9 +219,8 @@ class SubnetworkDataParallel(nn.Module):
         # the sync engine's hooks launch the all-reduces; these finish them when backward ends
         # weak (`weak_grad_hook`): a wrapper nobody references is freed with its groups, as DDP is
         hook = weak_grad_hook(self)
-        self._hooks = [] if fsdp else [p.register_post_accumulate_grad_hook(hook)
-                                       for p in module.parameters() if p.requires_grad]
-        self._hooked = {id(p) for p in module.parameters() if p.requires_grad and not fsdp}
+        self._hooks = {} if fsdp else {id(p): p.register_post_accumulate_grad_hook(hook)
+                                       for p in module.parameters() if p.requires_grad}
         if self.world_size > 1:  # torch's clipping would scale each rank's holders differently: warn
             clip_guard.watch(module.parameters())
 
@@ -247,9 +248,11 @@ class SubnetworkDataParallel(nn.Module):
 
     # -- the training step ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self.masking == "backward" and self.training and self.world_size > 1 and not self.optimizers_registered:
-            raise ConfigError("backward masking sends each block's new values after the optimizer step: call "
-                              "model.register_optimizer(optimizer) before training")
+        if (self.training and not self.optimizers_registered
+                and ((self.masking == "backward" and self.world_size > 1) or not self.mask.schedule.is_static)):
+            raise ConfigError("backward masking sends each block's new values after the optimizer step, and a "
+                              "schedule changes the mask after it: call model.register_optimizer(optimizer) before "
+                              "training")
         if self.autocast_dtype is None:
             output = self.module(*args, **kwargs)
         else:
@@ -321,12 +324,16 @@ class SubnetworkDataParallel(nn.Module):
             optimizer.register_step_post_hook(_weak_step_done(weakref.ref(self)))
         self._optimizers.append(weakref.ref(optimizer))
         self.optimizers_registered += 1
+        if self.masking == "forward" and not self.mask.schedule.is_static:
+            self._places.add(optimizer, self.module, self.world_size)
 
     def step_done(self) -> None:
         """After each optimizer step (every rank): `broadcast_held`, and under a schedule, when the
-        mask changes, the next round (`sdp_train.sdp_schedule`: every tensor's optimizer state
-        moves from its lowest-ranked old holder to its new holders; the gradient averages, the
-        broadcasts and requires_grad follow the new mask)."""
+        mask changes, the next round (`sdp_train.sdp_schedule`): with forward masking the blocks a
+        worker gains are built and receive their parameters, buffers and optimizer state from their
+        lowest-ranked old holder, and the blocks it stops holding are freed; with backward masking
+        only the optimizer state moves. The gradient averages, the broadcasts and requires_grad
+        follow the new mask."""
         self.broadcast_held()
         if self.mask.schedule.is_static:
             return
@@ -341,7 +348,10 @@ class SubnetworkDataParallel(nn.Module):
         return {} if self.mask.schedule.is_static else {"steps": self.steps}
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
-        """Continue from `schedule_state`, after this worker's model and optimizer state are loaded."""
+        """Continue from `schedule_state`; every rank calls it, after `register_optimizer` and *before*
+        loading this worker's model and optimizer state: with forward masking it rebuilds the
+        subnetwork of the saved round (blocks gained are empty until the state is loaded, and their
+        parameters join the optimizer's groups in the saved order)."""
         if self.mask.schedule.is_static and not state:
             return
         steps = state.get("steps") if isinstance(state, dict) else None
@@ -351,13 +361,15 @@ class SubnetworkDataParallel(nn.Module):
         self.steps = steps
         matrix = self.mask.round_matrix(steps, seed=self.seed)
         if not np.array_equal(matrix, self._matrix):
-            self._enter_round(matrix, move_state=False)  # the loaded state is already this round's
+            self._enter_round(matrix, move_state=False)  # the state to be loaded is already this round's
 
     def _enter_round(self, matrix: np.ndarray, *, move_state: bool) -> None:
-        """Train under `matrix` from now on (backward masking; every rank calls it)."""
+        """Train under `matrix` from now on (every rank calls it)."""
         new_held = [self.layout.held(matrix[r]) for r in range(self.world_size)]
-        if move_state:
-            optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
+        optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
+        if self.masking == "forward":
+            self._move_blocks(matrix, new_held, optimizers, move_state)
+        elif move_state:
             move_optimizer_state(optimizers, self.module, self.layout.parameter_names, self.held_by_rank, new_held,
                                  self.rank, self.mask_change_bytes)
         held = new_held[self.rank]
@@ -366,9 +378,8 @@ class SubnetworkDataParallel(nn.Module):
             param.requires_grad_(name in held)
             if name not in held:
                 param.grad = None
-            elif id(param) not in self._hooked:  # first held in this round: it needs the sync hook
-                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
-                self._hooked.add(id(param))
+            elif id(param) not in self._hooks:  # first held in this round: it needs the sync hook
+                self._hooks[id(param)] = param.register_post_accumulate_grad_hook(hook)
         self.held_by_rank, self._matrix = new_held, matrix
         self.held_blocks = tuple(b for b, keep in zip(self.layout.blocks, self._held_block_flags()) if keep)
         shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
@@ -383,10 +394,44 @@ class SubnetworkDataParallel(nn.Module):
                 self._old_bytes += retired.bytes
         self.engine.remove_hooks()
         self.engine = self._new_engine()
-        if self.world_size > 1:
+        if self.masking == "backward" and self.world_size > 1:
             self.broadcaster = ParamBroadcaster(self.module, self.plans, self.world_size)
-        if buffer_plans and self.world_size > 1:
-            self.buffer_averager = BufferAverager(self.module, buffer_plans, self.local_index, self.groups, self.rank)
+        self.buffer_averager = (BufferAverager(self.module, buffer_plans, self.local_index, self.groups, self.rank)
+                                if buffer_plans and self.world_size > 1 else None)
+
+    def _move_blocks(self, matrix: np.ndarray, new_held: list[dict[str, SliceSpec]],
+                     optimizers: list[torch.optim.Optimizer], move_state: bool) -> None:
+        """Forward masking at a change: build the blocks this worker gains, receive their values and
+        optimizer state (`move_state`; on resume the loaded state fills them), free those it drops."""
+        old_rows, new_rows = self._matrix.astype(bool), matrix.astype(bool)
+        gained = [b for j, b in enumerate(self.layout.blocks) if new_rows[self.rank, j] and not old_rows[self.rank, j]]
+        dropped = [b for j, b in enumerate(self.layout.blocks) if old_rows[self.rank, j] and not new_rows[self.rank, j]]
+        for name in gained:
+            block = gain_block(self.module, name, self.device)
+            if self.activation_checkpointing:
+                apply_checkpointing([block])
+            self._places.insert({f"{name}.{n}": p for n, p in block.named_parameters()}, self.module)
+        if move_state:
+            send_blocks(self.module, self.layout.blocks, old_rows, new_rows, self.rank, self.device,
+                        self.mask_change_bytes)
+            move_optimizer_state(optimizers, self.module, self.layout.parameter_names, self.held_by_rank, new_held,
+                                 self.rank, self.mask_change_bytes)
+        for name in dropped:
+            block = self.module.get_submodule(name)
+            params = list(block.parameters())
+            self._places.remove(params)
+            for param in params:
+                param.grad = None
+                handle = self._hooks.pop(id(param), None)
+                if handle is not None:
+                    handle.remove()
+            block.__dict__.pop("forward", None)  # activation checkpointing's wrapper, if any
+            tensors = [*params, *block.buffers()]
+            drop_blocks(self.module, [name], np.zeros(1, dtype=bool))  # the module keeps meta copies
+            for tensor in tensors:  # free the memory even where something else still holds the tensor
+                if not tensor.is_meta:
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self.local_index = dict(new_held[self.rank])
 
     def broadcast_held(self) -> None:
         """Backward masking: send each held block's values to the workers that do not hold it (every
@@ -442,9 +487,9 @@ class SubnetworkDataParallel(nn.Module):
         after the last backward and before ``destroy_process_group``, as ``sdp train`` does. The
         wrapper cannot train after it.
         """
-        for handle in self._hooks:
+        for handle in self._hooks.values():
             handle.remove()
-        self._hooks = []
+        self._hooks = {}
         if self.engine is not None:
             self.engine.remove_hooks()
 

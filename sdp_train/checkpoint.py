@@ -320,6 +320,11 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
     """Restore this rank's state from checkpoint ``path``; return the step to continue from."""
     file = path / f"rank{run.info.rank}.pt"
     state = torch.load(file, weights_only=True, map_location=run.device)
+    # first the round: under a forward-masked schedule it fixes which blocks this worker holds
+    try:
+        run.load_schedule_state(state.get("schedule", {}) if isinstance(state, dict) else {})
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint {file}: {exc}") from None
     local = run.model.state_dict()
     _check_rank_state(file, state, local, run)
     with torch.no_grad():
@@ -334,7 +339,6 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
                            for k, v in values.items() if v.shape == param.to_local().shape and v.dim() > 0})
     run.optimizer.load_state_dict(state["optimizer"])
     batches.load_state_dict(state["data"])
-    run.load_schedule_state(state.get("schedule", {}))
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)

@@ -106,6 +106,10 @@ class MemoryMeter:
         self.tracker.reset_mod_stats()
         with self.tracker:
             yield
+            # a mask change (a schedule) made parameters and moved optimizer state inside the step: file
+            # them, and let go of the hooks on those it freed (they would keep them alive)
+            self.tracker.forget_missing(self.model)
+            self.tracker.track_external(self.model, self.optimizer)
         current = next(iter(self.tracker.get_tracker_snapshot("current").values()), {})
         self._merge(self._tracker_step(), {c: _category(current, c) for c in PERSISTENT})
 
@@ -155,6 +159,14 @@ class _Tracker(MemTracker):
                         param.register_post_accumulate_grad_hook(lambda p: self._track_grad(p.grad)),
                     )
         return sizes
+
+    def forget_missing(self, module: nn.Module) -> None:
+        """Remove the gradient hooks of parameters no longer in ``module``: hooks registered on a
+        parameter keep it alive, so a block a worker freed at a mask change would stay allocated."""
+        live = {id(p) for p in module.parameters()}
+        for param in [p for p in self._param_to_grad_hook_handles.keys() if id(p) not in live]:
+            for handle in self._param_to_grad_hook_handles.pop(param):
+                handle.remove()
 
     def _track_grad(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)

@@ -295,6 +295,11 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     if user:
         torch.manual_seed(cfg.seed)
         model = mc.build(device).to(device)
+    elif cfg.mode == "bsdp" and not prep.mask.schedule.is_static:
+        # blocks move between workers: the full model on meta, cut by the wrapper (below), each dropped
+        # block a pass-through that keeps its meta copy for the worker that gains it later
+        with torch.device("meta"):
+            model = model_class(mc)(mc)
     elif cfg.mode in ("bsdp", "nsdp"):
         model = build_worker_model(mc, prep.mask.matrix[info.rank].astype(bool), cfg.level, seed=cfg.seed,
                                    device=device)
@@ -325,6 +330,11 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
             neuron_groups=USER_NEURON_GROUPS, seed=cfg.seed, device=device,
             activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
+    if not prep.mask.schedule.is_static and masking == "forward":  # the seeded values of the held blocks
+        sdp = SubnetworkDataParallel(
+            model, mask=prep.mask, blocks=list(block_map(mc).block_names("block")), seed=cfg.seed, device=device,
+            init=lambda m: m.init_weights(cfg.seed), activation_checkpointing=cfg.activation_checkpointing)
+        return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
     rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
     held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
     sdp = SubnetworkDataParallel.from_subnetwork(

@@ -176,7 +176,7 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
 
 def with_schedule(cfg: TrainConfig, mask: Mask) -> Mask:
     """`mask` under the run's schedule (``--schedule``/``--every`` replace the mask file's), refused
-    where the mode cannot train it: forward masking (bsdp, nsdp) trains static masks, Bb-SDP any
+    where the mode cannot train it: N-SDP and FSDP train static masks, B-SDP and Bb-SDP any
     schedule, overlap averaging any whose R is a multiple of ``local_steps`` (one mask per round of
     averaging)."""
     if cfg.schedule is not None:
@@ -187,7 +187,10 @@ def with_schedule(cfg: TrainConfig, mask: Mask) -> Mask:
     if cfg.mode not in SCHEDULED_MODES:
         raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); mode "
                           f"{cfg.mode!r} trains static masks (--schedule static replaces it); schedules train "
-                          "with --mode bbsdp or overlap")
+                          "with --mode bsdp, bbsdp or overlap")
+    if cfg.fsdp:
+        raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); with --fsdp "
+                          "FSDP's holder meshes are fixed when the run starts (--schedule static replaces it)")
     if schedule.every % cfg.local_steps:
         raise ConfigError(f"the mask's {schedule.kind!r} schedule changes it every {schedule.every} steps, not a "
                           f"multiple of local_steps={cfg.local_steps} (--local-steps): each round of averaging "

@@ -13,16 +13,27 @@ point-to-point sends to the new holders only: every rank receives what only some
 would create a communicator for every sender-receiver pair (hundreds of MiB each, docs/design.md
 §5), where the world's exists already.
 
-Not here: forward masking, where a change would also move the blocks' parameters and rebuild each
-worker's subnetwork (`SubnetworkDataParallel` refuses a schedule there), and overlap averaging
-(`sdp_train.overlap`), whose workers keep their own state.
+With forward masking (B-SDP) a worker holds only its blocks, so at a change the *blocks* move as
+well (`move_blocks`): a worker that gains a block builds it empty from the meta-device copy its
+pass-through keeps, receives its parameters and buffers from the block's lowest-ranked old holder
+(packed broadcasts, as the state), and adds its parameters to the optimizer parameter group their
+name belongs to (`OptimizerPlaces`); then the state moves; then a worker that no longer holds a
+block frees it (parameters, gradients, optimizer state) and puts a pass-through in its place. At
+the peak a worker holds its old subnetwork plus the blocks it gains (and one packed buffer).
+
+Not here: N-SDP, whose neuron slices would have to be re-cut at a change (refused), and overlap
+averaging (`sdp_train.overlap`), whose workers keep their own state.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -68,32 +79,50 @@ def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn
                               f"step them (rank: parameters) {missing}: under a schedule build the optimizer over "
                               "all of model.parameters()")
         layouts = {i: layout for part, _ in gathered for i, layout in part.items()}
-    # one flat buffer per sender and dtype, in one order on every rank: a few broadcasts per change
-    packs: dict[tuple[int, str], list[tuple[int, str, tuple, torch.dtype, bool]]] = {}
-    for i, (_, src, _) in enumerate(moves):
-        for key, (shape, dtype, on_param_device) in layouts[i].items():
-            packs.setdefault((src, str(dtype)), []).append((i, key, shape, dtype, on_param_device))
-    for (src, _), entries in sorted(packs.items()):
-        device = params[moves[entries[0][0]][0]].device  # sent from the parameters' device (NCCL sends no CPU tensor)
-        sizes = [math.prod(shape) for _, _, shape, _, _ in entries]
-        if rank == src:
-            buffer = torch.cat([owner[params[moves[i][0]]].state[params[moves[i][0]]][key].reshape(-1).to(device)
-                                for i, key, _, _, _ in entries])
-        else:
-            buffer = torch.empty(sum(sizes), dtype=entries[0][3], device=device)
-        dist.broadcast(buffer, src=src)
-        counter.add("broadcast", buffer.numel() * buffer.element_size(), world)
-        for (i, key, shape, _, on_param_device), part in zip(entries, buffer.split(sizes)):
-            name, _, receivers = moves[i]
-            if rank in receivers:  # its own memory, where the sender keeps it
-                value = part.view(shape).clone()
-                owner[params[name]].state[params[name]][key] = value if on_param_device else value.cpu()
+    entries = [(i, key, shape, dtype, on_param_device) for i in range(len(moves))
+               for key, (shape, dtype, on_param_device) in layouts[i].items()]
+
+    def read(entry):
+        name = moves[entry[0]][0]
+        return owner[params[name]].state[params[name]][entry[1]]
+
+    def write(entry, value):
+        name = moves[entry[0]][0]
+        owner[params[name]].state[params[name]][entry[1]] = value.clone() if entry[4] else value.cpu()
+
+    device = next(iter(params.values())).device  # this rank's (a rank may hold none of the moving tensors)
+    broadcast_packed([(moves[e[0]][1], moves[e[0]][2], e[2], e[3], e) for e in entries], read, write, rank,
+                     device, counter)
     for name in names:  # a tensor this rank no longer holds: its state and gradient go
         if name in old_held[rank] and name not in new_held[rank]:
             param = params[name]
             if param in owner:
                 owner[param].state.pop(param, None)
             param.grad = None
+
+
+def broadcast_packed(items: Sequence[tuple[int, Sequence[int], tuple, torch.dtype, Any]],
+                     read: Callable[[Any], torch.Tensor], write: Callable[[Any, torch.Tensor], None], rank: int,
+                     device: torch.device, counter: ByteCount) -> None:
+    """Send each item's tensor from its sender to its receivers: one flat buffer per sender and dtype,
+    broadcast over the world group, in one order on every rank (a collective: every rank passes the
+    same items, each ``(sender, receivers, shape, dtype, key)``). The sender's tensor is
+    ``read(key)``; each receiver gets ``write(key, view)``, a view of the received buffer (copy it).
+    The buffers live on ``device``, this rank's parameters' (NCCL sends no CPU tensor)."""
+    packs: dict[tuple[int, str], list[tuple[Sequence[int], tuple, torch.dtype, Any]]] = {}
+    for src, receivers, shape, dtype, key in items:
+        packs.setdefault((src, str(dtype)), []).append((receivers, shape, dtype, key))
+    for (src, _), entries in sorted(packs.items(), key=lambda kv: kv[0]):
+        sizes = [math.prod(shape) for _, shape, _, _ in entries]
+        if rank == src:
+            buffer = torch.cat([read(key).reshape(-1).to(device) for _, _, _, key in entries])
+        else:
+            buffer = torch.empty(sum(sizes), dtype=entries[0][2], device=device)
+        dist.broadcast(buffer, src=src)
+        counter.add("broadcast", buffer.numel() * buffer.element_size(), dist.get_world_size())
+        for (receivers, shape, _, key), part in zip(entries, buffer.split(sizes)):
+            if rank in receivers:
+                write(key, part.view(shape))
 
 
 def plan_moves(names: Sequence[str], old_held: Sequence[Mapping[str, SliceSpec]],
@@ -125,3 +154,107 @@ def _state_layout(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict
                               "tensor: only tensor state can move at a mask change")
         out[key] = (tuple(value.shape), value.dtype, value.device == param.device)
     return out
+
+
+class OptimizerPlaces:
+    """The optimizer and parameter group of every full-model parameter, by name, agreed by every rank.
+
+    Forward masking under a schedule: a worker that gains a block puts its parameters where the
+    block's holders keep them (``weight_decay`` groups and the like stay as the user built them),
+    and every group lists its parameters in the module's order, whatever the history of changes,
+    so an optimizer state dict saved in round r loads into a worker rebuilt for round r.
+    """
+
+    def __init__(self) -> None:
+        self.optimizers: list[Callable[[], torch.optim.Optimizer | None]] = []
+        self.place: dict[str, tuple[int, int]] = {}
+
+    def add(self, optimizer: torch.optim.Optimizer, module: nn.Module, world_size: int) -> None:
+        """Learn where `optimizer` keeps each parameter (a collective: every rank registers its optimizers
+        in one order)."""
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        mine = {name_of[id(p)]: g for g, group in enumerate(optimizer.param_groups) for p in group["params"]
+                if id(p) in name_of}
+        parts = [mine]
+        if world_size > 1:
+            parts = [{}] * world_size
+            dist.all_gather_object(parts, mine)
+        index = len(self.optimizers)
+        clashes = {}
+        for rank, part in enumerate(parts):
+            for name, group in part.items():
+                if self.place.setdefault(name, (index, group)) != (index, group):
+                    clashes[name] = (rank, self.place[name], (index, group))
+        if clashes:  # every rank sees the same gathered parts: every rank raises
+            name, (rank, first, other) = next(iter(clashes.items()))
+            raise ConfigError(f"parameter {name!r} sits in (optimizer, group) {other} on rank {rank} but in {first} "
+                              f"on another rank ({len(clashes)} such): under a schedule every holder must put a "
+                              "parameter in the same optimizer and parameter group")
+        self.optimizers.append(weakref.ref(optimizer))
+        self.canonical(module)
+
+    def insert(self, params: Mapping[str, nn.Parameter], module: nn.Module) -> None:
+        """Add a gained block's parameters to their optimizer's group (with no state yet)."""
+        for name, param in params.items():
+            where = self.place.get(name)
+            optimizer = self.optimizers[where[0]]() if where is not None else None
+            if optimizer is not None:
+                optimizer.param_groups[where[1]]["params"].append(param)
+        self.canonical(module)
+
+    def remove(self, params: Sequence[nn.Parameter]) -> None:
+        """Take freed parameters out of every optimizer, with their state."""
+        gone = {id(p) for p in params}
+        for optimizer in (ref() for ref in self.optimizers):
+            if optimizer is None:
+                continue
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in gone]
+            for param in params:
+                optimizer.state.pop(param, None)
+
+    def canonical(self, module: nn.Module) -> None:
+        order = {id(p): k for k, p in enumerate(module.parameters())}
+        for optimizer in (ref() for ref in self.optimizers):
+            for group in optimizer.param_groups if optimizer is not None else ():
+                group["params"].sort(key=lambda p: order.get(id(p), len(order)))
+
+
+def block_of(module: nn.Module, name: str) -> nn.Module:
+    """Block `name` of `module`, or the meta-device copy its pass-through keeps (same tensor names)."""
+    block = module.get_submodule(name)
+    return getattr(block, "shape_only", block)
+
+
+@torch.no_grad()
+def send_blocks(module: nn.Module, blocks: Sequence[str], old_rows: np.ndarray, new_rows: np.ndarray, rank: int,
+                device: torch.device, counter: ByteCount) -> None:
+    """Every block's parameters and buffers, from its lowest-ranked holder under `old_rows` to the
+    workers that hold it under `new_rows` only (built, empty, beforehand: `gain_block`). A collective."""
+    items = []
+    for j, name in enumerate(blocks):
+        old = [int(r) for r in np.flatnonzero(old_rows[:, j])]
+        receivers = [int(r) for r in np.flatnonzero(new_rows[:, j] & ~old_rows[:, j])]
+        if not old or not receivers:
+            continue
+        block = block_of(module, name)
+        for tensor_name, tensor in [*block.named_parameters(), *block.named_buffers()]:
+            items.append((old[0], receivers, tuple(tensor.shape), tensor.dtype, (name, tensor_name)))
+
+    def tensor(key) -> torch.Tensor:
+        block = module.get_submodule(key[0])
+        return dict([*block.named_parameters(), *block.named_buffers()])[key[1]]
+
+    def write(key, value: torch.Tensor) -> None:
+        tensor(key).copy_(value)
+
+    broadcast_packed(items, tensor, write, rank, device, counter)
+
+
+def gain_block(module: nn.Module, name: str, device: torch.device) -> nn.Module:
+    """Put an empty copy of dropped block `name` (built from its pass-through's meta copy) on `device`
+    in its place; returns it."""
+    block = copy.deepcopy(module.get_submodule(name).shape_only).to_empty(device=device)
+    parent, _, child = name.rpartition(".")
+    setattr(module.get_submodule(parent), child, block)
+    return block

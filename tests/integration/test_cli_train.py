@@ -51,7 +51,9 @@ def test_mask_that_does_not_fit_the_model_is_refused_before_launch(tmp_path, cap
 
 def test_scheduled_mask_and_structural_violations_are_refused(tmp_path, capsys):
     scheduled = save_mask(Mask(np.ones((2, 4)), schedule=Schedule("cyclic", 5)), tmp_path / "s.json")
-    _refused(capsys, ["--mask", str(scheduled), "--workers", "2"], "static masks")
+    _refused(capsys, ["--mask", str(scheduled), "--workers", "2", "--mode", "bsdp", "--fsdp"], "FSDP's holder meshes")
+    neurons = save_mask(Mask(np.ones((2, 32)), schedule=Schedule("cyclic", 5)), tmp_path / "n.json")
+    _refused(capsys, ["--mask", str(neurons), "--workers", "2", "--mode", "nsdp"], "static masks")
     resnet = np.ones((2, 20), dtype=np.uint8)
     resnet[1, :4] = 0  # worker 1 keeps no channel group of block layer1.0
     path = save_mask(Mask(resnet), tmp_path / "r.json")
@@ -66,6 +68,7 @@ def test_a_mask_files_schedule_trains_in_mode_overlap_and_schedule_flags_replace
     assert prepare(TrainConfig(**base, mode="overlap", schedule="permute", every=2)).mask.schedule == \
         Schedule("permute", 2)
     assert prepare(TrainConfig(**base, mode="bsdp", schedule="static")).mask.schedule.is_static
+    assert prepare(TrainConfig(**base, mode="bsdp")).mask.schedule == Schedule("cyclic", 4)  # B-SDP trains it too
     _refused(capsys, ["--mask", str(path), "--workers", "2", "--mode", "overlap", "--local-steps", "3"],
              "changes it every 4 steps, not a multiple of local_steps=3")
 
@@ -80,7 +83,9 @@ def test_a_mask_files_schedule_trains_in_mode_overlap_and_schedule_flags_replace
         (["--data", "cifar:/nonexistent"], "is not a directory"),
         (["--model", "resnet18-cifar", "--data", "stdlib"], "does not fit model"),
         (["--mask", "/nonexistent.json"], "no such mask file"),
-        (["--schedule", "permute"], "mode 'bsdp' trains a static mask; schedules train with --mode bbsdp or overlap"),
+        (["--mode", "nsdp", "--schedule", "permute"],
+         "mode 'nsdp' trains a static mask; schedules train with --mode bsdp, bbsdp or overlap"),
+        (["--fsdp", "--schedule", "permute"], "with fsdp (--fsdp): FSDP's holder meshes are fixed"),
         (["--mode", "nsdp", "--schedule", "cyclic"], "mode 'nsdp' trains a static mask"),
         (["--mode", "ddp", "--schedule", "cyclic"], "changes a mask; mode 'ddp' has none"),
         (["--every", "2"], "every=2 (--every) needs schedule"),
