@@ -44,10 +44,12 @@ def runs(tmp_path_factory) -> Path:
     configs.append(_cfg(out / "overlap-resumed", resume=str(out / "overlap" / "checkpoints" / "step_3"), **overlap))
     # Bb-SDP under a permute schedule resumed at step 3, in the middle of a round of R = 2: the
     # optimizer state each rank saved is that of its round's blocks; later changes move it on
-    bb = {"mode": "bbsdp", "active": 0.5, "schedule": "permute", "every": 2, "steps": 6}
-    configs.append(_cfg(out / "bbsdp-permute", checkpoint_every=3, **bb))
-    configs.append(_cfg(out / "bbsdp-permute-resumed", resume=str(out / "bbsdp-permute" / "checkpoints" / "step_3"),
-                        **bb))
+    # B-SDP likewise: the resumed run rebuilds step 3's subnetwork before loading its state
+    for mode in ("bbsdp", "bsdp"):
+        kw = {"mode": mode, "active": 0.5, "schedule": "permute", "every": 2, "steps": 6}
+        configs.append(_cfg(out / f"{mode}-permute", checkpoint_every=3, **kw))
+        configs.append(_cfg(out / f"{mode}-permute-resumed", **kw,
+                            resume=str(out / f"{mode}-permute" / "checkpoints" / "step_3")))
     run_rank_script(2, "train", {"configs": configs}, out)
     return out
 
@@ -89,11 +91,13 @@ def test_overlap_averaging_resumed_mid_round_repeats_the_uninterrupted_run_and_l
     assert summaries[0]["comm_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
 
 
-def test_bbsdp_under_a_schedule_resumed_mid_round_repeats_the_uninterrupted_run(runs):
-    full, resumed = _metrics(runs / "bbsdp-permute"), _metrics(runs / "bbsdp-permute-resumed")
+@pytest.mark.parametrize("mode", ["bbsdp", "bsdp"])
+def test_sdp_under_a_schedule_resumed_mid_round_repeats_the_uninterrupted_run(runs, mode):
+    full, resumed = _metrics(runs / f"{mode}-permute"), _metrics(runs / f"{mode}-permute-resumed")
     assert [m["step"] for m in resumed] == [3, 4, 5]
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[3:]]
-    summaries = [json.loads((runs / n / "summary.json").read_text()) for n in ("bbsdp-permute", "bbsdp-permute-resumed")]
+    summaries = [json.loads((runs / n / "summary.json").read_text())
+                 for n in (f"{mode}-permute", f"{mode}-permute-resumed")]
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
     assert summaries[0]["mask_change_bytes"] > 0  # state moved at the changes, counted apart from comm_bytes
 
