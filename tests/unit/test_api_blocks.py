@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from masklab import Mask
+from masklab import Mask, Schedule
 from sdp_train import MLPSpec, SubnetworkDataParallel, find_blocks
 from sdp_train.errors import ConfigError
 from sdp_train.sdp_blocks import find_mlp
@@ -277,6 +277,13 @@ def test_user_errors_name_the_bad_value():
     sdp = SubnetworkDataParallel(Net(), active=1.0)
     with pytest.raises(ConfigError, match="after a backward"):
         sdp.clip_grad_norm_(1.0)
+    scheduled = Mask([[1, 1, 1, 1]], schedule=Schedule("permute", 2))
+    with pytest.raises(ConfigError, match="schedules at level 'block' without fsdp only"):
+        SubnetworkDataParallel(Net(), mask=Mask(np.ones((1, 16), dtype=int), schedule=Schedule("cyclic")),
+                               level="neuron")
+    sdp = SubnetworkDataParallel(Net(), mask=scheduled)  # B-SDP trains it: the optimizer must be registered
+    with pytest.raises(ConfigError, match="call model.register_optimizer"):
+        sdp(torch.randn(3, 5))
 
 
 def test_active_designs_a_neuron_mask_in_which_every_worker_keeps_neurons_of_every_block():
