@@ -100,11 +100,7 @@ PRESETS: dict[str, Preset] = {
     # coverage 3 (gamma 0.096) can be compared; about 11 min on 2 cores (BENCHMARKS.md).
     "cpu-overlap": Preset(model="llama-debug", workers=7, steps=120, batch_size=4, seq_len=64, lr=3e-3,
                           warmup_steps=10, active=3 / 7, heterogeneous=True, eval_every=10, eval_batches=4,
-                          max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True,
-                          notes=("B-SDP (forward masking) with a permute schedule is not in this comparison: "
-                                 "a change would move blocks between workers' subnetworks, which sdp train does "
-                                 "not do; bbsdp-permute is stepwise averaging under the same schedule (each "
-                                 "block's optimizer state moves to its new holders at a change).",)),
+                          max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True),
     "gpu-134m": Preset(model="llama-134m", workers=4, steps=2000, batch_size=16, seq_len=1024, lr=6e-4,
                        warmup_steps=100, sweep=(0.375, 0.69, 1.0), heterogeneous=True, eval_every=200,
                        eval_batches=16, max_data_bytes=200_000_000),
@@ -126,7 +122,7 @@ class RunSpec:
     heterogeneous: bool = False
     flop_matched: bool = False
     schedule: str | None = None
-    """``sdp train --schedule`` (modes bbsdp and overlap): the mask changes every ``local_steps`` steps."""
+    """``sdp train --schedule`` (modes bsdp, bbsdp and overlap): the mask changes every ``local_steps`` steps."""
     construction: str = "auto"
     """The mask design (``sdp train --construction``)."""
     design_seed: int = 0
@@ -156,7 +152,7 @@ def run_specs(preset: Preset) -> list[RunSpec]:
 
 
 def overlap_specs(preset: Preset) -> list[RunSpec]:
-    """Stepwise B-SDP and Bb-SDP (static, and Bb-SDP under ``permute``) against overlap averaging with a
+    """Stepwise B-SDP and Bb-SDP (static and under ``permute``) against overlap averaging with a
     static and a ``permute`` mask, on iid
     and heterogeneous data, and two masks of equal coverage but different spectral gap under
     ``permute`` (the designed one, a projective plane where one exists, and a random balanced one)."""
@@ -164,6 +160,7 @@ def overlap_specs(preset: Preset) -> list[RunSpec]:
     return [
         RunSpec("ddp", "ddp"),
         RunSpec("bsdp", "bsdp", c),
+        RunSpec("bsdp-permute", "bsdp", c, schedule="permute"),
         RunSpec("bbsdp", "bbsdp", c),
         RunSpec("bbsdp-permute", "bbsdp", c, schedule="permute"),
         RunSpec("overlap-static", "overlap", c),

@@ -140,6 +140,9 @@ def test_the_overlap_preset_compares_two_masks_of_one_coverage_and_different_gam
     assert static["consensus_gap"] == 0 and static["bound_infinite"] and static["bound_vs_ddp"] is None
     assert static["theorem"] == fano["theorem"] == "Theorem 6" and math.isfinite(fano["bound_vs_ddp"])
     assert planned["overlap-permute"].config.every == planned["overlap-permute"].config.local_steps == 2
+    # B-SDP static against B-SDP under permute: trained, and marked as covered by no theorem
+    bsdp = planned["bsdp-permute"]
+    assert (bsdp.config.mode, bsdp.config.schedule, bsdp.config.every) == ("bsdp", "permute", 2)
     assert all(p.config.model_overrides == {"n_layers": 7} for p in planned.values())
 
 
