@@ -37,7 +37,7 @@ from sdp_train.sdp_blocks import MLPSpec, find_blocks
 from sdp_train.sdp_export import assemble, save_safetensors
 from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
 from sdp_train.sdp_parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
-from sdp_train.sdp_schedule import OptimizerPlaces, gain_block, move_optimizer_state, send_blocks
+from sdp_train.sdp_schedule import OptimizerPlaces, gain_block, move_optimizer_state, recut_neurons, send_blocks
 from sdp_train.sync import (BufferAverager, ParamBroadcaster, SyncEngine, holder_set_groups, plan_buckets,
                             unpin_default_group, weak_grad_hook)
 from sdp_train.wire import ByteCount
@@ -108,7 +108,7 @@ class SubnetworkDataParallel(nn.Module):
         # 1. blocks, the full model's layout and the mask (identical on every rank)
         block_names = find_blocks(module, blocks)
         layout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
-        mask = resolve_mask(mask, active, world_size, layout, seed=seed, schedules=level == "block" and not fsdp)
+        mask = resolve_mask(mask, active, world_size, layout, seed=seed, schedules=not fsdp)
         matrix = mask.round_matrix(0, seed=seed)  # a schedule's first round
         held_by_rank = [layout.held(matrix[r]) for r in range(world_size)]
         row = matrix[rank]
@@ -164,9 +164,9 @@ class SubnetworkDataParallel(nn.Module):
                init_state: Mapping[str, torch.Tensor] | None, values_agree: bool, seed: int) -> None:
         """Steps 3 (values) to 5 (gradient averaging), for a module already cut to this worker's part."""
         self.rank, self.world_size = _rank_and_world()
-        if not mask.schedule.is_static and (layout.level != "block" or fsdp):
-            raise ConfigError(f"a mask with a {mask.schedule.kind!r} schedule trains at level 'block' without fsdp "
-                              f"(B-SDP or Bb-SDP), got level={layout.level!r}, fsdp={fsdp}")
+        if not mask.schedule.is_static and fsdp:
+            raise ConfigError(f"a mask with a {mask.schedule.kind!r} schedule trains without fsdp (FSDP's holder "
+                              "meshes are fixed at construction), got fsdp=True")
         self.seed, self.steps = seed, 0
         self._matrix = mask.round_matrix(0, seed=seed)
         self.mask_change_bytes = ByteCount()
@@ -367,7 +367,9 @@ class SubnetworkDataParallel(nn.Module):
         """Train under `matrix` from now on (every rank calls it)."""
         new_held = [self.layout.held(matrix[r]) for r in range(self.world_size)]
         optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
-        if self.masking == "forward":
+        if self.masking == "forward" and self.level == "neuron":
+            self._recut(matrix, optimizers, move_state)
+        elif self.masking == "forward":
             self._move_blocks(matrix, new_held, optimizers, move_state)
         elif move_state:
             move_optimizer_state(optimizers, self.module, self.layout.parameter_names, self.held_by_rank, new_held,
@@ -411,6 +413,8 @@ class SubnetworkDataParallel(nn.Module):
             if self.activation_checkpointing:
                 apply_checkpointing([block])
             self._places.insert({f"{name}.{n}": p for n, p in block.named_parameters()}, self.module)
+            if self.world_size > 1:
+                clip_guard.watch(block.parameters())
         if move_state:
             send_blocks(self.module, self.layout.blocks, old_rows, new_rows, self.rank, self.device,
                         self.mask_change_bytes)
@@ -432,6 +436,20 @@ class SubnetworkDataParallel(nn.Module):
                 if not tensor.is_meta:
                     tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         self.local_index = dict(new_held[self.rank])
+
+    def _recut(self, matrix: np.ndarray, optimizers: list[torch.optim.Optimizer], move_state: bool) -> None:
+        """N-SDP at a change: every MLP tensor re-cut to the groups held now (`recut_neurons`); on resume
+        (not `move_state`) only the shapes change, the loaded state fills them."""
+        old_rows, new_rows = self._matrix.astype(bool), matrix.astype(bool)
+        replaced = recut_neurons(self.module, self.layout, old_rows, new_rows, self.rank, optimizers,
+                                 self.mask_change_bytes, send=move_state)
+        for param in replaced:
+            handle = self._hooks.pop(id(param), None)
+            if handle is not None:
+                handle.remove()
+        self.local_index = dict(self.layout.held(matrix[self.rank]))
+        if self.world_size > 1:
+            clip_guard.watch(self.module.parameters())
 
     def broadcast_held(self) -> None:
         """Backward masking: send each held block's values to the workers that do not hold it (every

@@ -20,7 +20,7 @@ MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp", "overlap")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
 LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron", "overlap": "block"}
 STEPWISE_MODES = ("bsdp", "nsdp", "bbsdp")  # holders agree at every step; overlap averaging every local_steps
-SCHEDULED_MODES = ("bsdp", "bbsdp", "overlap")  # modes that train a mask schedule (N-SDP trains static masks)
+SCHEDULED_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")  # modes that train a mask schedule
 SCHEDULE_KINDS = ("static", "permute", "cyclic")  # as masklab.Schedule
 MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
@@ -163,7 +163,7 @@ class TrainConfig:
             raise ConfigError(f"schedule={self.schedule!r} (--schedule) changes a mask; mode {self.mode!r} has none")
         if self.schedule not in (None, "static") and self.mode not in SCHEDULED_MODES:
             raise ConfigError(f"schedule={self.schedule!r} (--schedule): mode {self.mode!r} trains a static mask; "
-                              "schedules train with --mode bsdp, bbsdp or overlap")
+                              "schedules train with --mode bsdp, nsdp, bbsdp or overlap")
         if self.schedule not in (None, "static") and self.fsdp:
             raise ConfigError(f"schedule={self.schedule!r} (--schedule) with fsdp (--fsdp): FSDP's holder meshes are "
                               "fixed when the run starts; schedules train without --fsdp")

@@ -41,7 +41,7 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, build_model, model_class
 from sdp_train.overlap import OverlapAveraging
 from sdp_train.parallelize import parallelize
-from sdp_train.sdp_blocks import find_blocks
+from sdp_train.sdp_blocks import MLPSpec, find_blocks
 from sdp_train.sdp_masking import ModelLayout
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
 from sdp_train.user_model import NEURON_GROUPS as USER_NEURON_GROUPS, UserModel, user_blocks
@@ -295,7 +295,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     if user:
         torch.manual_seed(cfg.seed)
         model = mc.build(device).to(device)
-    elif cfg.mode == "bsdp" and not prep.mask.schedule.is_static:
+    elif cfg.mode in ("bsdp", "nsdp") and not prep.mask.schedule.is_static:
         # blocks move between workers: the full model on meta, cut by the wrapper (below), each dropped
         # block a pass-through that keeps its meta copy for the worker that gains it later
         with torch.device("meta"):
@@ -330,9 +330,13 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
             neuron_groups=USER_NEURON_GROUPS, seed=cfg.seed, device=device,
             activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
-    if not prep.mask.schedule.is_static and masking == "forward":  # the seeded values of the held blocks
+    if not prep.mask.schedule.is_static and masking == "forward":
+        # seeded values: B-SDP's equal the family path's; N-SDP's sliced tensors are drawn at their
+        # local shape, then each neuron group takes its lowest-ranked holder's values
         sdp = SubnetworkDataParallel(
             model, mask=prep.mask, blocks=list(block_map(mc).block_names("block")), seed=cfg.seed, device=device,
+            level=cfg.level, neuron_groups=getattr(mc, "neuron_groups", 1),
+            mlp=LLAMA_MLP if cfg.level == "neuron" else None,
             init=lambda m: m.init_weights(cfg.seed), activation_checkpointing=cfg.activation_checkpointing)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
     rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
@@ -342,6 +346,10 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         local_index=model.full_index(), masking=masking, activation_checkpointing=cfg.activation_checkpointing,
         fsdp=cfg.fsdp, values_agree=True, seed=cfg.seed)  # every rank built its part from the same seed
     return SubnetworkSync(sdp, model, info, fsdp=cfg.fsdp)
+
+
+LLAMA_MLP = MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down")
+"""The built-in LLaMA's MLP (N-SDP under a schedule cuts it through the library's generic path)."""
 
 
 def _blocks(model: nn.Module, prep: Any) -> list[str]:

@@ -25,6 +25,7 @@ from sdp_train.config import BASELINES, SCHEDULED_MODES, TrainConfig
 from sdp_train.data import DataConfig
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, get_model_config
+from sdp_train.models.llama import LlamaConfig
 from sdp_train.sdp_blocks import find_blocks
 from sdp_train.sdp_masking import describe
 from sdp_train.sdp_parts import resolve_mask
@@ -94,7 +95,7 @@ def _prepare_user_model(cfg: TrainConfig) -> Prepared:
             layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS)
             mask = resolve_mask(cfg.mask, None if cfg.mask is not None else cfg.active, cfg.workers, layout,
                                 seed=cfg.seed, construction=cfg.construction, schedules=True)
-            mask = with_schedule(cfg, mask)
+            mask = with_schedule(cfg, mask, USER_NEURON_GROUPS)
     resume_from = None
     if cfg.resume is not None:
         resume_from = find_checkpoint(cfg.resume)
@@ -165,7 +166,7 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
     if mask.blocks != blocks:
         raise ConfigError(f"the mask has {mask.blocks} blocks (columns) but {cfg.model} has {blocks} "
                           f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
-    mask = with_schedule(cfg, mask)
+    mask = with_schedule(cfg, mask, model_config.neuron_groups if isinstance(model_config, LlamaConfig) else None)
     for k in range(mask.workers):  # the model's structural rules, per worker (raises ConfigError)
         try:
             held_tensors(model_config, mask.matrix[k], cfg.level)
@@ -174,11 +175,12 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
     return mask
 
 
-def with_schedule(cfg: TrainConfig, mask: Mask) -> Mask:
+def with_schedule(cfg: TrainConfig, mask: Mask, groups: int | None = None) -> Mask:
     """`mask` under the run's schedule (``--schedule``/``--every`` replace the mask file's), refused
-    where the mode cannot train it: N-SDP and FSDP train static masks, B-SDP and Bb-SDP any
-    schedule, overlap averaging any whose R is a multiple of ``local_steps`` (one mask per round of
-    averaging)."""
+    where the mode cannot train it: FSDP trains static masks; B-SDP and Bb-SDP any schedule; N-SDP
+    any under which every worker keeps a neuron group of every block, for models whose MLPs the
+    library cuts (LLaMA and user models: ``groups``, the neuron groups per block; None for the
+    others); overlap averaging any whose R is a multiple of ``local_steps`` (one mask per round)."""
     if cfg.schedule is not None:
         mask = mask.replace(schedule=Schedule(cfg.schedule, cfg.every))
     schedule = mask.schedule
@@ -187,7 +189,17 @@ def with_schedule(cfg: TrainConfig, mask: Mask) -> Mask:
     if cfg.mode not in SCHEDULED_MODES:
         raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); mode "
                           f"{cfg.mode!r} trains static masks (--schedule static replaces it); schedules train "
-                          "with --mode bsdp, bbsdp or overlap")
+                          "with --mode bsdp, nsdp, bbsdp or overlap")
+    if cfg.mode == "nsdp":
+        if groups is None:
+            raise ConfigError(f"the mask has a {schedule.kind!r} schedule; N-SDP trains schedules for LLaMA models "
+                              f"and --model-class ones, not {cfg.model!r} (--schedule static replaces it)")
+        empty = [(k, j) for k, row in enumerate(mask.matrix.reshape(mask.workers, -1, groups))
+                 for j, held in enumerate(row.any(axis=1)) if not held]
+        if empty:
+            raise ConfigError(f"the mask has a {schedule.kind!r} schedule, and under one N-SDP keeps some neuron "
+                              f"group of every block on every worker: row {empty[0][0]} holds none of block "
+                              f"{empty[0][1]} ({len(empty)} such)")
     if cfg.fsdp:
         raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); with --fsdp "
                           "FSDP's holder meshes are fixed when the run starts (--schedule static replaces it)")

@@ -198,7 +198,7 @@ def slice_neurons(model: nn.Module, layout: ModelLayout, row: np.ndarray) -> Non
                 part = held[f"{block}.{rel}.{pname}"]
                 if not part.is_whole:
                     _replace_parameter(module, pname, part.take(getattr(module, pname).detach()))
-            _fix_features(module, rel in spec.inputs)
+            fix_features(module, rel in spec.inputs)
 
 
 def _replace_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -206,7 +206,9 @@ def _replace_parameter(module: nn.Module, name: str, value: torch.Tensor) -> Non
     setattr(module, name, nn.Parameter(value.clone(), requires_grad=old.requires_grad))
 
 
-def _fix_features(module: nn.Module, is_input: bool) -> None:
+def fix_features(module: nn.Module, is_input: bool) -> None:
+    """Set a cut projection's feature count from its weight (an input projection's outputs are the
+    hidden neurons, the output projection's inputs)."""
     if is_conv1d(module):
         if is_input:
             module.nf = module.weight.shape[1]

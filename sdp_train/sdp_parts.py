@@ -31,8 +31,7 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
                  layout: ModelLayout, *, seed: int, construction: str = "auto", schedules: bool = False) -> Mask:
     """The mask for ``layout`` on ``workers`` ranks: given, read from a file, or designed for ``active``
     (``masklab.design`` with ``construction`` and ``seed``; one design per block's neuron groups).
-    A schedule other than static is refused unless `schedules` (B-SDP, Bb-SDP and overlap
-    averaging train them).
+    A schedule other than static is refused unless `schedules` (everything but FSDP trains them).
 
     Raises
     ------
@@ -64,9 +63,8 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
         raise ConfigError(f"the mask has {result.blocks} columns but the model has {len(columns)} maskable "
                           f"blocks at level {layout.level!r} ({columns[0]} ... {columns[-1]})")
     if not result.schedule.is_static and not schedules:
-        raise ConfigError(f"SubnetworkDataParallel trains schedules at level 'block' without fsdp only (N-SDP "
-                          f"would re-cut every MLP, FSDP its holder meshes, at every change); this mask has a "
-                          f"{result.schedule.kind!r} schedule (OverlapAveraging trains schedules too)")
+        raise ConfigError(f"SubnetworkDataParallel trains schedules without fsdp only (FSDP's holder meshes are "
+                          f"fixed at construction); this mask has a {result.schedule.kind!r} schedule")
     for k in range(workers):
         try:
             layout.held(result.matrix[k])

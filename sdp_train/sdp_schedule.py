@@ -21,8 +21,14 @@ name belongs to (`OptimizerPlaces`); then the state moves; then a worker that no
 block frees it (parameters, gradients, optimizer state) and puts a pass-through in its place. At
 the peak a worker holds its old subnetwork plus the blocks it gains (and one packed buffer).
 
-Not here: N-SDP, whose neuron slices would have to be re-cut at a change (refused), and overlap
-averaging (`sdp_train.overlap`), whose workers keep their own state.
+N-SDP (forward masking at neuron level) moves no block: every worker holds a slice of every MLP
+tensor, so at a change each tensor whose groups change is re-cut (`recut_neurons`): the groups
+kept stay, each gained group's values and optimizer state come from its lowest-ranked old holder
+(packed broadcasts), and a new parameter takes the old one's place in the module, the optimizer
+group and the state.
+
+Not here: overlap averaging (`sdp_train.overlap`), whose workers keep their own state, and FSDP,
+whose holder meshes are fixed when it is built (refused).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch import nn
 
 from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
+from sdp_train.sdp_masking import fix_features
 from sdp_train.wire import ByteCount
 
 
@@ -258,3 +265,111 @@ def gain_block(module: nn.Module, name: str, device: torch.device) -> nn.Module:
     parent, _, child = name.rpartition(".")
     setattr(module.get_submodule(parent), child, block)
     return block
+
+
+@torch.no_grad()
+def recut_neurons(module: nn.Module, layout: Any, old_rows: np.ndarray, new_rows: np.ndarray, rank: int,
+                  optimizers: Sequence[torch.optim.Optimizer], counter: ByteCount, *, send: bool = True
+                  ) -> list[nn.Parameter]:
+    """N-SDP at a mask change: re-cut every MLP tensor to the neuron groups this worker holds now.
+
+    A group this worker keeps keeps its rows (or columns); a group it gains comes, with the slices of
+    the optimizer state of the tensor's shape (AdamW's ``exp_avg``, ``exp_avg_sq``), from the
+    group's lowest-ranked old holder, packed as `broadcast_packed` does; a group it drops is freed
+    with the old tensor. Each re-cut tensor becomes a new parameter in the old one's place (module,
+    optimizer group, state; a per-tensor ``step`` stays this worker's, as every worker steps every
+    MLP tensor). Returns the parameters replaced. A collective; every rank holds some group of every
+    block (`ModelLayout.held`), so every rank walks the same tensors. Without `send` nothing is
+    communicated and gained groups are left uninitialised (a resume, whose loaded state fills them).
+    """
+    groups = layout.neuron_groups
+    old_held = [layout.held(r) for r in old_rows]
+    new_held = [layout.held(r) for r in new_rows]
+    owner = {id(p): opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    items, keys_of = [], {}
+    for b, block in enumerate(layout.blocks):
+        for name, dim in layout.neuron_tensors[block]:
+            tensor = _tensor(module, name)
+            opt = owner.get(id(tensor))
+            state = opt.state.get(tensor, {}) if opt is not None else {}
+            keys_of[name] = ["value", *sorted(k for k, v in state.items()
+                                              if isinstance(v, torch.Tensor) and v.shape == tensor.shape)]
+            for g in range(groups):
+                col = b * groups + g
+                old = [int(r) for r in np.flatnonzero(old_rows[:, col])]
+                receivers = [int(r) for r in np.flatnonzero(new_rows[:, col] & ~old_rows[:, col])]
+                if not old or not receivers:
+                    continue
+                shape = list(tensor.shape)
+                shape[dim] = len(layout.group_index(block, [g]))
+                for key in keys_of[name]:
+                    items.append((old[0], receivers, tuple(shape), tensor.dtype, (name, dim, g, key)))
+
+    def source(name: str, key: str) -> torch.Tensor:
+        tensor = _tensor(module, name)
+        return tensor if key == "value" else owner[id(tensor)].state[tensor][key]
+
+    def read(item_key) -> torch.Tensor:
+        name, dim, g, key = item_key
+        block = _block_of(layout, name)
+        positions = old_held[rank][name].local_positions(layout.group_index(block, [g]))
+        return source(name, key).index_select(dim, torch.tensor(positions, device=source(name, key).device))
+
+    received: dict[tuple, torch.Tensor] = {}
+    device = next(module.parameters()).device
+    if send:
+        broadcast_packed(items, read, lambda k, v: received.__setitem__(k, v.clone()), rank, device, counter)
+    else:
+        received = {key: torch.empty(shape, dtype=dtype, device=device) for _, receivers, shape, dtype, key in items
+                    if rank in receivers}
+    replaced = []
+    for b, block in enumerate(layout.blocks):
+        for name, dim in layout.neuron_tensors[block]:
+            old_spec, new_spec = old_held[rank][name], new_held[rank][name]
+            if old_spec == new_spec:
+                continue
+            kept = [g for g in range(groups) if new_rows[rank, b * groups + g]]
+            parts = {}
+            for key in keys_of[name]:
+                pieces = []
+                for g in kept:  # groups are contiguous and increasing: concatenation is the local order
+                    if old_rows[rank, b * groups + g]:
+                        positions = old_spec.local_positions(layout.group_index(block, [g]))
+                        src = source(name, key)
+                        pieces.append(src.index_select(dim, torch.tensor(positions, device=src.device)))
+                    else:
+                        pieces.append(received[(name, dim, g, key)])
+                parts[key] = torch.cat(pieces, dim=dim)
+            rel = name[len(block) + 1:].rpartition(".")[0]
+            replaced.append(_replace(module, name, parts, owner, rel in layout.mlps[block].inputs))
+    return replaced
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    parent, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(parent), leaf)
+
+
+def _block_of(layout: Any, name: str) -> str:
+    return next(b for b in layout.blocks if name.startswith(b + "."))
+
+
+def _replace(module: nn.Module, name: str, parts: dict[str, torch.Tensor], owner: dict, is_input: bool
+             ) -> nn.Parameter:
+    """Put a new parameter with value ``parts["value"]`` in place of `name` (module, optimizer, state)."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(parent_name)
+    old = getattr(parent, leaf)
+    new = nn.Parameter(parts.pop("value"), requires_grad=old.requires_grad)
+    setattr(parent, leaf, new)
+    if leaf == "weight":
+        fix_features(parent, is_input)
+    opt = owner.get(id(old))
+    if opt is not None:
+        for group in opt.param_groups:
+            group["params"] = [new if p is old else p for p in group["params"]]
+        state = opt.state.pop(old, {})
+        opt.state[new] = {**state, **parts}
+    old.grad = None
+    old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # freed even where still referenced
+    return old

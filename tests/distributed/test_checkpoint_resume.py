@@ -44,8 +44,9 @@ def runs(tmp_path_factory) -> Path:
     configs.append(_cfg(out / "overlap-resumed", resume=str(out / "overlap" / "checkpoints" / "step_3"), **overlap))
     # Bb-SDP under a permute schedule resumed at step 3, in the middle of a round of R = 2: the
     # optimizer state each rank saved is that of its round's blocks; later changes move it on
-    # B-SDP likewise: the resumed run rebuilds step 3's subnetwork before loading its state
-    for mode in ("bbsdp", "bsdp"):
+    # B-SDP likewise: the resumed run rebuilds step 3's subnetwork before loading its state; N-SDP
+    # re-cuts its MLPs to step 3's neuron groups
+    for mode in ("bbsdp", "bsdp", "nsdp"):
         kw = {"mode": mode, "active": 0.5, "schedule": "permute", "every": 2, "steps": 6}
         configs.append(_cfg(out / f"{mode}-permute", checkpoint_every=3, **kw))
         configs.append(_cfg(out / f"{mode}-permute-resumed", **kw,
@@ -91,7 +92,7 @@ def test_overlap_averaging_resumed_mid_round_repeats_the_uninterrupted_run_and_l
     assert summaries[0]["comm_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
 
 
-@pytest.mark.parametrize("mode", ["bbsdp", "bsdp"])
+@pytest.mark.parametrize("mode", ["bbsdp", "bsdp", "nsdp"])
 def test_sdp_under_a_schedule_resumed_mid_round_repeats_the_uninterrupted_run(runs, mode):
     full, resumed = _metrics(runs / f"{mode}-permute"), _metrics(runs / f"{mode}-permute-resumed")
     assert [m["step"] for m in resumed] == [3, 4, 5]

@@ -52,8 +52,10 @@ def test_mask_that_does_not_fit_the_model_is_refused_before_launch(tmp_path, cap
 def test_scheduled_mask_and_structural_violations_are_refused(tmp_path, capsys):
     scheduled = save_mask(Mask(np.ones((2, 4)), schedule=Schedule("cyclic", 5)), tmp_path / "s.json")
     _refused(capsys, ["--mask", str(scheduled), "--workers", "2", "--mode", "bsdp", "--fsdp"], "FSDP's holder meshes")
-    neurons = save_mask(Mask(np.ones((2, 32)), schedule=Schedule("cyclic", 5)), tmp_path / "n.json")
-    _refused(capsys, ["--mask", str(neurons), "--workers", "2", "--mode", "nsdp"], "static masks")
+    neurons = np.ones((2, 32), dtype=int)
+    neurons[1, 8:16] = 0  # worker 1 keeps no neuron group of layer 1: fine for a static mask, not for a schedule
+    path = save_mask(Mask(neurons, schedule=Schedule("cyclic", 5)), tmp_path / "n.json")
+    _refused(capsys, ["--mask", str(path), "--workers", "2", "--mode", "nsdp"], "row 1 holds none of block 1")
     resnet = np.ones((2, 20), dtype=np.uint8)
     resnet[1, :4] = 0  # worker 1 keeps no channel group of block layer1.0
     path = save_mask(Mask(resnet), tmp_path / "r.json")
@@ -83,10 +85,10 @@ def test_a_mask_files_schedule_trains_in_mode_overlap_and_schedule_flags_replace
         (["--data", "cifar:/nonexistent"], "is not a directory"),
         (["--model", "resnet18-cifar", "--data", "stdlib"], "does not fit model"),
         (["--mask", "/nonexistent.json"], "no such mask file"),
-        (["--mode", "nsdp", "--schedule", "permute"],
-         "mode 'nsdp' trains a static mask; schedules train with --mode bsdp, bbsdp or overlap"),
+        (["--mode", "fsdp", "--schedule", "permute"], "changes a mask; mode 'fsdp' has none"),
+        (["--mode", "nsdp", "--model", "resnet18-cifar", "--data", "digits", "--schedule", "permute"],
+         "N-SDP trains schedules for LLaMA models and --model-class ones, not 'resnet18-cifar'"),
         (["--fsdp", "--schedule", "permute"], "with fsdp (--fsdp): FSDP's holder meshes are fixed"),
-        (["--mode", "nsdp", "--schedule", "cyclic"], "mode 'nsdp' trains a static mask"),
         (["--mode", "ddp", "--schedule", "cyclic"], "changes a mask; mode 'ddp' has none"),
         (["--every", "2"], "every=2 (--every) needs schedule"),
         (["--mode", "overlap", "--schedule", "static", "--every", "4"], "got schedule='static'"),

@@ -278,9 +278,8 @@ def test_user_errors_name_the_bad_value():
     with pytest.raises(ConfigError, match="after a backward"):
         sdp.clip_grad_norm_(1.0)
     scheduled = Mask([[1, 1, 1, 1]], schedule=Schedule("permute", 2))
-    with pytest.raises(ConfigError, match="schedules at level 'block' without fsdp only"):
-        SubnetworkDataParallel(Net(), mask=Mask(np.ones((1, 16), dtype=int), schedule=Schedule("cyclic")),
-                               level="neuron")
+    with pytest.raises(ConfigError, match="schedules without fsdp only"):
+        SubnetworkDataParallel(Net(), mask=scheduled, fsdp=True)
     sdp = SubnetworkDataParallel(Net(), mask=scheduled)  # B-SDP trains it: the optimizer must be registered
     with pytest.raises(ConfigError, match="call model.register_optimizer"):
         sdp(torch.randn(3, 5))
