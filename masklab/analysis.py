@@ -2,8 +2,8 @@
 mixing graph and its spectral gap, the block co-training graph, and the optimality certificate.
 
 For a schedule every quantity is the exact expectation over the schedule (the average over all K
-rotations for ``cyclic``, the closed form over uniform permutations for ``permute``), never a
-Monte-Carlo estimate. Eigenvalues: dense LAPACK for small or dense graphs (the mixing graph of a
+rotations for ``cyclic``, over the rounds of a ``sequence``, the closed form over uniform
+permutations for ``permute``), never a Monte-Carlo estimate. Eigenvalues: dense LAPACK for small or dense graphs (the mixing graph of a
 mask with C >= ~1/sqrt(K) is complete, so storing it sparse buys nothing), sparse shift-invert
 ARPACK for large sparse graphs, and closed forms where the schedule gives one. This module does
 not build masks (see `masklab.constructions`) and imports no torch.
@@ -89,6 +89,9 @@ def mixing_graph(mask: Mask) -> sp.csr_array:
         a = np.full((k, k), weight)
         np.fill_diagonal(a, 0.0)
         return sp.csr_array(a)
+    if kind == "sequence":  # the exact mean over the period: every round equally often
+        rounds = mask.rounds
+        return sp.csr_array(sum(_static_pair_weights(mask, m) for m in rounds) / len(rounds))
     a = _static_pair_weights(mask)
     if kind == "cyclic":
         a = _circulant_from_offsets(_cyclic_offset_weights(a))
@@ -170,13 +173,19 @@ def optimality_ratio(mask: Mask, *, gap: float | None = None) -> float:
 def cotraining_graph(mask: Mask) -> sp.csr_array:
     """Block co-training graph, b_ij = sum_k M_ki M_kj for i != j, shape (B, B).
 
-    Row permutations leave it unchanged, so it is the same under every schedule.
+    Row permutations leave it unchanged, so it is the same under ``permute`` and ``cyclic``; under
+    a ``sequence`` it is the mean over the rounds.
     """
-    m = sp.csr_array(mask.matrix.astype(np.float64))
-    b = sp.csr_array(m.T @ m)
+    m = sp.csr_array(_all_rounds(mask).astype(np.float64))
+    b = sp.csr_array(m.T @ m / (1 if mask.rounds is None else len(mask.rounds)))
     b.setdiag(0.0)
     b.eliminate_zeros()
     return b
+
+
+def _all_rounds(mask: Mask) -> np.ndarray:
+    """The rows of every round a schedule trains, stacked: (P K, B) for a sequence, else the matrix."""
+    return mask.matrix if mask.rounds is None else mask.rounds.reshape(-1, mask.blocks)
 
 
 def cotraining_gap(mask: Mask) -> float:
@@ -188,16 +197,18 @@ def cotraining_gap(mask: Mask) -> float:
     b = mask.blocks
     if b == 1:
         return 1.0
-    m = sp.csr_array(mask.matrix.astype(np.float64))
+    # a sequence's rounds stacked as more rows: P times the mean graph, whose normalized Laplacian is the same
+    m = sp.csr_array(_all_rounds(mask).astype(np.float64))
     bipartite = sp.block_array([[None, m], [m.T, None]])
     n, _ = csgraph.connected_components(bipartite, directed=False)
     if n != 1:
         return 0.0
-    coverage = mask.coverage.astype(np.float64)
+    coverage = np.asarray(m.sum(axis=0)).ravel()
     degree = np.asarray(m.T @ m.sum(axis=1)).ravel() - coverage  # sum_{j != i} b_ij
     inv_sqrt = 1.0 / np.sqrt(degree)
     if b <= DENSE_EIGEN_MAX:
-        adj = cotraining_graph(mask).toarray()
+        adj = (m.T @ m).toarray()
+        np.fill_diagonal(adj, 0.0)
         norm_adj = inv_sqrt[:, None] * adj * inv_sqrt[None, :]
         mu = scipy.linalg.eigh(norm_adj, eigvals_only=True, subset_by_index=[b - 2, b - 1])
         return float(1.0 - mu[0])
@@ -220,7 +231,8 @@ def process_group_holder_sets(mask: Mask, *, singletons: bool = False) -> tuple[
     holder needs no communication, so neither gets a group; with ``singletons=True`` single
     holders count too (FSDP shards a block over a mesh even when only one worker holds it). Each
     group on NCCL is one communicator on every member's device (docs/design.md §5). Computed on
-    ``mask.matrix`` (round 0 of a schedule; the runtime trains static masks).
+    ``mask.matrix`` for static masks and round 0 of ``permute`` and ``cyclic`` (whose later rounds
+    may need more, made when they first occur), on every round of a ``sequence``.
 
     Parameters
     ----------
@@ -236,7 +248,8 @@ def process_group_holder_sets(mask: Mask, *, singletons: bool = False) -> tuple[
     >>> len(process_group_holder_sets(m, singletons=True))
     4
     """
-    columns = np.unique(mask.matrix.astype(bool), axis=1).T  # one row per distinct holder set
+    matrix = mask.matrix if mask.rounds is None else np.hstack(list(mask.rounds))
+    columns = np.unique(matrix.astype(bool), axis=1).T  # one row per distinct holder set
     sets = (tuple(int(k) for k in np.flatnonzero(col)) for col in columns)
     smallest = 1 if singletons else 2
     return tuple(sorted(s for s in sets if smallest <= len(s) < mask.workers))
@@ -254,15 +267,17 @@ def to_networkx(mask: Mask):
 
 
 # -- internals ---------------------------------------------------------------------------------
-def _static_pair_weights(mask: Mask) -> sp.csr_array:
-    k, b = mask.matrix.shape
+def _static_pair_weights(mask: Mask, matrix: np.ndarray | None = None) -> sp.csr_array:
+    """a_kl of `matrix` (default: the mask's) held fixed; every round of a schedule has the mask's coverage."""
+    matrix = mask.matrix if matrix is None else matrix
+    k, b = matrix.shape
     inv_c = 1.0 / mask.coverage.astype(np.float64)
     if k * b <= _DENSE_MATMUL_MAX:
-        m = mask.matrix.astype(np.float64)
+        m = matrix.astype(np.float64)
         a = (m * inv_c) @ m.T / b
         np.fill_diagonal(a, 0.0)
         return sp.csr_array(a)
-    m = sp.csr_array(mask.matrix.astype(np.float64))
+    m = sp.csr_array(matrix.astype(np.float64))
     a = sp.csr_array((m @ sp.diags_array(inv_c)) @ m.T / b)
     a.setdiag(0.0)
     a.eliminate_zeros()

@@ -15,7 +15,7 @@ import json
 
 from masklab.analysis import process_group_holder_sets
 from masklab.errors import DesignError
-from masklab.mask import SCHEDULE_KINDS, Mask, Schedule
+from masklab.mask import ROW_SCHEDULE_KINDS, Mask, Schedule
 from masklab.report import analyze
 
 MAX_WORKERS = 4096  # the certificate needs dense K x K matrices; beyond this `sdp design` would not finish
@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     budget.add_argument("--coverage", type=int, metavar="c", help="holders per block, 1 <= c <= K")
     p.add_argument("--construction", default="auto", metavar="NAME",
                    help="auto (default), complete, cyclic, random, projective-plane, affine-plane, difference-set, search")
-    p.add_argument("--schedule", default="static", choices=SCHEDULE_KINDS, help="how the mask changes over training")
+    p.add_argument("--schedule", default="static", choices=ROW_SCHEDULE_KINDS,
+                   help="how the mask changes over training (a sequence of masks comes from a mask file)")
     p.add_argument("--every", type=int, default=1, metavar="R", help="steps between schedule redraws (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed for random and searched designs (default 0)")
     _add_output_args(p)

@@ -32,18 +32,24 @@ _OPTIONAL = ("block_names", "block_sizes", "schedule", "construction")
 
 def mask_to_dict(mask: Mask) -> dict[str, Any]:
     """The JSON-ready dictionary of `mask` (format version 1)."""
-    rows = ["".join("1" if x else "0" for x in row) for row in mask.matrix.tolist()]
+    schedule: dict[str, Any] = {"kind": mask.schedule.kind, "every": mask.schedule.every}
+    if mask.rounds is not None:  # a sequence: its masks in turn, each as 'rows' (round 0 repeats 'rows')
+        schedule["rounds"] = [_row_strings(m) for m in mask.rounds]
     return {
         "format": FORMAT,
         "version": VERSION,
         "workers": mask.workers,
         "blocks": mask.blocks,
-        "rows": rows,
+        "rows": _row_strings(mask.matrix),
         "block_names": list(mask.block_names),
         "block_sizes": None if mask.block_sizes is None else list(mask.block_sizes),
-        "schedule": {"kind": mask.schedule.kind, "every": mask.schedule.every},
+        "schedule": schedule,
         "construction": mask.construction,
     }
+
+
+def _row_strings(matrix: np.ndarray) -> list[str]:
+    return ["".join("1" if x else "0" for x in row) for row in matrix.tolist()]
 
 
 def mask_from_dict(data: Any, *, source: str = "<dict>") -> Mask:
@@ -71,6 +77,14 @@ def mask_from_dict(data: Any, *, source: str = "<dict>") -> Mask:
     workers, blocks = _int_field(data, "workers", fail), _int_field(data, "blocks", fail)
     matrix = _rows_matrix(data["rows"], workers, blocks, fail)
     schedule = _schedule(data.get("schedule"), fail)
+    rounds = None
+    if schedule.kind == "sequence":
+        listed = data["schedule"].get("rounds")
+        if not isinstance(listed, list) or not listed:
+            raise fail("field 'schedule': kind 'sequence' needs 'rounds', a non-empty list of masks (each a "
+                       f"list of row strings like 'rows'), got {listed!r}")
+        rounds = [_rows_matrix(r, workers, blocks, lambda msg, i=i: fail(f"schedule round {i}: {msg}"))
+                  for i, r in enumerate(listed)]
     construction = data.get("construction")
     if construction is not None and not isinstance(construction, str):
         raise fail(f"field 'construction' must be a string or null, got {construction!r}")
@@ -80,7 +94,7 @@ def mask_from_dict(data: Any, *, source: str = "<dict>") -> Mask:
             raise fail(f"field {field!r} must be a list or null, got {type(value).__name__}")
     try:
         return Mask(matrix, block_names=names, block_sizes=sizes, schedule=schedule,
-                    construction=construction)
+                    construction=construction, rounds=rounds)
     except MaskError as exc:
         raise fail(str(exc)) from None
 
@@ -269,9 +283,11 @@ def _schedule(value: Any, fail) -> Schedule:
         return Schedule()
     if not isinstance(value, dict):
         raise fail(f"field 'schedule' must be an object like {{'kind': 'static', 'every': 1}}, got {value!r}")
-    unknown = sorted(set(value) - {"kind", "every"})
+    unknown = sorted(set(value) - {"kind", "every", "rounds"})
     if unknown:
-        raise fail(f"field 'schedule' has unknown key(s) {unknown}; known: ['every', 'kind']")
+        raise fail(f"field 'schedule' has unknown key(s) {unknown}; known: ['every', 'kind', 'rounds']")
+    if "rounds" in value and value.get("kind") != "sequence":
+        raise fail(f"field 'schedule': 'rounds' belongs to kind 'sequence', not {value.get('kind', 'static')!r}")
     try:
         return Schedule(value.get("kind", "static"), value.get("every", 1))
     except MaskError as exc:

@@ -16,7 +16,8 @@ import numpy as np
 
 from masklab.errors import MaskError
 
-SCHEDULE_KINDS = ("static", "permute", "cyclic")
+SCHEDULE_KINDS = ("static", "permute", "cyclic", "sequence")
+ROW_SCHEDULE_KINDS = ("static", "permute", "cyclic")  # those that reassign one matrix's rows (no masks of their own)
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,12 @@ class Schedule:
 
     Parameters
     ----------
-    kind : {"static", "permute", "cyclic"}
+    kind : {"static", "permute", "cyclic", "sequence"}
         ``static``: the mask never changes. ``permute``: every `every` steps the rows are assigned to
         workers by a fresh uniformly random permutation. ``cyclic``: every `every` steps the rows
-        rotate by one worker (worker k takes row (k + r) mod K in round r).
+        rotate by one worker (worker k takes row (k + r) mod K in round r). ``sequence``: the
+        user's masks in turn, each for `every` steps, from the first again after the last; the
+        masks live in the `Mask` (``Mask.sequence``), not here.
     every : int
         Steps between redraws (R). Ignored for ``static`` but must still be >= 1.
     """
@@ -66,6 +69,11 @@ class Mask:
         Defaults to a static mask.
     construction : str, optional
         Free-form name of how the mask was made ("projective-plane", "cyclic", "file", ...).
+    rounds : array_like of shape (P, K, B), optional
+        With a ``sequence`` schedule (and only then): the P masks in turn, ``rounds[0]`` equal to
+        `matrix`. Each must be a valid mask with the same coverage c_j as `matrix` in every
+        block: the theorems use c_j (docs/theory.md), so a sequence changes who holds a block,
+        never how many. ``Mask.sequence`` builds one from the list of masks.
 
     Examples
     --------
@@ -78,7 +86,7 @@ class Mask:
     masklab.errors.MaskError: block 1 (column 1, 'block1') is held by no worker
     """
 
-    __slots__ = ("_matrix", "_block_names", "_block_sizes", "_schedule", "_construction")
+    __slots__ = ("_matrix", "_block_names", "_block_sizes", "_schedule", "_construction", "_rounds")
 
     def __init__(
         self,
@@ -88,6 +96,7 @@ class Mask:
         block_sizes: Sequence[int] | None = None,
         schedule: Schedule | None = None,
         construction: str | None = None,
+        rounds: Any = None,
     ) -> None:
         m = _validated_matrix(matrix)
         workers, blocks = m.shape
@@ -104,6 +113,24 @@ class Mask:
         self._block_sizes = sizes
         self._schedule = schedule
         self._construction = construction
+        self._rounds = _validated_rounds(rounds, m, names, schedule)
+
+    @classmethod
+    def sequence(cls, masks: Sequence[Any], *, every: int = 1, block_names: Sequence[str] | None = None,
+                 block_sizes: Sequence[int] | None = None, construction: str | None = None) -> Mask:
+        """The mask that trains `masks` in turn, each for `every` steps (a ``sequence`` schedule).
+
+        `masks` are K x B matrices (or `Mask` objects, whose matrices are taken) with the same
+        coverage in every block; round r trains ``masks[r % len(masks)]``.
+
+        >>> m = Mask.sequence([[[1, 0], [0, 1]], [[0, 1], [1, 0]]], every=3)
+        >>> m.round_matrix(3).tolist(), m.round_matrix(6).tolist()
+        ([[0, 1], [1, 0]], [[1, 0], [0, 1]])
+        """
+        if isinstance(masks, (str, bytes)) or not isinstance(masks, Sequence) or len(masks) == 0:
+            raise MaskError(f"a mask sequence must be a non-empty list of K x B matrices, got {masks!r}")
+        return cls(masks[0], block_names=block_names, block_sizes=block_sizes,
+                   schedule=Schedule("sequence", every), construction=construction, rounds=list(masks))
 
     # -- basic properties -------------------------------------------------------------------
     @property
@@ -138,8 +165,14 @@ class Mask:
         return self._construction
 
     @property
+    def rounds(self) -> np.ndarray | None:
+        """A ``sequence`` schedule's masks, read-only, shape (P, K, B) (``rounds[0]`` is `matrix`);
+        None for the other schedules, whose rounds reassign `matrix`'s rows."""
+        return self._rounds
+
+    @property
     def coverage(self) -> np.ndarray:
-        """c_j = |S_j| for every block, shape (B,). A schedule permutes rows, so it is unchanged."""
+        """c_j = |S_j| for every block, shape (B,), the same in every round of every schedule."""
         return self._matrix.sum(axis=0, dtype=np.int64)
 
     @property
@@ -181,7 +214,7 @@ class Mask:
         """The concrete (K, B) matrix in force at training `step` under the schedule.
 
         ``permute`` draws round r's permutation from ``(seed, r)``, so every rank computes the same
-        matrix without communicating.
+        matrix without communicating; ``sequence`` takes ``rounds[r % P]``.
         """
         if step < 0:
             raise MaskError(f"step {step} must be >= 0")
@@ -189,6 +222,8 @@ class Mask:
         if kind == "static":
             return self._matrix
         r = step // self._schedule.every
+        if kind == "sequence":
+            return self._rounds[r % len(self._rounds)]
         if kind == "cyclic":
             rows = (np.arange(self.workers) + r) % self.workers
         else:
@@ -199,23 +234,32 @@ class Mask:
 
     # -- derived masks ----------------------------------------------------------------------
     def replace(self, **changes: Any) -> Mask:
-        """A copy with some of matrix/block_names/block_sizes/schedule/construction changed."""
+        """A copy with some of matrix/block_names/block_sizes/schedule/construction/rounds changed.
+
+        A schedule other than ``sequence`` drops the rounds (the new schedule reassigns `matrix`'s
+        rows); a new `matrix` under a ``sequence`` needs new `rounds` too.
+        """
         fields = {
             "matrix": self._matrix,
             "block_names": self._block_names,
             "block_sizes": self._block_sizes,
             "schedule": self._schedule,
             "construction": self._construction,
+            "rounds": self._rounds,
         }
         unknown = set(changes) - set(fields)
         if unknown:
             raise MaskError(f"unknown Mask field(s) {sorted(unknown)}; known: {sorted(fields)}")
         fields.update(changes)
+        if fields["schedule"] is None or fields["schedule"].kind != "sequence":
+            fields["rounds"] = None if "rounds" not in changes else fields["rounds"]
         matrix = fields.pop("matrix")
         return Mask(matrix, **fields)
 
     def transpose(self) -> Mask:
         """The mask with the roles of workers and blocks swapped (names and sizes dropped)."""
+        if self._rounds is not None:
+            raise MaskError("a 'sequence' mask has no transpose: its rounds keep coverage, not row sums")
         return Mask(self._matrix.T, schedule=self._schedule, construction=self._construction)
 
     # -- dunder -----------------------------------------------------------------------------
@@ -228,16 +272,20 @@ class Mask:
             and self._block_sizes == other._block_sizes
             and self._schedule == other._schedule
             and self._construction == other._construction
+            and (self._rounds is None) == (other._rounds is None)
+            and (self._rounds is None or np.array_equal(self._rounds, other._rounds))
         )
 
     def __hash__(self) -> int:
-        return hash((self._matrix.shape, self._matrix.tobytes(), self._block_names, self._schedule))
+        rounds = None if self._rounds is None else self._rounds.tobytes()
+        return hash((self._matrix.shape, self._matrix.tobytes(), self._block_names, self._schedule, rounds))
 
     def __repr__(self) -> str:
         return (
             f"Mask(workers={self.workers}, blocks={self.blocks}, "
             f"active_fraction={self.active_fraction:.4g}, schedule={self._schedule.kind!r}"
             + (f", every={self._schedule.every}" if not self._schedule.is_static else "")
+            + (f", rounds={len(self._rounds)}" if self._rounds is not None else "")
             + (f", construction={self._construction!r}" if self._construction else "")
             + ")"
         )
@@ -270,6 +318,42 @@ def _validated_matrix(matrix: Any) -> np.ndarray:
                 + (f" ({len(bad)} such entries)" if len(bad) > 1 else "")
             )
     return np.array(a, dtype=np.uint8, order="C", copy=True)  # never alias the caller's array
+
+
+def _validated_rounds(rounds: Any, matrix: np.ndarray, names: tuple[str, ...],
+                      schedule: Schedule) -> np.ndarray | None:
+    """A ``sequence`` schedule's masks as one read-only (P, K, B) array, checked round by round."""
+    if schedule.kind != "sequence":
+        if rounds is not None:
+            raise MaskError(f"rounds= (a mask sequence) needs schedule kind 'sequence', got {schedule.kind!r}")
+        return None
+    if rounds is None:
+        raise MaskError("a 'sequence' schedule needs its masks: rounds=[mask0, mask1, ...] (or Mask.sequence)")
+    if isinstance(rounds, np.ndarray):
+        rounds = list(rounds) if rounds.ndim == 3 else [rounds]
+    if isinstance(rounds, (str, bytes)) or not isinstance(rounds, Sequence) or len(rounds) == 0:
+        raise MaskError(f"rounds must be a non-empty list of K x B masks, got {type(rounds).__name__}")
+    out = []
+    for r, value in enumerate(rounds):
+        try:
+            m = _validated_matrix(value)
+            if m.shape != matrix.shape:
+                raise MaskError(f"shape {m.shape}, round 0 has {matrix.shape}")
+            _check_covered(m, names)
+        except MaskError as exc:
+            raise MaskError(f"mask sequence round {r}: {exc}") from None
+        changed = np.flatnonzero(m.sum(axis=0) != matrix.sum(axis=0))
+        if changed.size:
+            j = int(changed[0])
+            raise MaskError(f"mask sequence round {r}: block {j} ({names[j]!r}) has coverage {int(m[:, j].sum())}, "
+                            f"round 0 has {int(matrix[:, j].sum())} ({changed.size} such blocks); every round keeps "
+                            "each block's coverage c_j, which the theorems use")
+        out.append(m)
+    if not np.array_equal(out[0], matrix):
+        raise MaskError("mask sequence round 0 must equal the mask's matrix")
+    stacked = np.stack(out)
+    stacked.setflags(write=False)
+    return stacked
 
 
 def _validated_names(names: Sequence[str] | None, blocks: int) -> tuple[str, ...]:

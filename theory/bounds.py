@@ -319,15 +319,21 @@ def drift_block_weights(mask: Mask) -> np.ndarray:
     """r_j = sum_k M_kj rho_k with rho_k = max over worker k's blocks of 1/c_j, shape (B,).
 
     The drift of Lemma 2 (docs/theory.md) is proportional to Gamma = sum_j r_j G_j^2. A row
-    permutation leaves r unchanged, so it is the same for every round of a schedule.
+    permutation leaves r unchanged, so it is the same for every round of a ``permute`` or ``cyclic``
+    schedule; for a ``sequence`` it is the largest r_j over its rounds (a bound for every round).
 
     >>> drift_block_weights(Mask([[1, 1], [0, 1]])).tolist()
     [1.0, 1.5]
     """
-    m = mask.matrix.astype(bool)
     inv_c = 1.0 / mask.coverage.astype(float)
-    rho = np.where(m, inv_c, 0.0).max(axis=1)
-    return m.T.astype(float) @ rho
+
+    def weights(m: np.ndarray) -> np.ndarray:
+        m = m.astype(bool)
+        return m.T.astype(float) @ np.where(m, inv_c, 0.0).max(axis=1)
+
+    if mask.rounds is None:
+        return weights(mask.matrix)
+    return np.max([weights(m) for m in mask.rounds], axis=0)  # a sequence: the worst round's, block by block
 
 
 # -- internals ---------------------------------------------------------------------------------

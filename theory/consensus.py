@@ -7,7 +7,7 @@ copies mix. The consensus deviation is Xi = sum_j Xi_j, Xi_j = sum_k ||x_{k,j} -
 
 The contraction is that of one *period* of the schedule: the rounds after which its law repeats
 (1 round for a mask redrawn every round, R for a permutation kept R rounds, K R for a cyclic
-rotation that moves every R rounds; a static mask is its own period). Over a period block j's copies
+rotation that moves every R rounds, N R for a sequence of N masks; a static mask is its own period). Over a period block j's copies
 are multiplied by the product Pi_j of the holder-set projections P_S = I - L_S, and the expected
 mixing operator Q_j = E[Pi_j^T Pi_j] contracts the deviation by lambda_max(Q_j on 1-perp) = 1 - g_j
 (Theorem 4). g_j is the spectral gap of that operator. For ``permute`` it is the holder-set gap
@@ -43,7 +43,8 @@ _GAP_ROUND_OFF = 1e-12
 
 
 def consensus_period(mask: Mask, *, local_steps: int = 1) -> int:
-    """Rounds per period of the schedule: 1 (static), every/H (permute), K every/H (cyclic).
+    """Rounds per period of the schedule: 1 (static), every/H (permute), K every/H (cyclic), P every/H
+    (a sequence of P masks).
 
     >>> from masklab.mask import Schedule
     >>> consensus_period(Mask([[1, 1], [1, 0], [0, 1]], schedule=Schedule("cyclic", 2)), local_steps=2)
@@ -54,6 +55,8 @@ def consensus_period(mask: Mask, *, local_steps: int = 1) -> int:
     if kind == "static":
         return 1
     rounds = mask.schedule.every // local_steps
+    if kind == "sequence":
+        return rounds * len(mask.rounds)
     return rounds * mask.workers if kind == "cyclic" else rounds
 
 
@@ -74,10 +77,13 @@ def mixing_operator(mask: Mask, block: int, *, local_steps: int = 1) -> np.ndarr
         c = holders.size
         rho = 1.0 if k == 1 else (c - 1.0) / (k - 1.0)  # E L_S = rho (I - 11^T/K), and P_S^T P_S = P_S
         return np.eye(k) - rho * (np.eye(k) - 1.0 / k)
-    epochs = k if kind == "cyclic" else 1
+    if kind == "sequence":
+        sets = [np.flatnonzero(m[:, block]) for m in mask.rounds]
+    else:
+        sets = [(holders - r) % k for r in range(k if kind == "cyclic" else 1)]
     product = np.eye(k)
-    for r in range(epochs):  # repeating one holder set within an epoch changes nothing: P_S is idempotent
-        product = _projection((holders - r) % k, k) @ product
+    for s in sets:  # repeating one holder set within an epoch changes nothing: P_S is idempotent
+        product = _projection(s, k) @ product
     return product.T @ product
 
 

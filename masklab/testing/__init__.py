@@ -17,6 +17,7 @@ from masklab.testing.asserts import (
 from masklab.testing.strategies import (
     balanced_masks,
     block_designs,
+    mask_sequences,
     masks,
     schedules,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "assert_valid_mask",
     "balanced_masks",
     "block_designs",
+    "mask_sequences",
     "masks",
     "schedules",
 ]

@@ -16,24 +16,26 @@ from hypothesis import strategies as st
 from masklab.analysis import is_connected
 from masklab.design import design, exact_designs
 from masklab.errors import MaskError
-from masklab.mask import SCHEDULE_KINDS, Mask, Schedule
+from masklab.mask import ROW_SCHEDULE_KINDS, Mask, Schedule
 
 IntLike = int | st.SearchStrategy[int] | None
 ActiveLike = float | tuple[float, float] | None
 
-__all__ = ["balanced_masks", "block_designs", "masks", "schedules"]
+__all__ = ["balanced_masks", "block_designs", "mask_sequences", "masks", "schedules"]
 
 
-def schedules(*, kinds: tuple[str, ...] = SCHEDULE_KINDS, max_every: int = 5) -> st.SearchStrategy[Schedule]:
+def schedules(*, kinds: tuple[str, ...] = ROW_SCHEDULE_KINDS, max_every: int = 5) -> st.SearchStrategy[Schedule]:
     """A `Schedule` of one of ``kinds`` redrawn every 1..`max_every` steps; shrinks to static, every=1.
+
+    ``sequence`` is not among them: its masks live in the `Mask` (draw those with `mask_sequences`).
 
     >>> from hypothesis import find
     >>> find(schedules(), lambda s: True)
     Schedule(kind='static', every=1)
     """
-    unknown = [k for k in kinds if k not in SCHEDULE_KINDS]
+    unknown = [k for k in kinds if k not in ROW_SCHEDULE_KINDS]
     if not kinds or unknown:
-        raise MaskError(f"kinds={kinds!r} must be a non-empty subset of {SCHEDULE_KINDS}")
+        raise MaskError(f"kinds={kinds!r} must be a non-empty subset of {ROW_SCHEDULE_KINDS}")
     if max_every < 1:
         raise MaskError(f"max_every={max_every!r} must be >= 1")
     return st.builds(Schedule, st.sampled_from(kinds), st.integers(1, max_every))
@@ -81,6 +83,36 @@ def masks(
     build = _balanced_mask if balanced else _mask
     strategy = build(k_strategy, b_strategy, window, schedule_strategy)
     return strategy.filter(is_connected) if connected else strategy
+
+
+def mask_sequences(*, max_rounds: int = 3, max_every: int = 3, **mask_options) -> st.SearchStrategy[Mask]:
+    """Masks with a ``sequence`` schedule of 1..`max_rounds` rounds, each kept 1..`max_every` steps.
+
+    Round 0 is drawn by ``masks(**mask_options)``; every later round shuffles each block's holders
+    among the workers independently (so coverage is kept, as a sequence requires, and rounds are
+    not mere row permutations), rejecting draws that leave a worker without a block.
+
+    >>> from hypothesis import find
+    >>> find(mask_sequences(), lambda m: True).rounds.shape
+    (1, 1, 1)
+    """
+    if max_rounds < 1 or max_every < 1:
+        raise MaskError(f"max_rounds={max_rounds!r} and max_every={max_every!r} must be >= 1")
+
+    @st.composite
+    def build(draw) -> Mask:
+        base = draw(masks(**mask_options))
+        rounds = [base.matrix]
+        for _ in range(draw(st.integers(1, max_rounds)) - 1):
+            columns = [draw(st.permutations(list(col))) for col in base.matrix.T]
+            matrix = np.array(columns, dtype=np.uint8).T
+            if (matrix.sum(axis=1) == 0).any():
+                continue  # a worker left without a block: not a valid mask, keep fewer rounds
+            rounds.append(matrix)
+        return Mask.sequence(rounds, every=draw(st.integers(1, max_every)), block_sizes=base.block_sizes,
+                             block_names=base.block_names)
+
+    return build()
 
 
 def balanced_masks(

@@ -37,6 +37,18 @@ def _cyclic_k6_c3() -> Mask:
     return Mask(rows, block_sizes=[2] * 6, schedule=Schedule("cyclic", 1))
 
 
+def _scheduled(mask: Mask, kind: str, every: int, data) -> Mask:
+    """`mask` under `kind`; a ``sequence`` of 2 or 3 rounds, each shuffling every block's holders."""
+    if kind != "sequence":
+        return mask.replace(schedule=Schedule(kind, every))
+    rounds = [mask.matrix]
+    for _ in range(data.draw(st.integers(1, 2), label="extra rounds")):
+        shuffled = np.array([data.draw(st.permutations(list(col)), label="holders") for col in mask.matrix.T]).T
+        assume(bool(shuffled.sum(axis=1).all()))
+        rounds.append(shuffled)
+    return Mask.sequence(rounds, every=every, block_sizes=mask.block_sizes)
+
+
 def _one_round(mask: Mask, e: np.ndarray) -> float:
     """Xi after one holder averaging of a block-uniform deviation e (one value per worker)."""
     sizes = mask.block_sizes or (1,) * mask.blocks
@@ -103,9 +115,9 @@ def test_permute_mixing_operator_is_the_expected_projection(mask):
 @given(mask=masks(max_workers=6, max_blocks=3), data=st.data())
 def test_consensus_deviation_stays_under_theorem_4_for_every_schedule(mask, data):
     h = data.draw(st.sampled_from([1, 2]), label="local_steps")
-    kind = data.draw(st.sampled_from(["static", "permute", "cyclic"]), label="kind")
+    kind = data.draw(st.sampled_from(["static", "permute", "cyclic", "sequence"]), label="kind")
     every = h * data.draw(st.integers(1, 3), label="rounds per mask")
-    mask = mask.replace(block_sizes=[2] * mask.blocks, schedule=Schedule(kind, every))
+    mask = _scheduled(mask.replace(block_sizes=[2] * mask.blocks), kind, every, data)
     eta = data.draw(st.sampled_from([0.0, 0.05]), label="eta")
     problem = make_quadratic([2] * mask.blocks, mask.workers, smoothness=1.0, sigma=0.5, zeta=1.0,
                              suboptimality=1.0, seed=3)
@@ -126,8 +138,8 @@ def test_consensus_deviation_stays_under_theorem_4_for_every_schedule(mask, data
 @given(mask=masks(max_workers=6, max_blocks=3), data=st.data())
 def test_mean_of_copies_converges_under_theorem_6(mask, data):
     h = data.draw(st.sampled_from([1, 2]), label="local_steps")
-    kind = data.draw(st.sampled_from(["permute", "cyclic", "static"]), label="kind")
-    mask = mask.replace(block_sizes=[2] * mask.blocks, schedule=Schedule(kind, h))
+    kind = data.draw(st.sampled_from(["permute", "cyclic", "static", "sequence"]), label="kind")
+    mask = _scheduled(mask.replace(block_sizes=[2] * mask.blocks), kind, h, data)
     problem = make_quadratic([2] * mask.blocks, mask.workers, smoothness=1.0, sigma=data.draw(st.floats(0, 1)),
                              zeta=data.draw(st.floats(0, 2)), suboptimality=1.0, seed=5)
     eta = data.draw(st.floats(0.2, 1.0), label="eta * 12 L H") / (12 * h)
