@@ -19,7 +19,7 @@ USED_BY: dict[str, str] = {
     "coverage_min": "every theorem needs c_j >= 1; E[1/c_j] is the noise factor of Theorems 1-3",
     "coverage_max": "Theorem 6 (overlap averaging): the step of each block's mean is c_j/K",
     "masking_error": "bias floor of Theorems 1 and 3, backward masking; 0 only when the mask is redrawn every step "
-                     "(Theorem 2); static, cyclic and held masks use the mask in force",
+                     "(Theorem 2); static, cyclic, sequence and held masks use the mask in force",
     "variance_inflation": "noise term of Theorems 1-3 (K E[1/c_j]), backward masking",
     "spectral_gap": "overlap averaging only (Theorems 4 and 6, copies kept, holders average): the consensus rate "
                     "of a balanced mask redrawn every round; no stepwise theorem (1-3) uses it",
@@ -28,7 +28,7 @@ USED_BY: dict[str, str] = {
     "cotraining_gap": "diagnostic, used by no theorem: whether the blocks were ever trained together",
     "connected": "overlap averaging only (Theorem 4): necessary, not sufficient, for copies of a static mask to agree; "
                  "not a condition of Theorems 1-3",
-    "schedule": "which theorem: permute redrawn every step -> Theorem 2/2'; static, cyclic or held R > 1 -> "
+    "schedule": "which theorem: permute redrawn every step -> Theorem 2/2'; static, cyclic, sequence or held R > 1 -> "
                 "Theorem 1 at the mask in force; overlap averaging -> Theorems 4 and 6 with the schedule's period",
 }
 
@@ -58,7 +58,7 @@ class MaskReport:
         """Which theorem's masking error `masking_error` is."""
         if self.schedule == "permute" and self.schedule_every == 1:
             return "mask redrawn every step: expectation over the schedule (Theorem 2)"
-        return "mask in force at each step (Theorem 1; cyclic and held schedules too)"
+        return "mask in force at each step (Theorem 1; cyclic, sequence and held schedules too)"
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)

@@ -80,7 +80,8 @@ def identity(cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> 
              "fsdp": cfg.fsdp, "mask": None if mask is None else mask.matrix.astype(int).tolist(),
              "seed": cfg.seed,  # the data order continues from the checkpoint's: another seed would not
              # absent (None) where they cannot differ, so checkpoints written before they existed still match
-             "schedule": None if mask is None or mask.schedule.is_static else [mask.schedule.kind, mask.schedule.every],
+             "schedule": None if mask is None or mask.schedule.is_static else [mask.schedule.kind, mask.schedule.every]
+             + ([] if mask.rounds is None else [mask.rounds.astype(int).tolist()]),  # a sequence's masks too
              "local_steps": cfg.local_steps if cfg.mode == "overlap" else None}
     return json.loads(json.dumps(ident))
 

@@ -28,7 +28,7 @@ from sdp_train.models import ModelConfig, block_map, get_model_config
 from sdp_train.models.llama import LlamaConfig
 from sdp_train.sdp_blocks import find_blocks
 from sdp_train.sdp_masking import describe
-from sdp_train.sdp_parts import resolve_mask
+from sdp_train.sdp_parts import every_round, resolve_mask
 from sdp_train.subnet import held_tensors
 from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, build_user_model,
                                   describe_user_model, is_user_model, logits_of, user_blocks)
@@ -167,16 +167,19 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
         raise ConfigError(f"the mask has {mask.blocks} blocks (columns) but {cfg.model} has {blocks} "
                           f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
     mask = with_schedule(cfg, mask, model_config.neuron_groups if isinstance(model_config, LlamaConfig) else None)
-    for k in range(mask.workers):  # the model's structural rules, per worker (raises ConfigError)
-        try:
-            held_tensors(model_config, mask.matrix[k], cfg.level)
-        except ConfigError as exc:
-            raise ConfigError(f"mask row {k} (worker {k}) does not fit {cfg.model}: {exc}") from None
+    for r, matrix in enumerate(every_round(mask)):  # the model's structural rules, per worker and round
+        for k in range(mask.workers):
+            try:
+                held_tensors(model_config, matrix[k], cfg.level)
+            except ConfigError as exc:
+                where = f" of sequence round {r}" if mask.rounds is not None else ""
+                raise ConfigError(f"mask row {k} (worker {k}){where} does not fit {cfg.model}: {exc}") from None
     return mask
 
 
 def with_schedule(cfg: TrainConfig, mask: Mask, groups: int | None = None) -> Mask:
-    """`mask` under the run's schedule (``--schedule``/``--every`` replace the mask file's), refused
+    """`mask` under the run's schedule (``--schedule``/``--every`` replace the mask file's; a file's
+    ``sequence`` is replaced by round 0 under the schedule named), refused
     where the mode cannot train it: FSDP trains static masks; B-SDP and Bb-SDP any schedule; N-SDP
     any under which every worker keeps a neuron group of every block, for models whose MLPs the
     library cuts (LLaMA and user models: ``groups``, the neuron groups per block; None for the
@@ -194,12 +197,15 @@ def with_schedule(cfg: TrainConfig, mask: Mask, groups: int | None = None) -> Ma
         if groups is None:
             raise ConfigError(f"the mask has a {schedule.kind!r} schedule; N-SDP trains schedules for LLaMA models "
                               f"and --model-class ones, not {cfg.model!r} (--schedule static replaces it)")
-        empty = [(k, j) for k, row in enumerate(mask.matrix.reshape(mask.workers, -1, groups))
+        empty = [(r, k, j) for r, matrix in enumerate(every_round(mask))
+                 for k, row in enumerate(matrix.reshape(mask.workers, -1, groups))
                  for j, held in enumerate(row.any(axis=1)) if not held]
         if empty:
+            r, k, j = empty[0]
+            where = f" of sequence round {r}" if mask.rounds is not None else ""
             raise ConfigError(f"the mask has a {schedule.kind!r} schedule, and under one N-SDP keeps some neuron "
-                              f"group of every block on every worker: row {empty[0][0]} holds none of block "
-                              f"{empty[0][1]} ({len(empty)} such)")
+                              f"group of every block on every worker: row {k}{where} holds none of block {j} "
+                              f"({len(empty)} such)")
     if cfg.fsdp:
         raise ConfigError(f"the mask has a {schedule.kind!r} schedule (every {schedule.every} steps); with --fsdp "
                           "FSDP's holder meshes are fixed when the run starts (--schedule static replaces it)")

@@ -1,0 +1,107 @@
+"""`sdp train --mask FILE` with a user-given sequence of masks, on 2 real gloo ranks.
+
+The sequence of a mask's rotations trains exactly what ``--schedule cyclic`` trains; sequences
+whose rounds are no row permutation of each other (workers hold different numbers of blocks or
+neuron groups from round to round) train in B-SDP, N-SDP and Bb-SDP, move state at every change,
+and resume in the middle of a round to the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from masklab import Mask, Schedule, save_mask
+from sdp_train.config import TrainConfig
+from sdp_train.errors import ConfigError
+from sdp_train.prepare import prepare
+from tests.distributed.conftest import run_rank_script
+
+pytestmark = pytest.mark.slow
+BASE = {"model": "llama-debug", "workers": 2, "steps": 7, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
+        "max_data_bytes": 100_000, "memory_steps": 0, "warmup_steps": 1, "seed": 5, "active": None}
+M = np.array([[1, 1, 1, 0], [0, 1, 1, 1]])
+# coverage (1, 2, 2, 1) in every round; worker 0 holds 3, 4, 2 blocks in turn
+BLOCK_ROUNDS = [M, np.array([[1, 1, 1, 1], [0, 1, 1, 0]]), np.array([[0, 1, 1, 0], [1, 1, 1, 1]])]
+
+
+def _neuron_rounds() -> list[np.ndarray]:
+    """Per block of llama-debug's 4, its 8 neuron groups split between the 2 workers three ways."""
+    splits = [[g % 2 == 0 for g in range(8)], [g < 6 for g in range(8)], [g < 1 for g in range(8)]]
+    rounds = []
+    for split in splits:
+        first = np.tile(np.array(split, dtype=int), 4)
+        rounds.append(np.stack([first, 1 - first]))
+    return rounds
+
+
+def _cfg(out: Path, name: str, **kw) -> dict:
+    return {**BASE, **kw, "out": str(out / name)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sequence")
+    files = {
+        "cyclic": save_mask(Mask(M, schedule=Schedule("cyclic", 2)), out / "cyclic.json"),
+        "rotations": save_mask(Mask.sequence([M, M[::-1]], every=2), out / "rotations.json"),
+        "blocks": save_mask(Mask.sequence(BLOCK_ROUNDS, every=2), out / "blocks.json"),
+        "neurons": save_mask(Mask.sequence(_neuron_rounds(), every=2), out / "neurons.json"),
+    }
+    configs = [_cfg(out, "cyclic", mode="bsdp", mask=str(files["cyclic"])),
+               _cfg(out, "rotations", mode="bsdp", mask=str(files["rotations"])),
+               _cfg(out, "bbsdp-blocks", mode="bbsdp", mask=str(files["blocks"]))]
+    for mode, file in (("bsdp", "blocks"), ("nsdp", "neurons")):
+        configs.append(_cfg(out, f"{mode}-{file}", mode=mode, mask=str(files[file]), checkpoint_every=3))
+        configs.append(_cfg(out, f"{mode}-{file}-resumed", mode=mode, mask=str(files[file]),
+                            resume=str(out / f"{mode}-{file}" / "checkpoints" / "step_3")))
+    run_rank_script(2, "train", {"configs": configs}, out)
+    return out
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+def test_the_sequence_of_rotations_trains_exactly_the_cyclic_schedule(runs):
+    cyclic, rotations = _metrics(runs / "cyclic"), _metrics(runs / "rotations")
+    assert [(m["loss"], m["grad_norm"]) for m in rotations] == [(m["loss"], m["grad_norm"]) for m in cyclic]
+    assert _summary(runs / "rotations")["final_val_loss"] == _summary(runs / "cyclic")["final_val_loss"]
+    assert _summary(runs / "rotations")["mask_change_bytes"] == _summary(runs / "cyclic")["mask_change_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", ["bsdp-blocks", "nsdp-neurons"])
+def test_a_sequence_resumed_mid_round_repeats_the_uninterrupted_run(runs, name):
+    full, resumed = _metrics(runs / name), _metrics(runs / f"{name}-resumed")
+    assert [m["step"] for m in resumed] == [3, 4, 5, 6]
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[3:]]
+    assert _summary(runs / name)["final_val_loss"] == _summary(runs / f"{name}-resumed")["final_val_loss"]
+    assert _summary(runs / name)["mask_change_bytes"] > 0
+
+
+def test_backward_masking_trains_a_sequence_and_moves_optimizer_state(runs):
+    summary = _summary(runs / "bbsdp-blocks")
+    assert summary["mask_change_bytes"] > 0 and np.isfinite(summary["final_val_loss"])
+    assert len(_metrics(runs / "bbsdp-blocks")) == BASE["steps"]
+
+
+def test_a_checkpoint_of_another_sequence_is_refused(runs):
+    other = save_mask(Mask.sequence(BLOCK_ROUNDS[:2], every=2), runs / "other.json")
+    cfg = TrainConfig(**{**_cfg(runs, "x", mode="bsdp", mask=str(other)),
+                         "resume": str(runs / "bsdp-blocks" / "checkpoints" / "step_3")})
+    with pytest.raises(ConfigError, match="cannot resume from .*schedule: checkpoint"):
+        prepare(cfg)
+
+
+def test_a_sequence_round_that_breaks_n_sdp_is_refused_naming_it(tmp_path):
+    rounds = _neuron_rounds()
+    rounds[2][0, :8], rounds[2][1, :8] = 0, 1  # round 2: worker 0 keeps no neuron group of block 0
+    path = save_mask(Mask.sequence(rounds, every=2), tmp_path / "m.json")
+    with pytest.raises(ConfigError, match="row 0 of sequence round 2 holds none of block 0"):
+        prepare(TrainConfig(**_cfg(tmp_path, "x", mode="nsdp", mask=str(path))))
