@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import kernels
 from masklab import Mask
 from sdp_train import clip_guard
 from sdp_train.errors import ConfigError
@@ -93,6 +94,14 @@ class SubnetworkDataParallel(nn.Module):
         parameters, gradients and optimizer state stay in their own dtype (fp32 master weights).
     comm_dtype : torch.dtype, optional
         Dtype of the gradient buffers sent among holders (e.g. ``torch.bfloat16``: half the bytes).
+    local_steps : int
+        H. With 1 (default) the holders average every gradient during backward and agree at every
+        step. With H > 1 (forward masking, without ``fsdp``) nothing is sent during backward: each
+        worker takes H optimizer steps on its own subnetwork, then every held block (or neuron
+        slice) is replaced by its holders' average (``kernels.overlap_average``; call
+        `register_optimizer`, whose hook counts the steps): overlap averaging of forward-masked
+        subnetworks, local SGD among each block's holders. A schedule's R must be a multiple of H.
+        Gradient norms and clipping are then each worker's own (docs/api.md, "Local steps").
     """
 
     def __init__(self, module: nn.Module, *, mask: Mask | str | os.PathLike | None = None,
@@ -101,9 +110,9 @@ class SubnetworkDataParallel(nn.Module):
                  mlp: MLPSpec | None = None, seed: int = 0, init_state: Mapping[str, torch.Tensor] | None = None,
                  init=None, device: torch.device | str | None = None, activation_checkpointing: bool = False,
                  fsdp: bool = False, autocast_dtype: torch.dtype | None = None,
-                 comm_dtype: torch.dtype | None = None) -> None:
+                 comm_dtype: torch.dtype | None = None, local_steps: int = 1) -> None:
         super().__init__()
-        _check_options(level, masking, fsdp, comm_dtype)
+        _check_options(level, masking, fsdp, comm_dtype, local_steps)
         rank, world_size = _rank_and_world()
         # 1. blocks, the full model's layout and the mask (identical on every rank)
         block_names = find_blocks(module, blocks)
@@ -126,14 +135,15 @@ class SubnetworkDataParallel(nn.Module):
         device = _materialise(module, device, init, init_state is not None)
         self._setup(module, layout, mask, held_by_rank, local_index, device, masking=masking,
                     activation_checkpointing=activation_checkpointing, fsdp=fsdp, autocast_dtype=autocast_dtype,
-                    comm_dtype=comm_dtype, init_state=init_state, values_agree=False, seed=seed)
+                    comm_dtype=comm_dtype, init_state=init_state, values_agree=False, seed=seed,
+                    local_steps=local_steps)
 
     @classmethod
     def from_subnetwork(cls, module: nn.Module, *, layout: ModelLayout, mask: Mask,
                         held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: Mapping[str, SliceSpec],
                         masking: str = "forward", activation_checkpointing: bool = False, fsdp: bool = False,
                         autocast_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
-                        values_agree: bool = False, seed: int = 0) -> SubnetworkDataParallel:
+                        values_agree: bool = False, seed: int = 0, local_steps: int = 1) -> SubnetworkDataParallel:
         """Wrap a subnetwork this rank has already built (steps 4 and 5 of the constructor only).
 
         For models that know how to build a worker's part without the full model: the built-in
@@ -147,27 +157,34 @@ class SubnetworkDataParallel(nn.Module):
         forward masking, replace each block it does not hold by a `sdp_train.sdp_masking.PassThrough`,
         which keeps the block's meta-device copy: a worker that gains the block builds it from that).
         """
-        _check_options(layout.level, masking, fsdp, comm_dtype)
+        _check_options(layout.level, masking, fsdp, comm_dtype, local_steps)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         params = list(module.parameters())
         device = params[0].device if params else torch.device("cpu")
         self._setup(module, layout, mask, held_by_rank, dict(local_index), device, masking=masking,
                     activation_checkpointing=activation_checkpointing, fsdp=fsdp, autocast_dtype=autocast_dtype,
-                    comm_dtype=comm_dtype, init_state=None, values_agree=values_agree, seed=seed)
+                    comm_dtype=comm_dtype, init_state=None, values_agree=values_agree, seed=seed,
+                    local_steps=local_steps)
         return self
 
     def _setup(self, module: nn.Module, layout: ModelLayout, mask: Mask,
                held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: dict[str, SliceSpec],
                device: torch.device, *, masking: str, activation_checkpointing: bool, fsdp: bool,
                autocast_dtype: torch.dtype | None, comm_dtype: torch.dtype | None,
-               init_state: Mapping[str, torch.Tensor] | None, values_agree: bool, seed: int) -> None:
+               init_state: Mapping[str, torch.Tensor] | None, values_agree: bool, seed: int,
+               local_steps: int = 1) -> None:
         """Steps 3 (values) to 5 (gradient averaging), for a module already cut to this worker's part."""
         self.rank, self.world_size = _rank_and_world()
         if not mask.schedule.is_static and fsdp:
             raise ConfigError(f"a mask with a {mask.schedule.kind!r} schedule trains without fsdp (FSDP's holder "
                               "meshes are fixed at construction), got fsdp=True")
-        self.seed, self.steps = seed, 0
+        if not mask.schedule.is_static and mask.schedule.every % local_steps:
+            raise ConfigError(f"the mask's {mask.schedule.kind!r} schedule changes it every {mask.schedule.every} "
+                              f"steps, not a multiple of local_steps={local_steps}: each round of {local_steps} "
+                              "steps must train under one mask")
+        self.seed, self.steps, self.local_steps = seed, 0, local_steps
+        self._average_bytes = ByteCount()  # local steps: the holder averages of parameters
         self._matrix = mask.round_matrix(0, seed=seed)
         self.mask_change_bytes = ByteCount()
         """Bytes of the optimizer state moved at mask changes (a schedule), apart from gradient traffic."""
@@ -202,7 +219,7 @@ class SubnetworkDataParallel(nn.Module):
         self.broadcaster: ParamBroadcaster | None = None
         self.buffer_averager: BufferAverager | None = None
         self.optimizers_registered = 0
-        self._sync_enabled = True
+        self._sync_enabled = local_steps == 1  # local steps: no gradient is sent, as under no_sync()
         self._sq_norm: torch.Tensor | None = None
         self._finish_queued = False
         if fsdp:
@@ -221,7 +238,7 @@ class SubnetworkDataParallel(nn.Module):
         hook = weak_grad_hook(self)
         self._hooks = {} if fsdp else {id(p): p.register_post_accumulate_grad_hook(hook)
                                        for p in module.parameters() if p.requires_grad}
-        if self.world_size > 1:  # torch's clipping would scale each rank's holders differently: warn
+        if self.world_size > 1 and local_steps == 1:  # torch's clipping would scale holders differently: warn
             clip_guard.watch(module.parameters())
 
     # -- construction helpers ------------------------------------------------------------------
@@ -241,6 +258,8 @@ class SubnetworkDataParallel(nn.Module):
 
     def _new_engine(self) -> SyncEngine:
         engine = SyncEngine(self.module, self.plans, self.local_index, self.groups, self.rank)
+        if self.local_steps > 1:  # its buckets average parameters every H steps (`average`), no gradients
+            engine.remove_hooks()
         if self.comm_dtype is not None:
             for bucket in engine.buckets:  # pack casts into the buffer's dtype, unpack casts back
                 bucket.buffer = torch.empty_like(bucket.buffer, dtype=self.comm_dtype)
@@ -249,10 +268,11 @@ class SubnetworkDataParallel(nn.Module):
     # -- the training step ---------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if (self.training and not self.optimizers_registered
-                and ((self.masking == "backward" and self.world_size > 1) or not self.mask.schedule.is_static)):
-            raise ConfigError("backward masking sends each block's new values after the optimizer step, and a "
-                              "schedule changes the mask after it: call model.register_optimizer(optimizer) before "
-                              "training")
+                and ((self.masking == "backward" and self.world_size > 1) or not self.mask.schedule.is_static
+                     or self.local_steps > 1)):
+            raise ConfigError("backward masking sends each block's new values after the optimizer step, a "
+                              "schedule changes the mask after it, and local steps average after every H-th: call "
+                              "model.register_optimizer(optimizer) before training")
         if self.autocast_dtype is None:
             output = self.module(*args, **kwargs)
         else:
@@ -292,7 +312,7 @@ class SubnetworkDataParallel(nn.Module):
         As with DDP: N-1 micro-batches under ``no_sync()``, the last outside, give the holder
         average of the N summed gradients.
         """
-        if not self._sync_enabled:
+        if not self._sync_enabled:  # already inside one, or local steps (nothing is sent during backward)
             yield
             return
         self._sync_enabled = False
@@ -320,7 +340,7 @@ class SubnetworkDataParallel(nn.Module):
         the optimizer must step every parameter (build it over all of ``model.parameters()``): its
         state moves to a block's new holders at a mask change.
         """
-        if (self.broadcaster is not None or not self.mask.schedule.is_static) and hook:
+        if (self.broadcaster is not None or not self.mask.schedule.is_static or self.local_steps > 1) and hook:
             optimizer.register_step_post_hook(_weak_step_done(weakref.ref(self)))
         self._optimizers.append(weakref.ref(optimizer))
         self.optimizers_registered += 1
@@ -333,32 +353,60 @@ class SubnetworkDataParallel(nn.Module):
         worker gains are built and receive their parameters, buffers and optimizer state from their
         lowest-ranked old holder, and the blocks it stops holding are freed; with backward masking
         only the optimizer state moves. The gradient averages, the broadcasts and requires_grad
-        follow the new mask."""
+        follow the new mask. With local steps, after every H-th step first `average`."""
         self.broadcast_held()
-        if self.mask.schedule.is_static:
+        if not self._counts_steps:
             return
         self.steps += 1
+        if self.local_steps > 1 and self.steps % self.local_steps == 0:
+            self.average()
+        if self.mask.schedule.is_static:
+            return
         matrix = self.mask.round_matrix(self.steps, seed=self.seed)
         if not np.array_equal(matrix, self._matrix):
             self._enter_round(matrix, move_state=True)
 
+    @property
+    def _counts_steps(self) -> bool:
+        return not self.mask.schedule.is_static or self.local_steps > 1
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Local steps: replace every held tensor (block, neuron slice, shared tensor) by its average
+        over its holders in the mask in force, and the floating-point buffers likewise. Every rank
+        must call it (`step_done` does after every H-th step)."""
+        if self.world_size == 1 or self.engine is None:
+            return
+        for bucket in self.engine.buckets:
+            if bucket.communicates:
+                kernels.overlap_average([p.data for p in bucket.params], bucket.layout,
+                                        lambda b, g=bucket.group: dist.all_reduce(b, group=g), buffer=bucket.buffer)
+                self._average_bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(),
+                                        len(bucket.plan.holders))
+        if self.buffer_averager is not None:
+            self.buffer_averager.average()
+
     def schedule_state(self) -> dict[str, int]:
-        """``{"steps": optimizer steps taken}`` under a schedule (it fixes the round), ``{}`` for a
-        static mask: save it with each worker's model and optimizer state."""
-        return {} if self.mask.schedule.is_static else {"steps": self.steps}
+        """``{"steps": optimizer steps taken}`` under a schedule or with local steps (it fixes the
+        round and the next average), ``{}`` otherwise: save it with each worker's model and
+        optimizer state."""
+        return {"steps": self.steps} if self._counts_steps else {}
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
         """Continue from `schedule_state`; every rank calls it, after `register_optimizer` and *before*
         loading this worker's model and optimizer state: with forward masking it rebuilds the
         subnetwork of the saved round (blocks gained are empty until the state is loaded, and their
         parameters join the optimizer's groups in the saved order)."""
-        if self.mask.schedule.is_static and not state:
+        if not self._counts_steps and not state:
             return
         steps = state.get("steps") if isinstance(state, dict) else None
-        if self.mask.schedule.is_static or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ConfigError(f"schedule state {state!r} does not fit a {self.mask.schedule.kind!r} mask: expected "
-                              + ("{}" if self.mask.schedule.is_static else "{'steps': n} with an integer n >= 0"))
+        if not self._counts_steps or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"schedule state {state!r} does not fit a {self.mask.schedule.kind!r} mask with "
+                              f"local_steps={self.local_steps}: expected "
+                              + ("{}" if not self._counts_steps else "{'steps': n} with an integer n >= 0"))
         self.steps = steps
+        if self.mask.schedule.is_static:
+            return
         matrix = self.mask.round_matrix(steps, seed=self.seed)
         if not np.array_equal(matrix, self._matrix):
             self._enter_round(matrix, move_state=False)  # the state to be loaded is already this round's
@@ -413,7 +461,7 @@ class SubnetworkDataParallel(nn.Module):
             if self.activation_checkpointing:
                 apply_checkpointing([block])
             self._places.insert({f"{name}.{n}": p for n, p in block.named_parameters()}, self.module)
-            if self.world_size > 1:
+            if self.world_size > 1 and self.local_steps == 1:
                 clip_guard.watch(block.parameters())
         if move_state:
             send_blocks(self.module, self.layout.blocks, old_rows, new_rows, self.rank, self.device,
@@ -448,7 +496,7 @@ class SubnetworkDataParallel(nn.Module):
             if handle is not None:
                 handle.remove()
         self.local_index = dict(self.layout.held(matrix[self.rank]))
-        if self.world_size > 1:
+        if self.world_size > 1 and self.local_steps == 1:
             clip_guard.watch(self.module.parameters())
 
     def broadcast_held(self) -> None:
@@ -461,9 +509,10 @@ class SubnetworkDataParallel(nn.Module):
         """This rank's share of the averaged gradient's squared 2-norm (not a collective).
 
         Every averaged slice is counted on exactly one of its holders, so the sum of the shares
-        over all ranks is ``grad_norm() ** 2``: sum it with your own all-reduce to save one.
+        over all ranks is ``grad_norm() ** 2``: sum it with your own all-reduce to save one. With
+        local steps no gradient is averaged: this worker's own squared norm.
         """
-        if self.fsdp:
+        if self.fsdp or self.local_steps > 1:
             return sum((_local(p.grad).float().pow(2).sum() for p in self.module.parameters() if p.grad is not None),
                        torch.zeros((), device=self.device))
         if self._sq_norm is None:
@@ -472,9 +521,10 @@ class SubnetworkDataParallel(nn.Module):
         return self._sq_norm.clone()
 
     def grad_norm(self) -> torch.Tensor:
-        """2-norm of the whole averaged gradient (every block counted once); a collective."""
+        """2-norm of the whole averaged gradient (every block counted once); a collective. With local
+        steps: this worker's own gradient's norm (not a collective; clipping is each worker's own)."""
         sq = self.local_grad_sq_norm()
-        if self.world_size > 1:
+        if self.world_size > 1 and self.local_steps == 1:
             dist.all_reduce(sq)
         return sq.sqrt()
 
@@ -515,9 +565,21 @@ class SubnetworkDataParallel(nn.Module):
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The full model's state dict (CPU tensors), assembled from every worker. Every rank must call it.
 
-        With ``rank0_only`` rank 0 receives it and the others get ``{}``.
+        With ``rank0_only`` rank 0 receives it and the others get ``{}``. With local steps in the
+        middle of a round (holders not yet averaged), each tensor is its holders' average, computed
+        on copies: the workers' own values are left as they are.
         """
-        return assemble(self.module.state_dict(), self.local_index, self.layout.tensors, self.held_by_rank,
+        state = self.module.state_dict()
+        if self.local_steps > 1 and self.steps % self.local_steps and self.world_size > 1 and self.engine is not None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            with torch.no_grad():
+                for bucket in self.engine.buckets:
+                    if bucket.communicates:
+                        copies = [p.detach().clone() for p in bucket.params]
+                        kernels.overlap_average(copies, bucket.layout,
+                                                lambda b, g=bucket.group: dist.all_reduce(b, group=g))
+                        state.update({names[id(p)]: c for p, c in zip(bucket.params, copies)})
+        return assemble(state, self.local_index, self.layout.tensors, self.held_by_rank,
                         self.rank, rank0_only=rank0_only, device=self.device)
 
     def save_full(self, path: str | os.PathLike) -> None:
@@ -548,6 +610,7 @@ class SubnetworkDataParallel(nn.Module):
         statistics' averages so far (`sdp_train.wire`); a schedule's moves are `mask_change_bytes`."""
         total = ByteCount()
         total += self._old_bytes
+        total += self._average_bytes
         for counter in (self.engine, self.broadcaster, self.buffer_averager):
             if counter is not None:
                 total += counter.bytes
@@ -563,7 +626,13 @@ SDP = SubnetworkDataParallel
 """Short name of `SubnetworkDataParallel`."""
 
 
-def _check_options(level: str, masking: str, fsdp: bool, comm_dtype) -> None:
+def _check_options(level: str, masking: str, fsdp: bool, comm_dtype, local_steps: int = 1) -> None:
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ConfigError(f"local_steps must be a positive integer, got {local_steps!r}")
+    if local_steps > 1 and (masking != "forward" or fsdp):
+        raise ConfigError(f"local_steps={local_steps} trains forward masking without fsdp (got masking={masking!r}, "
+                          f"fsdp={fsdp}); backward masking with local steps, where non-holders keep their own "
+                          "copies, is sdp_train.OverlapAveraging")
     if level not in ("block", "neuron"):
         raise ConfigError(f"level must be 'block' or 'neuron', got {level!r}")
     if masking not in MASKINGS:

@@ -82,7 +82,7 @@ def identity(cfg: TrainConfig, model_config: ModelConfig, mask: Mask | None) -> 
              # absent (None) where they cannot differ, so checkpoints written before they existed still match
              "schedule": None if mask is None or mask.schedule.is_static else [mask.schedule.kind, mask.schedule.every]
              + ([] if mask.rounds is None else [mask.rounds.astype(int).tolist()]),  # a sequence's masks too
-             "local_steps": cfg.local_steps if cfg.mode == "overlap" else None}
+             "local_steps": cfg.local_steps if cfg.mode == "overlap" or cfg.local_steps != 1 else None}
     return json.loads(json.dumps(ident))
 
 

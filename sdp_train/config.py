@@ -19,7 +19,8 @@ from sdp_train.user_model import is_user_model
 MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp", "overlap")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
 LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron", "overlap": "block"}
-STEPWISE_MODES = ("bsdp", "nsdp", "bbsdp")  # holders agree at every step; overlap averaging every local_steps
+STEPWISE_MODES = ("bsdp", "nsdp", "bbsdp")  # holders agree at every step (with local_steps 1)
+LOCAL_STEP_MODES = ("overlap", "bsdp", "nsdp")  # modes that may average every local_steps steps
 SCHEDULED_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")  # modes that train a mask schedule
 SCHEDULE_KINDS = ("static", "permute", "cyclic")  # as masklab.Schedule
 MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
@@ -54,13 +55,17 @@ class TrainConfig:
     schedule: str | None = None
     """How the mask changes over training: ``static``, ``permute`` (rows reassigned to workers by a
     fresh random permutation every `every` steps) or ``cyclic`` (rows rotate by one worker every
-    `every` steps); replaces a mask file's schedule. None: the mask file's (static when designed).
-    Schedules other than static train in modes ``bbsdp`` (each block's optimizer state moves to its
-    new holders at a change) and ``overlap``."""
+    `every` steps); replaces a mask file's schedule. None: the mask file's (static when designed;
+    a file may also hold a ``sequence`` of masks). Schedules other than static train in modes
+    ``bsdp``, ``nsdp``, ``bbsdp`` (what a worker stops holding moves to its new holders at a change)
+    and ``overlap``, not with `fsdp`."""
     every: int = 1
     """Steps between schedule changes (R), with `schedule`; a multiple of `local_steps`."""
     local_steps: int = 1
-    """Mode ``overlap`` only: optimizer steps between holder averages (H)."""
+    """Optimizer steps between holder averages (H): mode ``overlap`` (every worker keeps a full
+    copy), or ``bsdp`` / ``nsdp`` without `fsdp` (forward masking: each worker trains its own
+    subnetwork H steps, nothing is sent during backward, then every held tensor becomes its
+    holders' average). 1: stepwise averaging (``bsdp`` / ``nsdp``)."""
     workers: int = 2
     """Number of ranks (K). Under torchrun it must equal WORLD_SIZE."""
     steps: int = 50
@@ -156,9 +161,11 @@ class TrainConfig:
         if self.every != 1 and self.schedule in (None, "static"):
             raise ConfigError(f"every={self.every} (--every) needs schedule (--schedule permute|cyclic), got "
                               f"schedule={self.schedule!r}")
-        if self.local_steps != 1 and self.mode != "overlap":
-            raise ConfigError(f"local_steps={self.local_steps} (--local-steps) is the averaging period of mode "
-                              f"'overlap', got mode {self.mode!r} (whose holders agree at every step)")
+        if self.local_steps != 1 and (self.mode not in LOCAL_STEP_MODES or self.fsdp):
+            raise ConfigError(f"local_steps={self.local_steps} (--local-steps) is the averaging period of modes "
+                              f"'overlap', 'bsdp' and 'nsdp' (without --fsdp), got mode {self.mode!r}"
+                              + (" with fsdp" if self.fsdp else "")
+                              + ("; backward masking with local steps is --mode overlap" if self.mode == "bbsdp" else ""))
         if self.schedule is not None and self.mode in BASELINES:
             raise ConfigError(f"schedule={self.schedule!r} (--schedule) changes a mask; mode {self.mode!r} has none")
         if self.schedule not in (None, "static") and self.mode not in SCHEDULED_MODES:

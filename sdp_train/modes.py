@@ -176,7 +176,7 @@ class FullyShardedSync(ModeSync):
 
 class SubnetworkSync(ModeSync):
     """``bsdp``, ``nsdp``, ``bbsdp``: `SubnetworkDataParallel` averages each block among its holders
-    during backward, and (backward masking) sends the holders' new values after the step and,
+    during backward (with ``local_steps`` H > 1: its values after every H-th step), and (backward masking) sends the holders' new values after the step and,
     under a schedule, moves each block's optimizer state to its new holders at a mask change."""
 
     def __init__(self, sdp: SubnetworkDataParallel, model: nn.Module, info: DistInfo, *, fsdp: bool) -> None:
@@ -197,6 +197,13 @@ class SubnetworkSync(ModeSync):
 
     def grad_sq_norm(self) -> torch.Tensor:
         return self.sdp.local_grad_sq_norm()  # the holder averages finished when backward returned
+
+    def norms(self, summed_sq: float, own_sq: torch.Tensor) -> tuple[float, float]:
+        """Stepwise: the averaged gradient's norm. Local steps: each worker trains its own subnetwork,
+        so the root mean square of the workers' own norms, clipped by this worker's own."""
+        if self.sdp.local_steps == 1:
+            return super().norms(summed_sq, own_sq)
+        return math.sqrt(summed_sq / self.info.world_size), math.sqrt(own_sq.item())
 
     def after_step(self) -> None:
         # here, not in an optimizer hook: the memory meter would file its buffers as optimizer state
@@ -328,7 +335,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         sdp = SubnetworkDataParallel(
             model, mask=prep.mask, blocks=user_blocks(cfg), level=cfg.level, masking=masking,
             neuron_groups=USER_NEURON_GROUPS, seed=cfg.seed, device=device,
-            activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp)
+            activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp, local_steps=cfg.local_steps)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
     if not prep.mask.schedule.is_static and masking == "forward":
         # seeded values: B-SDP's equal the family path's; N-SDP's sliced tensors are drawn at their
@@ -337,14 +344,16 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
             model, mask=prep.mask, blocks=list(block_map(mc).block_names("block")), seed=cfg.seed, device=device,
             level=cfg.level, neuron_groups=getattr(mc, "neuron_groups", 1),
             mlp=LLAMA_MLP if cfg.level == "neuron" else None,
-            init=lambda m: m.init_weights(cfg.seed), activation_checkpointing=cfg.activation_checkpointing)
+            init=lambda m: m.init_weights(cfg.seed), activation_checkpointing=cfg.activation_checkpointing,
+            local_steps=cfg.local_steps)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
     rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
     held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
     sdp = SubnetworkDataParallel.from_subnetwork(
         model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=held_by_rank,
         local_index=model.full_index(), masking=masking, activation_checkpointing=cfg.activation_checkpointing,
-        fsdp=cfg.fsdp, values_agree=True, seed=cfg.seed)  # every rank built its part from the same seed
+        fsdp=cfg.fsdp, values_agree=True, seed=cfg.seed,  # every rank built its part from the same seed
+        local_steps=cfg.local_steps)
     return SubnetworkSync(sdp, model, info, fsdp=cfg.fsdp)
 
 

@@ -13,10 +13,10 @@ the loss of the last step not skipped; under overlap averaging (mode ``overlap``
 ``final_consensus_distance``: how far the workers' copies are apart at the end, per block, ``other``
 and ``total`` (`sdp_train.OverlapAveraging.consensus_distance`), which the metrics line of every
 evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance``; under a
-schedule in Bb-SDP ``mask_change_bytes``: buffer bytes of the optimizer state this rank's mask
+schedule in B-SDP, N-SDP and Bb-SDP ``mask_change_bytes``: buffer bytes of what this rank's mask
 changes moved (rank 0's; not in ``comm_bytes``);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
-``wire_model``), medians per rank (under overlap averaging, which sends once every
+``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
 final full model's file name, ``model.safetensors`` (null under ``save_model=False``), written by
 rank 0 just before summary.json (`sdp_train.run_outputs`). Validation loss is that of the full
@@ -151,9 +151,11 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
         return None
     history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
     timed = records[1:] or records or history  # this attempt's first step pays one-off warm-up costs
-    # overlap averaging sends once every local_steps steps: its bytes per step are the mean over the
-    # whole run; the stepwise modes send the same every step, so the median of `timed` is that number
-    per_step, every = (statistics.fmean, history) if cfg.mode == "overlap" else (statistics.median, timed)
+    # averaging every local_steps steps (overlap averaging, or B-/N-SDP with local steps) sends once per
+    # round: its bytes per step are the mean over the whole run; stepwise averaging sends the same every
+    # step, so the median of `timed` is that number
+    averages_rounds = cfg.mode == "overlap" or cfg.local_steps > 1
+    per_step, every = (statistics.fmean, history) if averages_rounds else (statistics.median, timed)
     skipped = [r["step"] for r in history if r.get("skipped")]
     finite = [r["loss"] for r in history if not r.get("skipped")]
     summary = {

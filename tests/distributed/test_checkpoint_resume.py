@@ -51,6 +51,10 @@ def runs(tmp_path_factory) -> Path:
         configs.append(_cfg(out / f"{mode}-permute", checkpoint_every=3, **kw))
         configs.append(_cfg(out / f"{mode}-permute-resumed", **kw,
                             resume=str(out / f"{mode}-permute" / "checkpoints" / "step_3")))
+    # B-SDP with local steps (H = 2) resumed at step 3, between two averages
+    local = {"mode": "bsdp", "active": 0.5, "local_steps": 2, "steps": 6}
+    configs.append(_cfg(out / "bsdp-local", checkpoint_every=3, **local))
+    configs.append(_cfg(out / "bsdp-local-resumed", **local, resume=str(out / "bsdp-local" / "checkpoints" / "step_3")))
     run_rank_script(2, "train", {"configs": configs}, out)
     return out
 
@@ -92,15 +96,17 @@ def test_overlap_averaging_resumed_mid_round_repeats_the_uninterrupted_run_and_l
     assert summaries[0]["comm_bytes_per_step"] == pytest.approx(sum(sent) / len(sent))
 
 
-@pytest.mark.parametrize("mode", ["bbsdp", "bsdp", "nsdp"])
-def test_sdp_under_a_schedule_resumed_mid_round_repeats_the_uninterrupted_run(runs, mode):
-    full, resumed = _metrics(runs / f"{mode}-permute"), _metrics(runs / f"{mode}-permute-resumed")
+@pytest.mark.parametrize("name", ["bbsdp-permute", "bsdp-permute", "nsdp-permute", "bsdp-local"])
+def test_sdp_under_a_schedule_or_local_steps_resumed_mid_round_repeats_the_uninterrupted_run(runs, name):
+    full, resumed = _metrics(runs / name), _metrics(runs / f"{name}-resumed")
     assert [m["step"] for m in resumed] == [3, 4, 5]
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[3:]]
-    summaries = [json.loads((runs / n / "summary.json").read_text())
-                 for n in (f"{mode}-permute", f"{mode}-permute-resumed")]
+    summaries = [json.loads((runs / n / "summary.json").read_text()) for n in (name, f"{name}-resumed")]
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
-    assert summaries[0]["mask_change_bytes"] > 0  # state moved at the changes, counted apart from comm_bytes
+    if name.endswith("permute"):
+        assert summaries[0]["mask_change_bytes"] > 0  # state moved at the changes, counted apart from comm_bytes
+    else:  # one holder average every 2 steps: the others send only the 8-byte norm reduction
+        assert [m["comm_bytes"] > 8 for m in full] == [False, True] * 3
 
 
 def test_checkpoint_is_every_n_steps_and_at_the_end_and_loads_as_plain_tensors(runs):
