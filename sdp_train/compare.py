@@ -97,7 +97,7 @@ PRESETS: dict[str, Preset] = {
     # small; for real pre-training data pass uint16 token shards: sdp compare --data bin:DIR.
     # Overlap averaging, where the mask graph's spectral gap is said to matter: 7 CPU ranks of a
     # 7-block byte-level LM, so that a Fano plane (gamma 1/3) and a random balanced mask of the same
-    # coverage 3 (gamma 0.096) can be compared; about 13 min on 2 cores (BENCHMARKS.md).
+    # coverage 3 (gamma 0.096) can be compared; about 15 min on 2 cores (BENCHMARKS.md).
     "cpu-overlap": Preset(model="llama-debug", workers=7, steps=120, batch_size=4, seq_len=64, lr=3e-3,
                           warmup_steps=10, active=3 / 7, heterogeneous=True, eval_every=10, eval_batches=4,
                           max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True),
@@ -127,6 +127,9 @@ class RunSpec:
     """The mask design (``sdp train --construction``)."""
     design_seed: int = 0
     """Seed of the mask design (of a ``random`` construction), apart from the runs' seeds."""
+    local: bool = False
+    """Modes bsdp/nsdp: average the held values every ``local_steps`` steps (``sdp train
+    --local-steps``: overlap averaging of forward-masked subnetworks) instead of every gradient."""
 
 
 def run_specs(preset: Preset) -> list[RunSpec]:
@@ -153,7 +156,8 @@ def run_specs(preset: Preset) -> list[RunSpec]:
 
 def overlap_specs(preset: Preset) -> list[RunSpec]:
     """Stepwise B-SDP and Bb-SDP (static and under ``permute``) against overlap averaging with a
-    static and a ``permute`` mask, on iid
+    static and a ``permute`` mask, with backward masking (``overlap``) and forward masking (B-SDP
+    with local steps, ``bsdp-local``), on iid
     and heterogeneous data, and two masks of equal coverage but different spectral gap under
     ``permute`` (the designed one, a projective plane where one exists, and a random balanced one)."""
     c = preset.active
@@ -163,6 +167,8 @@ def overlap_specs(preset: Preset) -> list[RunSpec]:
         RunSpec("bsdp-permute", "bsdp", c, schedule="permute"),
         RunSpec("bbsdp", "bbsdp", c),
         RunSpec("bbsdp-permute", "bbsdp", c, schedule="permute"),
+        RunSpec("bsdp-local", "bsdp", c, local=True),
+        RunSpec("bsdp-local-permute", "bsdp", c, schedule="permute", local=True),
         RunSpec("overlap-static", "overlap", c),
         RunSpec("overlap-permute", "overlap", c, schedule="permute"),
         RunSpec("overlap-permute-random", "overlap", c, schedule="permute", construction="random", design_seed=3),
@@ -189,7 +195,7 @@ def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
         save_model=False,  # a comparison reports metrics; a gpu-1b run's model would be GBs per system
         model_overrides=dict(preset.model_overrides), construction=spec.construction,
         schedule=spec.schedule, every=preset.local_steps if spec.schedule else 1,
-        local_steps=preset.local_steps if spec.mode == "overlap" else 1,
+        local_steps=preset.local_steps if spec.mode == "overlap" or spec.local else 1,
     )
 
 

@@ -23,9 +23,9 @@ over all of them each round, as in local SGD. Floating-point buffers (BatchNorm 
 averaged with their block. Gradient clipping is local (``torch.nn.utils.clip_grad_norm_`` on this
 worker's model is the right call here: no worker's gradient is averaged with another's).
 
-Not here: stepwise SDP, in which holders agree at every step (`sdp_train.api`); moving forward-
-masked blocks between workers at a mask change (not implemented: this mode keeps every block
-on every worker).
+Not here: stepwise SDP, in which holders agree at every step (`sdp_train.api`), and overlap
+averaging with forward masking, where a worker keeps a copy only of what it holds
+(``SubnetworkDataParallel(..., local_steps=H)``, which moves blocks at a mask change).
 """
 
 from __future__ import annotations

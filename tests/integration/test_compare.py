@@ -143,6 +143,11 @@ def test_the_overlap_preset_compares_two_masks_of_one_coverage_and_different_gam
     # B-SDP static against B-SDP under permute: trained, and marked as covered by no theorem
     bsdp = planned["bsdp-permute"]
     assert (bsdp.config.mode, bsdp.config.schedule, bsdp.config.every) == ("bsdp", "permute", 2)
+    # forward-masked overlap averaging: B-SDP with local steps, static and under permute, no theorem
+    for name, schedule in (("bsdp-local", None), ("bsdp-local-permute", "permute")):
+        local = planned[name]
+        assert (local.config.mode, local.config.local_steps, local.config.schedule) == ("bsdp", 2, schedule)
+        assert local.verification["theorem"] is None and local.verification["bound_vs_ddp"] is None
     assert all(p.config.model_overrides == {"n_layers": 7} for p in planned.values())
 
 
