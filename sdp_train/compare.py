@@ -97,7 +97,7 @@ PRESETS: dict[str, Preset] = {
     # small; for real pre-training data pass uint16 token shards: sdp compare --data bin:DIR.
     # Overlap averaging, where the mask graph's spectral gap is said to matter: 7 CPU ranks of a
     # 7-block byte-level LM, so that a Fano plane (gamma 1/3) and a random balanced mask of the same
-    # coverage 3 (gamma 0.096) can be compared; about 15 min on 2 cores (BENCHMARKS.md).
+    # coverage 3 (gamma 0.096) can be compared; about 12 min on 2 cores (BENCHMARKS.md).
     "cpu-overlap": Preset(model="llama-debug", workers=7, steps=120, batch_size=4, seq_len=64, lr=3e-3,
                           warmup_steps=10, active=3 / 7, heterogeneous=True, eval_every=10, eval_batches=4,
                           max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True),

@@ -25,7 +25,7 @@ from torch import nn
 from masklab import Mask, Schedule
 
 pytestmark = pytest.mark.slow
-K, STEPS, LR, H, STOP = 3, 8, 1e-2, 2, 2  # STOP: the resumed run saves after step 2, in the middle of a round
+K, STEPS, LR, H, STOP = 3, 6, 1e-2, 2, 2  # STOP: the resumed run saves after step 2, in the middle of a round
 BASE = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
 CASES = {
     "static": Mask(BASE),

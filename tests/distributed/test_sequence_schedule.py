@@ -20,7 +20,7 @@ from sdp_train.prepare import prepare
 from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow
-BASE = {"model": "llama-debug", "workers": 2, "steps": 7, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
+BASE = {"model": "llama-debug", "workers": 2, "steps": 6, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
         "max_data_bytes": 100_000, "memory_steps": 0, "warmup_steps": 1, "seed": 5, "active": None}
 M = np.array([[1, 1, 1, 0], [0, 1, 1, 1]])
 # coverage (1, 2, 2, 1) in every round; worker 0 holds 3, 4, 2 blocks in turn
@@ -79,7 +79,7 @@ def test_the_sequence_of_rotations_trains_exactly_the_cyclic_schedule(runs):
 @pytest.mark.parametrize("name", ["bsdp-blocks", "nsdp-neurons"])
 def test_a_sequence_resumed_mid_round_repeats_the_uninterrupted_run(runs, name):
     full, resumed = _metrics(runs / name), _metrics(runs / f"{name}-resumed")
-    assert [m["step"] for m in resumed] == [3, 4, 5, 6]
+    assert [m["step"] for m in resumed] == [3, 4, 5]
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[3:]]
     assert _summary(runs / name)["final_val_loss"] == _summary(runs / f"{name}-resumed")["final_val_loss"]
     assert _summary(runs / name)["mask_change_bytes"] > 0

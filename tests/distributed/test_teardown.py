@@ -32,6 +32,7 @@ CONFIGS = [
     {"mode": "bbsdp", "active": 0.5},
     # groups made mid-run, at mask changes: holder sets the first round did not have
     {"mode": "bsdp", "active": 0.5, "schedule": "permute", "every": 1},
+    {"mode": "nsdp", "active": 0.5, "schedule": "permute", "every": 1},
     {"mode": "bbsdp", "active": 0.5, "schedule": "permute", "every": 1},
     {"mode": "overlap", "active": 0.5, "schedule": "permute", "every": 1},
 ]
