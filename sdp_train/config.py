@@ -22,7 +22,7 @@ LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron", "overlap":
 STEPWISE_MODES = ("bsdp", "nsdp", "bbsdp")  # holders agree at every step (with local_steps 1)
 LOCAL_STEP_MODES = ("overlap", "bsdp", "nsdp")  # modes that may average every local_steps steps
 SCHEDULED_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")  # modes that train a mask schedule
-SCHEDULE_KINDS = ("static", "permute", "cyclic")  # as masklab.Schedule
+SCHEDULE_KINDS = ("static", "permute", "cyclic")  # masklab.mask.ROW_SCHEDULE_KINDS (a sequence: a mask file)
 MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
 
@@ -165,7 +165,8 @@ class TrainConfig:
             raise ConfigError(f"local_steps={self.local_steps} (--local-steps) is the averaging period of modes "
                               f"'overlap', 'bsdp' and 'nsdp' (without --fsdp), got mode {self.mode!r}"
                               + (" with fsdp" if self.fsdp else "")
-                              + ("; backward masking with local steps is --mode overlap" if self.mode == "bbsdp" else ""))
+                              + ("; backward masking with local steps is --mode overlap"
+                                 if self.mode == "bbsdp" else ""))
         if self.schedule is not None and self.mode in BASELINES:
             raise ConfigError(f"schedule={self.schedule!r} (--schedule) changes a mask; mode {self.mode!r} has none")
         if self.schedule not in (None, "static") and self.mode not in SCHEDULED_MODES:

@@ -176,8 +176,9 @@ class FullyShardedSync(ModeSync):
 
 class SubnetworkSync(ModeSync):
     """``bsdp``, ``nsdp``, ``bbsdp``: `SubnetworkDataParallel` averages each block among its holders
-    during backward (with ``local_steps`` H > 1: its values after every H-th step), and (backward masking) sends the holders' new values after the step and,
-    under a schedule, moves each block's optimizer state to its new holders at a mask change."""
+    during backward (with ``local_steps`` H > 1: its values after every H-th step), (backward
+    masking) sends the holders' new values after the step and, under a schedule, moves what a
+    worker gains (blocks, neuron slices, optimizer state) to it at a mask change."""
 
     def __init__(self, sdp: SubnetworkDataParallel, model: nn.Module, info: DistInfo, *, fsdp: bool) -> None:
         super().__init__(info)

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
           "wire/step: bytes per step of the rank that sends most, wire under the ring model "
           "(all-reduce 2(c-1)/c of the buffer, all-gather / reduce-scatter / broadcast (c-1)/c)")
     per = next((r["communicator_bytes"] for r in rows if r["total"] is not None), 0)
-    print(f"groups: process groups besides the world's, one per distinct holder set; comms: the largest rank's "
+    print("groups: process groups besides the world's, one per distinct holder set; comms: the largest rank's "
           + (f"NCCL communicators (the world's and its groups') at {format_bytes(per)} each, an estimate "
              f"({COMMUNICATOR_BYTES_ENV} overrides it)" if args.device == "cuda"
              else "communicator memory, 0 on cpu (gloo; --device cuda counts NCCL's)"))
