@@ -377,14 +377,28 @@ class SubnetworkDataParallel(nn.Module):
         must call it (`step_done` does after every H-th step)."""
         if self.world_size == 1 or self.engine is None:
             return
-        for bucket in self.engine.buckets:
-            if bucket.communicates:
-                kernels.overlap_average([p.data for p in bucket.params], bucket.layout,
-                                        lambda b, g=bucket.group: dist.all_reduce(b, group=g), buffer=bucket.buffer)
-                self._average_bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(),
-                                        len(bucket.plan.holders))
+        self._holder_averages(copies=False)
         if self.buffer_averager is not None:
             self.buffer_averager.average()
+
+    def _holder_averages(self, *, copies: bool) -> dict[int, torch.Tensor]:
+        """Every communicating bucket's parameters averaged over their holders (`kernels.overlap_average`),
+        in place or, with `copies`, on clones; returned by parameter id. The buffer is the parameters'
+        dtype: a `comm_dtype` buffer is for gradients and would round the weights."""
+        out = {}
+        for bucket in self.engine.buckets:
+            if not bucket.communicates:
+                continue
+            values = [p.detach().clone() if copies else p.data for p in bucket.params]
+            own_dtype = bucket.buffer.dtype == bucket.params[0].dtype
+            buffer = kernels.overlap_average(values, bucket.layout,
+                                             lambda b, g=bucket.group: dist.all_reduce(b, group=g),
+                                             buffer=bucket.buffer if own_dtype else None)
+            if not copies:
+                self._average_bytes.add("all_reduce", bucket.layout.total_numel * buffer.element_size(),
+                                        len(bucket.plan.holders))
+            out.update({id(p): v for p, v in zip(bucket.params, values)})
+        return out
 
     def schedule_state(self) -> dict[str, int]:
         """``{"steps": optimizer steps taken}`` under a schedule or with local steps (it fixes the
@@ -571,14 +585,9 @@ class SubnetworkDataParallel(nn.Module):
         """
         state = self.module.state_dict()
         if self.local_steps > 1 and self.steps % self.local_steps and self.world_size > 1 and self.engine is not None:
-            names = {id(p): n for n, p in self.module.named_parameters()}
             with torch.no_grad():
-                for bucket in self.engine.buckets:
-                    if bucket.communicates:
-                        copies = [p.detach().clone() for p in bucket.params]
-                        kernels.overlap_average(copies, bucket.layout,
-                                                lambda b, g=bucket.group: dist.all_reduce(b, group=g))
-                        state.update({names[id(p)]: c for p, c in zip(bucket.params, copies)})
+                averaged = self._holder_averages(copies=True)
+            state.update({n: averaged[id(p)] for n, p in self.module.named_parameters() if id(p) in averaged})
         return assemble(state, self.local_index, self.layout.tensors, self.held_by_rank,
                         self.rank, rank0_only=rank0_only, device=self.device)
 

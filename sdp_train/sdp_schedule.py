@@ -289,7 +289,7 @@ def recut_neurons(module: nn.Module, layout: Any, old_rows: np.ndarray, new_rows
     items, keys_of = [], {}
     for b, block in enumerate(layout.blocks):
         for name, dim in layout.neuron_tensors[block]:
-            tensor = _tensor(module, name)
+            tensor = module.get_parameter(name)
             opt = owner.get(id(tensor))
             state = opt.state.get(tensor, {}) if opt is not None else {}
             keys_of[name] = ["value", *sorted(k for k, v in state.items()
@@ -303,22 +303,20 @@ def recut_neurons(module: nn.Module, layout: Any, old_rows: np.ndarray, new_rows
                 shape = list(tensor.shape)
                 shape[dim] = len(layout.group_index(block, [g]))
                 for key in keys_of[name]:
-                    items.append((old[0], receivers, tuple(shape), tensor.dtype, (name, dim, g, key)))
+                    items.append((old[0], receivers, tuple(shape), tensor.dtype, (block, name, dim, g, key)))
 
-    def source(name: str, key: str) -> torch.Tensor:
-        tensor = _tensor(module, name)
-        return tensor if key == "value" else owner[id(tensor)].state[tensor][key]
-
-    def read(item_key) -> torch.Tensor:
-        name, dim, g, key = item_key
-        block = _block_of(layout, name)
+    def old_slice(block: str, name: str, dim: int, g: int, key: str) -> torch.Tensor:
+        """Group g of this worker's current `name` (its value, or optimizer state `key`)."""
+        tensor = module.get_parameter(name)
+        src = tensor if key == "value" else owner[id(tensor)].state[tensor][key]
         positions = old_held[rank][name].local_positions(layout.group_index(block, [g]))
-        return source(name, key).index_select(dim, torch.tensor(positions, device=source(name, key).device))
+        return src.index_select(dim, torch.tensor(positions, device=src.device))
 
     received: dict[tuple, torch.Tensor] = {}
     device = next(module.parameters()).device
     if send:
-        broadcast_packed(items, read, lambda k, v: received.__setitem__(k, v.clone()), rank, device, counter)
+        broadcast_packed(items, lambda k: old_slice(*k), lambda k, v: received.__setitem__(k, v.clone()), rank,
+                         device, counter)
     else:
         received = {key: torch.empty(shape, dtype=dtype, device=device) for _, receivers, shape, dtype, key in items
                     if rank in receivers}
@@ -333,25 +331,13 @@ def recut_neurons(module: nn.Module, layout: Any, old_rows: np.ndarray, new_rows
             for key in keys_of[name]:
                 pieces = []
                 for g in kept:  # groups are contiguous and increasing: concatenation is the local order
-                    if old_rows[rank, b * groups + g]:
-                        positions = old_spec.local_positions(layout.group_index(block, [g]))
-                        src = source(name, key)
-                        pieces.append(src.index_select(dim, torch.tensor(positions, device=src.device)))
-                    else:
-                        pieces.append(received[(name, dim, g, key)])
+                    kept_here = old_rows[rank, b * groups + g]
+                    pieces.append(old_slice(block, name, dim, g, key) if kept_here
+                                  else received[(block, name, dim, g, key)])
                 parts[key] = torch.cat(pieces, dim=dim)
             rel = name[len(block) + 1:].rpartition(".")[0]
             replaced.append(_replace(module, name, parts, owner, rel in layout.mlps[block].inputs))
     return replaced
-
-
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
-    parent, _, leaf = name.rpartition(".")
-    return getattr(module.get_submodule(parent), leaf)
-
-
-def _block_of(layout: Any, name: str) -> str:
-    return next(b for b in layout.blocks if name.startswith(b + "."))
 
 
 def _replace(module: nn.Module, name: str, parts: dict[str, torch.Tensor], owner: dict, is_input: bool

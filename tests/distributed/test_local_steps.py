@@ -31,6 +31,7 @@ CASES = {
     "static": Mask(BASE),
     "permute": Mask(BASE, schedule=Schedule("permute", every=2 * H)),
     "neurons": Mask(np.hstack([BASE, np.roll(BASE, 1, axis=0), BASE])),  # 3 blocks x 3 neuron groups
+    "static-bf16": Mask(BASE),  # comm_dtype=bfloat16 is for gradients: parameters still average in float32
 }
 SEED, GROUPS, HIDDEN = 4, 3, 12
 
@@ -76,6 +77,8 @@ def _wrapped(case: str):
     from sdp_train import MLPSpec, SubnetworkDataParallel
 
     kw = dict(level="neuron", neuron_groups=GROUPS, mlp=MLPSpec(("up",), "down")) if case == "neurons" else {}
+    if case == "static-bf16":
+        kw["comm_dtype"] = torch.bfloat16
     model = SubnetworkDataParallel(make_net(), mask=CASES[case], seed=SEED, local_steps=H, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     model.register_optimizer(opt)  # counts the steps: averages after every H-th
