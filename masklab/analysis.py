@@ -90,7 +90,7 @@ def mixing_graph(mask: Mask) -> sp.csr_array:
         np.fill_diagonal(a, 0.0)
         return sp.csr_array(a)
     if kind == "sequence":  # the exact mean over the period: every round equally often
-        rounds = mask.rounds
+        rounds = mask.matrices
         return sp.csr_array(sum(_static_pair_weights(mask, m) for m in rounds) / len(rounds))
     a = _static_pair_weights(mask)
     if kind == "cyclic":
@@ -176,16 +176,11 @@ def cotraining_graph(mask: Mask) -> sp.csr_array:
     Row permutations leave it unchanged, so it is the same under ``permute`` and ``cyclic``; under
     a ``sequence`` it is the mean over the rounds.
     """
-    m = sp.csr_array(_all_rounds(mask).astype(np.float64))
-    b = sp.csr_array(m.T @ m / (1 if mask.rounds is None else len(mask.rounds)))
+    m = sp.csr_array(np.vstack(mask.matrices).astype(np.float64))
+    b = sp.csr_array(m.T @ m / len(mask.matrices))
     b.setdiag(0.0)
     b.eliminate_zeros()
     return b
-
-
-def _all_rounds(mask: Mask) -> np.ndarray:
-    """The rows of every round a schedule trains, stacked: (P K, B) for a sequence, else the matrix."""
-    return mask.matrix if mask.rounds is None else mask.rounds.reshape(-1, mask.blocks)
 
 
 def cotraining_gap(mask: Mask) -> float:
@@ -198,7 +193,7 @@ def cotraining_gap(mask: Mask) -> float:
     if b == 1:
         return 1.0
     # a sequence's rounds stacked as more rows: P times the mean graph, whose normalized Laplacian is the same
-    m = sp.csr_array(_all_rounds(mask).astype(np.float64))
+    m = sp.csr_array(np.vstack(mask.matrices).astype(np.float64))
     bipartite = sp.block_array([[None, m], [m.T, None]])
     n, _ = csgraph.connected_components(bipartite, directed=False)
     if n != 1:
@@ -248,8 +243,7 @@ def process_group_holder_sets(mask: Mask, *, singletons: bool = False) -> tuple[
     >>> len(process_group_holder_sets(m, singletons=True))
     4
     """
-    matrix = mask.matrix if mask.rounds is None else np.hstack(list(mask.rounds))
-    columns = np.unique(matrix.astype(bool), axis=1).T  # one row per distinct holder set
+    columns = np.unique(np.hstack(mask.matrices).astype(bool), axis=1).T  # one row per distinct holder set
     sets = (tuple(int(k) for k in np.flatnonzero(col)) for col in columns)
     smallest = 1 if singletons else 2
     return tuple(sorted(s for s in sets if smallest <= len(s) < mask.workers))

@@ -171,6 +171,13 @@ class Mask:
         return self._rounds
 
     @property
+    def matrices(self) -> tuple[np.ndarray, ...]:
+        """The matrices whose rows the schedule hands to workers: a ``sequence``'s rounds, else
+        ``(matrix,)`` (``permute`` and ``cyclic`` reassign its rows). Checks and analyses that
+        must hold in every round run over these."""
+        return (self._matrix,) if self._rounds is None else tuple(self._rounds)
+
+    @property
     def coverage(self) -> np.ndarray:
         """c_j = |S_j| for every block, shape (B,), the same in every round of every schedule."""
         return self._matrix.sum(axis=0, dtype=np.int64)

@@ -28,7 +28,7 @@ from sdp_train.models import ModelConfig, block_map, get_model_config
 from sdp_train.models.llama import LlamaConfig
 from sdp_train.sdp_blocks import find_blocks
 from sdp_train.sdp_masking import describe
-from sdp_train.sdp_parts import every_round, resolve_mask
+from sdp_train.sdp_parts import resolve_mask
 from sdp_train.subnet import held_tensors
 from sdp_train.user_model import (NEURON_GROUPS as USER_NEURON_GROUPS, build_user_model,
                                   describe_user_model, is_user_model, logits_of, user_blocks)
@@ -167,7 +167,7 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
         raise ConfigError(f"the mask has {mask.blocks} blocks (columns) but {cfg.model} has {blocks} "
                           f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
     mask = with_schedule(cfg, mask, model_config.neuron_groups if isinstance(model_config, LlamaConfig) else None)
-    for r, matrix in enumerate(every_round(mask)):  # the model's structural rules, per worker and round
+    for r, matrix in enumerate(mask.matrices):  # the model's structural rules, per worker and round
         for k in range(mask.workers):
             try:
                 held_tensors(model_config, matrix[k], cfg.level)
@@ -197,7 +197,7 @@ def with_schedule(cfg: TrainConfig, mask: Mask, groups: int | None = None) -> Ma
         if groups is None:
             raise ConfigError(f"the mask has a {schedule.kind!r} schedule; N-SDP trains schedules for LLaMA models "
                               f"and --model-class ones, not {cfg.model!r} (--schedule static replaces it)")
-        empty = [(r, k, j) for r, matrix in enumerate(every_round(mask))
+        empty = [(r, k, j) for r, matrix in enumerate(mask.matrices)
                  for k, row in enumerate(matrix.reshape(mask.workers, -1, groups))
                  for j, held in enumerate(row.any(axis=1)) if not held]
         if empty:

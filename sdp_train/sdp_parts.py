@@ -65,7 +65,7 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
     if not result.schedule.is_static and not schedules:
         raise ConfigError(f"SubnetworkDataParallel trains schedules without fsdp only (FSDP's holder meshes are "
                           f"fixed at construction); this mask has a {result.schedule.kind!r} schedule")
-    for r, matrix in enumerate(every_round(result)):
+    for r, matrix in enumerate(result.matrices):
         for k in range(workers):
             try:
                 layout.held(matrix[k])
@@ -73,12 +73,6 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
                 where = f" of sequence round {r}" if result.rounds is not None else ""
                 raise ConfigError(f"mask row {k} (worker {k}){where}: {exc}") from None
     return result
-
-
-def every_round(mask: Mask) -> list[np.ndarray]:
-    """The matrices whose rows a schedule gives to workers: a sequence's masks, else the mask's matrix
-    (``permute`` and ``cyclic`` reassign its rows)."""
-    return [mask.matrix] if mask.rounds is None else list(mask.rounds)
 
 
 @torch.no_grad()

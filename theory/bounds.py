@@ -331,9 +331,7 @@ def drift_block_weights(mask: Mask) -> np.ndarray:
         m = m.astype(bool)
         return m.T.astype(float) @ np.where(m, inv_c, 0.0).max(axis=1)
 
-    if mask.rounds is None:
-        return weights(mask.matrix)
-    return np.max([weights(m) for m in mask.rounds], axis=0)  # a sequence: the worst round's, block by block
+    return np.max([weights(m) for m in mask.matrices], axis=0)  # a sequence: the worst round's, block by block
 
 
 # -- internals ---------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def consensus_period(mask: Mask, *, local_steps: int = 1) -> int:
         return 1
     rounds = mask.schedule.every // local_steps
     if kind == "sequence":
-        return rounds * len(mask.rounds)
+        return rounds * len(mask.matrices)
     return rounds * mask.workers if kind == "cyclic" else rounds
 
 
@@ -78,7 +78,7 @@ def mixing_operator(mask: Mask, block: int, *, local_steps: int = 1) -> np.ndarr
         rho = 1.0 if k == 1 else (c - 1.0) / (k - 1.0)  # E L_S = rho (I - 11^T/K), and P_S^T P_S = P_S
         return np.eye(k) - rho * (np.eye(k) - 1.0 / k)
     if kind == "sequence":
-        sets = [np.flatnonzero(m[:, block]) for m in mask.rounds]
+        sets = [np.flatnonzero(m[:, block]) for m in mask.matrices]
     else:
         sets = [(holders - r) % k for r in range(k if kind == "cyclic" else 1)]
     product = np.eye(k)
