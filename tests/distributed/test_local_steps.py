@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from masklab import Mask, Schedule
+from tests.distributed.mlp_net import HIDDEN, batch, make_net
 
 pytestmark = pytest.mark.slow
 K, STEPS, LR, H, STOP = 3, 6, 1e-2, 2, 2  # STOP: the resumed run saves after step 2, in the middle of a round
@@ -33,44 +33,7 @@ CASES = {
     "neurons": Mask(np.hstack([BASE, np.roll(BASE, 1, axis=0), BASE])),  # 3 blocks x 3 neuron groups
     "static-bf16": Mask(BASE),  # comm_dtype=bfloat16 is for gradients: parameters still average in float32
 }
-SEED, GROUPS, HIDDEN = 4, 3, 12
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, HIDDEN)
-        self.down = nn.Linear(HIDDEN, 8)
-
-    def forward(self, h, keep=None):
-        hidden = torch.tanh(self.up(h))
-        return h + self.down(hidden if keep is None else hidden * keep)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.layers = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x, held=None, keep=None):
-        h = self.embed(x)
-        for j, layer in enumerate(self.layers):
-            if held is not None and not held[j]:
-                continue
-            h = layer(h) if keep is None else layer(h, keep[j])
-        return self.head(h)
-
-
-def make_net() -> Net:
-    torch.manual_seed(0)
-    return Net()
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+SEED, GROUPS = 4, 3
 
 
 def _wrapped(case: str):

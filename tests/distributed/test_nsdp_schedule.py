@@ -16,50 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from masklab import Mask, Schedule
+from tests.distributed.mlp_net import HIDDEN, batch, make_net
 
 pytestmark = pytest.mark.slow
-K, STEPS, LR, STOP, GROUPS, HIDDEN = 3, 7, 1e-2, 3, 3, 12
+K, STEPS, LR, STOP, GROUPS = 3, 7, 1e-2, 3, 3
 BASE = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1]])  # per block: every worker keeps 2 of its 3 neuron groups
 MASK = Mask(np.hstack([BASE, np.roll(BASE, 1, axis=0), BASE]), schedule=Schedule("permute", every=2))
 SEED = 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, HIDDEN)
-        self.down = nn.Linear(HIDDEN, 8)
-
-    def forward(self, h, keep=None):
-        hidden = torch.tanh(self.up(h))
-        return h + self.down(hidden if keep is None else hidden * keep)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.layers = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x, keep=None):
-        h = self.embed(x)
-        for j, layer in enumerate(self.layers):
-            h = layer(h) if keep is None else layer(h, keep[j])
-        return self.head(h)
-
-
-def make_net() -> Net:
-    torch.manual_seed(0)
-    return Net()
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
 
 
 def _wrapped():
