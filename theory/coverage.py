@@ -95,9 +95,10 @@ def covered_bound_ratio(
     if mask is None:
         raise TheoryError(f"mode={mode!r} with local_steps={local_steps} needs the run's mask")
     if mode in _FULL_MODEL:
-        # every worker holds everything in every round: a sequence of complete masks is held like cyclic
-        schedule = mask.schedule if mask.rounds is None else Schedule("cyclic", mask.schedule.every)
-        mask = Mask(np.ones_like(mask.matrix), block_sizes=mask.block_sizes, schedule=schedule)
+        # every worker holds everything, in every round of the schedule
+        complete = [np.ones_like(m) for m in mask.matrices]
+        mask = Mask(complete[0], block_sizes=mask.block_sizes, schedule=mask.schedule,
+                    rounds=complete if mask.rounds is not None else None)
     grad = 1.0 if (local_steps > 1 or overlap) else None
     constants = worst_case_constants(mask, smoothness=1.0, sigma=1.0, zeta=1.0, suboptimality=1.0, grad_bound=grad)
     full = Mask(np.ones_like(mask.matrix), block_sizes=mask.block_sizes)
