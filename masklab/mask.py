@@ -258,8 +258,8 @@ class Mask:
         if unknown:
             raise MaskError(f"unknown Mask field(s) {sorted(unknown)}; known: {sorted(fields)}")
         fields.update(changes)
-        if fields["schedule"] is None or fields["schedule"].kind != "sequence":
-            fields["rounds"] = None if "rounds" not in changes else fields["rounds"]
+        if "rounds" not in changes and (fields["schedule"] or Schedule()).kind != "sequence":
+            fields["rounds"] = None  # the new schedule reassigns the matrix's rows
         matrix = fields.pop("matrix")
         return Mask(matrix, **fields)
 

@@ -19,7 +19,6 @@ from sdp_train.user_model import is_user_model
 MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp", "overlap")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
 LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron", "overlap": "block"}
-STEPWISE_MODES = ("bsdp", "nsdp", "bbsdp")  # holders agree at every step (with local_steps 1)
 LOCAL_STEP_MODES = ("overlap", "bsdp", "nsdp")  # modes that may average every local_steps steps
 SCHEDULED_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")  # modes that train a mask schedule
 SCHEDULE_KINDS = ("static", "permute", "cyclic")  # masklab.mask.ROW_SCHEDULE_KINDS (a sequence: a mask file)
