@@ -4,8 +4,8 @@ For a balanced mask (every block held by c workers) the mixing-graph weights are
 a_kl = O_kl / (B c), with O = M M^T the pair overlaps, and the sum of the off-diagonal overlaps is
 fixed at B c (c - 1). The gap reaches its trace bound exactly when all overlaps are equal
 (docs/design.md §3), so the search minimises the sum of squared overlaps, which pulls them together; the
-spectral gap itself is computed only for the starting point and the result, and the better of the
-two is returned. Moves swap two blocks between two workers (k gives up i and takes j, l the
+spectral gap itself is computed only for the starting point and the result, and the result is
+returned only if it lowered that sum (exactly, in integers) and raised the gap. Moves swap two blocks between two workers (k gives up i and takes j, l the
 reverse), which keeps every row sum and every coverage. This module does not pick constructions
 (see `masklab.design`).
 """
@@ -13,6 +13,7 @@ reverse), which keeps every row sum and every coverage. This module does not pic
 from __future__ import annotations
 
 import time
+from fractions import Fraction
 
 import numpy as np
 
@@ -41,7 +42,8 @@ def search(
     ``cyclic(K, B, coverage=c)`` followed by `starts` masks ``random_balanced(K, B, coverage=c,
     seed=rng)`` drawn in order from ``rng = numpy.random.default_rng(seed)`` before anything else.
     The result is never worse than that start: every block keeps exactly c holders, every row sum
-    is kept, and the start is returned when the search does not improve the gap.
+    is kept, and the start is returned unless the search both lowered the sum of squared pair
+    overlaps (an exact integer) and raised the gap.
 
     Parameters
     ----------
@@ -89,7 +91,9 @@ def search(
         return start.replace(construction="search")
     deadline = None if time_limit is None else time.monotonic() + time_limit
     improved = Mask(_swap_search(start.matrix, c, iterations, rng, deadline), construction="search")
-    if spectral_gap(improved) > start_gap:
+    # Sideways moves alone leave F, and with it the overlap spread, unchanged: such a result is no
+    # improvement by the search's own (exact, integer) measure, whatever rounding does to its gap.
+    if _overlap_square_sum(improved.matrix) < _overlap_square_sum(start.matrix) and spectral_gap(improved) > start_gap:
         return improved
     return start.replace(construction="search")
 
@@ -98,20 +102,35 @@ def overlap_spread(mask: Mask) -> float:
     """Sum over worker pairs k < l of (O_kl - mean overlap)^2, O = M M^T: 0 iff all pairs share equally.
 
     This is the quantity the search drives down (up to a constant that depends only on the
-    coverage); for a balanced mask it is 0 exactly when the gap equals its trace bound.
+    coverage); for a balanced mask it is 0 exactly when the gap equals its trace bound. It is
+    computed exactly, as the rational F - S^2 / P (F the sum of squared overlaps, S their sum, P the
+    number of pairs) rounded once to a float, so masks with equal overlaps get equal spreads
+    whatever the order of their rows.
 
     >>> from masklab.constructions import projective_plane
     >>> overlap_spread(projective_plane(3))
     0.0
     """
-    m = mask.matrix.astype(np.float64)
-    overlaps = (m @ m.T)[np.triu_indices(mask.workers, k=1)]
+    overlaps = _pair_overlaps(mask.matrix)
     if overlaps.size == 0:
         return 0.0
-    return float(((overlaps - overlaps.mean()) ** 2).sum())
+    total = int(overlaps.sum())
+    return float(Fraction(_overlap_square_sum(mask.matrix)) - Fraction(total * total, overlaps.size))
 
 
 # -- internals ---------------------------------------------------------------------------------
+def _pair_overlaps(matrix: np.ndarray) -> np.ndarray:
+    """O_kl = |row k AND row l| for k < l, in exact integers."""
+    m = matrix.astype(np.int64)
+    return (m @ m.T)[np.triu_indices(m.shape[0], k=1)]
+
+
+def _overlap_square_sum(matrix: np.ndarray) -> int:
+    """F = sum_{k<l} O_kl^2, the search's objective, as a Python integer."""
+    overlaps = _pair_overlaps(matrix)
+    return int((overlaps * overlaps).sum())
+
+
 def _default_iterations(K: int, B: int, c: int) -> int:
     """About 1-2 s of swaps: each costs ~15 us plus O(K + B), so the count shrinks as K + B grows."""
     return int(min(200 * K * c, 100_000, 3e7 // (K + B + 200)))

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from masklab.analysis import optimality_ratio
@@ -183,6 +183,7 @@ def test_invalid_balanced_parameters_raise_design_error_naming_them(k, b, c, mat
 
 @settings(max_examples=25, deadline=None)
 @given(balanced_parameters(max_k=9, max_b=10), st.integers(0, 2**16))
+@example(params=(9, 7, 7), seed=7)  # equal spreads summed in two float orders once compared 16.75 > 16.749...
 def test_search_keeps_coverage_and_row_sums_and_never_spreads_overlaps_more(params, seed) -> None:
     k, b, c = params
     start = random_balanced(k, b, coverage=c, seed=seed)
