@@ -10,6 +10,7 @@ import pytest
 
 from masklab.io import load_mask
 from sdp_train.cli import main
+from tests.child_env import child_env
 
 REPORT_KEYS = {
     "workers", "blocks", "active_fraction", "coverage_min", "coverage_max", "masking_error",
@@ -95,10 +96,10 @@ def test_console_script_runs_as_a_real_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sdp_train.cli", "design", "-K", "9", "-B", "12", "--coverage", "3",
          "--out", str(out), "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["construction"] == "affine-plane"
-    bad = subprocess.run([sys.executable, "-m", "sdp_train.cli", "inspect", str(tmp_path)],
+    bad = subprocess.run([sys.executable, "-m", "sdp_train.cli", "inspect", str(tmp_path)], env=child_env(),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is a directory" in bad.stderr

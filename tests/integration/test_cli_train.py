@@ -21,6 +21,7 @@ from sdp_train.train import validation_sums
 from sdp_train.models import model_class
 from sdp_train.prepare import prepare
 from sdp_train.train_cli import config_from_args
+from tests.child_env import child_env
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes"}
 SUMMARY_KEYS = {"final_train_loss", "final_val_loss", "comm_bytes_per_step", "step_time_s", "tokens_per_s",
@@ -136,7 +137,7 @@ def test_sdp_train_launches_ranks_and_writes_metrics_summary_mask_certificate_an
         [sys.executable, "-m", "sdp_train.cli", "train", "--model", "llama-debug", "--mode", "bsdp",
          "--active", "0.5", "--workers", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
          "--max-data-bytes", "100000", "--eval-batches", "1", "--log-every", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "TRITON_INTERPRET": "0"},
+        capture_output=True, text=True, timeout=300, env=child_env(TRITON_INTERPRET="0"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -171,7 +172,7 @@ def test_swin_trains_with_bsdp_and_its_assembled_model_scores_the_reported_valid
     proc = subprocess.run(
         [sys.executable, "-m", "sdp_train.cli", "train", "--model", "swin-tiny", "--mode", "bsdp", "--active", "0.5",
          "--workers", "2", "--steps", "3", "--eval-batches", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "TRITON_INTERPRET": "0"},
+        capture_output=True, text=True, timeout=300, env=child_env(TRITON_INTERPRET="0"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -10,7 +10,6 @@ so an accepted command line costs a validation, not a training run.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from sdp_train.train import train
 from sdp_train.prepare import prepare
 from sdp_train.run import Run
 from sdp_train.train_cli import _FLAGS, _SWITCHES
+from tests.child_env import child_env
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 NUMBERS = ["0", "-1", "1", "2", "3", "nan", "inf", "-inf", "1e400", "", "abc", "9" * 30, "0.5", "-0.0", "1e-320"]
@@ -188,7 +188,7 @@ def test_a_bad_config_fails_in_the_launching_process_with_one_line(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", "--config", str(config), "--out", str(out)],
                           capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SDP_DEBUG")})
+                          env=child_env(drop=("RANK", "WORLD_SIZE", "SDP_DEBUG")))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sdp train: error: llama-debug: "), proc.stderr

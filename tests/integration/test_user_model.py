@@ -9,7 +9,6 @@ full model that ``from_pretrained`` loads and that scores the validation loss su
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from sdp_train.errors import ConfigError
 from sdp_train.train import validation_sums
 from sdp_train.prepare import prepare
 from sdp_train.user_model import UserModel, logits_of
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sdp_train_models.py"
@@ -117,7 +117,7 @@ def test_hugging_face_llama_trains_with_bsdp_through_sdp_train(tmp_path):
          "--workers", "2", "--active", "0.5", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
          "--max-data-bytes", "100000", "--eval-batches", "1", "--checkpoint-every", "3", "--memory-steps", "0",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"},
+        capture_output=True, text=True, timeout=300, env=child_env(TRITON_INTERPRET="0"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

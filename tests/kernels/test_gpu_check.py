@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,9 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_step_on_cpu_and_writes_results(tmp_path):
     # One training mode keeps this under a minute; the script runs the four the same way.
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": os.environ.get("PYTHON", str(ROOT / ".venv" / "bin" / "python"))}
-    if not Path(env["PYTHON"]).exists():
-        env["PYTHON"] = "python"
+    env = child_env(OUT=str(tmp_path), PYTHON=sys.executable)  # the script's steps run this test's interpreter
     done = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--modes", "bsdp"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -36,7 +36,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu_and_writes_results(tmp_path):
 
 def test_gpu_check_refuses_unknown_arguments_and_a_missing_out(tmp_path):
     script = str(ROOT / "scripts" / "gpu_check.sh")
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env = child_env(drop=("OUT",), PYTHON=sys.executable)
     done = subprocess.run([script, "--fast"], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "unknown argument --fast" in done.stderr
     done = subprocess.run([script, "--help"], env=env, capture_output=True, text=True, timeout=30)

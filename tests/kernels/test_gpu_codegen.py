@@ -16,7 +16,6 @@ Skipped, with the reason, where the wheel has no ptxas/cuobjdump.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 import gpu_codegen
+from tests.child_env import child_env
 
 HARNESS = Path(gpu_codegen.__file__)
 # 64 registers x 128 threads leaves room for 8 resident programs per SM (half the threads an
@@ -35,7 +35,7 @@ PATHS = 8  # per benchmark bucket, see gpu_codegen.record_launches
 
 
 def _harness(*flags: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = child_env(drop=("TRITON_INTERPRET",))
     done = subprocess.run([sys.executable, str(HARNESS), *flags], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

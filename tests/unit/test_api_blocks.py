@@ -327,6 +327,8 @@ def test_importing_the_package_stays_torch_free_until_the_api_is_used():
     import sys
 
     code = "import sys, sdp_train; assert 'torch' not in sys.modules; assert 'SDP' in sdp_train.__all__"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    from tests.child_env import child_env
+
+    subprocess.run([sys.executable, "-c", code], check=True, env=child_env())
     from sdp_train import SDP
     assert SDP is SubnetworkDataParallel
