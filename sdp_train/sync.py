@@ -37,14 +37,24 @@ from sdp_train.errors import ConfigError
 from sdp_train.models.blocks import SliceSpec
 from sdp_train.wire import ByteCount
 
-if not hasattr(kernels, "BucketLayout"):
-    # Hugging Face's `kernels` distribution (a dependency of transformers >= 5.25) has the same
-    # import name; from outside this checkout it comes first on sys.path.
-    raise ImportError(
-        f"`import kernels` found {getattr(kernels, '__file__', kernels)!r}, which is not this "
-        "project's kernels package but another distribution with the same import name (Hugging "
-        "Face's `kernels`, required by transformers >= 5.25). Uninstall it (`pip uninstall "
-        "kernels`) and use transformers < 5.25; docs/api.md")
+def _check_kernels_package() -> None:
+    """Refuse another module named ``kernels`` that shadows this project's, naming both."""
+    if hasattr(kernels, "BucketLayout"):
+        return
+    from pathlib import Path
+
+    found = getattr(kernels, "__file__", None) or ", ".join(getattr(kernels, "__path__", [])) or repr(kernels)
+    expected = Path(__file__).resolve().parents[1] / "kernels" / "__init__.py"
+    hint = "rename it or take its folder off sys.path (PYTHONPATH, the current directory)"
+    found_in = Path(found).parent.parent if getattr(kernels, "__file__", None) else None
+    if found_in is not None and any(found_in.glob("kernels-*.dist-info")):
+        hint = ("it is the `kernels` distribution (Hugging Face's, required by transformers >= 5.25): "
+                "`pip uninstall kernels` and use transformers < 5.25; docs/api.md")
+    raise ImportError(f"`import kernels` found {found}, not this project's kernels package ({expected}), "
+                      f"which sdp_train needs: a module named `kernels` comes earlier on sys.path; {hint}")
+
+
+_check_kernels_package()
 
 
 class CollectiveError(RuntimeError):
