@@ -10,6 +10,7 @@ so an accepted command line costs a validation, not a training run.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
