@@ -8,7 +8,7 @@ it. Validation happens here, before any process group exists.
 from __future__ import annotations
 
 import json
-import math
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -184,7 +184,8 @@ class TrainConfig:
             raise ConfigError(f"active={self.active!r} must be in (0, 1]")
         for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            # compared, not converted: an integer beyond float range (JSON allows one) is refused, no OverflowError
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= sys.float_info.max:
                 raise ConfigError(f"{name}={value!r} must be a finite number >= 0")
         if self.lr == 0:
             raise ConfigError("lr=0 would not train; give a positive learning rate")

@@ -13,7 +13,7 @@ from a mask row is `sdp_train.subnet`, moving gradients is the sync engine's job
 from __future__ import annotations
 
 import hashlib
-import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -46,7 +46,7 @@ def check_config_fields(config: object, *, ints: Sequence[str] = (), numbers: Se
             raise ConfigError(f"{name}: {field} must be a positive int, got {value!r}")
     for field in numbers:
         value = getattr(config, field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= sys.float_info.max:
             raise ConfigError(f"{name}: {field} must be a finite number > 0, got {value!r}")
 
 

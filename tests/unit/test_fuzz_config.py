@@ -27,6 +27,7 @@ from sdp_train.prepare import prepare
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 huge_ints = st.integers(-(10**40), 10**40)
+beyond_float_ints = st.sampled_from([10**400, -(10**400), 2**1024])  # JSON integers no float can hold
 odd_floats = st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -0.0, 5e-324])
 junk = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 10) | huge_ints | st.floats() | odd_floats | st.text(max_size=12),
@@ -41,7 +42,7 @@ def _field_values(name: str, type_name: str) -> st.SearchStrategy:
     """Values of the field's type (valid and out of range) mixed with junk of any type."""
     typed = {
         "int": st.integers(-2, 9) | huge_ints,
-        "float": st.floats(-2, 2) | odd_floats | st.integers(-2, 2),
+        "float": st.floats(-2, 2) | odd_floats | st.integers(-2, 2) | beyond_float_ints,
         "bool": st.booleans(),
     }.get(type_name.split(" |")[0])
     if name in CHOICES:
@@ -124,6 +125,18 @@ def test_arbitrary_bytes_as_a_config_file_give_a_config_error(tmp_path, data):
         assert isinstance(values, dict)
 
 
+@pytest.mark.parametrize("field", ["weight_decay", "lr", "grad_clip", "min_lr_ratio"])
+def test_a_401_digit_integer_in_a_float_field_of_a_config_file_is_one_error_line(tmp_path, capsys, field):
+    from sdp_train.cli import main
+
+    path = tmp_path / "c.json"
+    path.write_text('{"%s": 1%s}' % (field, "0" * 400))  # JSON allows it; no float can hold it
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"sdp train: error: {field}=1000") and "finite number" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("kind", ["missing", "directory", "under-a-file", "fifo", "name-too-long", "empty",
                                   "deep-nesting", "huge-integer", "nan", "infinity", "latin-1", "list"])
 def test_bad_config_paths_and_contents_give_a_config_error_naming_the_file(tmp_path, kind):
@@ -156,6 +169,9 @@ def test_bad_config_paths_and_contents_give_a_config_error_naming_the_file(tmp_p
     ("workers", 10**30, "exceeds the supported maximum"),
     ("seed", 2**64, "seed=18446744073709551616 must be < 2**63"),
     ("model_overrides", {1: 2}, "model_overrides must be a mapping of config fields"),
+    pytest.param("weight_decay", 10**400, f"weight_decay={10**400} must be a finite number >= 0", id="401 digits"),
+    pytest.param("lr", -(10**400), "must be a finite number >= 0", id="-401 digits"),
+    pytest.param("grad_clip", 2**1024, f"grad_clip={2**1024} must be", id="2**1024"),
 ])
 def test_values_that_used_to_pass_or_crash_are_config_errors(field, value, message):
     with pytest.raises(ConfigError) as err:
@@ -190,6 +206,7 @@ def test_model_overrides_give_a_small_enough_model_or_a_config_error(model_and_o
     ("llama-debug", {"hidden_dim": 2**20, "neuron_groups": 2**20}, "neuron blocks"),
     ("llama-debug", {"rope_theta": math.nan}, "rope_theta must be a finite number > 0, got nan"),
     ("llama-debug", {"norm_eps": "1e-5"}, "norm_eps must be a finite number > 0"),
+    ("llama-debug", {"rope_theta": 10**400}, "rope_theta must be a finite number > 0, got 1000"),
     ("llama-debug", {"dim": True}, "dim must be a positive int, got True"),
     ("llama-debug", {"name": 7}, "unknown config fields ['name']"),
     ("resnet18-cifar", {"width_multiplier": 1e6}, "parameters exceed the supported maximum"),
