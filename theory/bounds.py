@@ -177,7 +177,7 @@ def update_statistics(mask: Mask, *, local_steps: int = 1) -> tuple[np.ndarray, 
     `theory.holder_sets`); otherwise the bound holds for the mask in force at each update,
     eps_j^2 = K/c_j - 1 and kappa_j = 0.
     """
-    _check_local_steps(local_steps)
+    _check_rounds_align(mask, local_steps)
     k = mask.workers
     inv_c = 1.0 / mask.coverage.astype(float)
     if redraws_every_update(mask, local_steps=local_steps):
@@ -346,6 +346,15 @@ def _drift_second_moment(mask: Mask, constants: ProblemConstants, *, eta: float,
 def _check_local_steps(local_steps: int) -> None:
     if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
         raise TheoryError(f"local_steps={local_steps!r} must be an integer >= 1")
+
+
+def _check_rounds_align(mask: Mask, local_steps: int) -> None:
+    """Every bound and simulation with H local steps assumes one mask for each round of H steps, as the
+    runtime does (it refuses a schedule whose R is not a multiple of H)."""
+    _check_local_steps(local_steps)
+    if not mask.schedule.is_static and mask.schedule.every % local_steps:
+        raise TheoryError(f"{mask.schedule.kind!r} schedule every={mask.schedule.every} must be a multiple of "
+                          f"local_steps={local_steps}: a worker keeps one mask for a whole averaging round")
 
 
 def _check_eta_steps(eta: float, steps: int, local_steps: int) -> None:

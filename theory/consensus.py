@@ -33,6 +33,7 @@ from theory.bounds import (
     ddp_bound,
     _check_eta_steps,
     _check_mask_constants,
+    _check_rounds_align,
     update_statistics,
 )
 from theory.errors import AssumptionError, TheoryError
@@ -290,10 +291,3 @@ def _projection(holders: np.ndarray, k: int) -> np.ndarray:
         p[np.ix_(holders, holders)] = 1.0 / holders.size
     return p
 
-
-def _check_rounds_align(mask: Mask, local_steps: int) -> None:
-    if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
-        raise TheoryError(f"local_steps={local_steps!r} must be an integer >= 1")
-    if not mask.schedule.is_static and mask.schedule.every % local_steps:
-        raise TheoryError(f"schedule every={mask.schedule.every} must be a multiple of local_steps={local_steps}: "
-                          "a worker keeps one mask for a whole averaging round")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from masklab.mask import Mask
-from theory.bounds import ProblemConstants
+from theory.bounds import ProblemConstants, _check_rounds_align
 from theory.errors import TheoryError
 from theory.problems import Problem
 
@@ -257,11 +257,7 @@ def _check_run(problem: Problem, mask: Mask, *, eta: float, steps: int, local_st
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < local_steps \
             or steps % local_steps:
         raise TheoryError(f"steps={steps!r} must be a positive multiple of local_steps={local_steps}")
-    if not mask.schedule.is_static and mask.schedule.every % local_steps:
-        raise TheoryError(
-            f"schedule every={mask.schedule.every} must be a multiple of local_steps={local_steps}: "
-            "a worker keeps one mask for a whole averaging round"
-        )
+    _check_rounds_align(mask, local_steps)
     if isinstance(seeds, bool) or not isinstance(seeds, (int, np.integer)) or seeds < 2:
         raise TheoryError(f"seeds={seeds!r} must be an integer >= 2 (the standard error needs two)")
     return int(local_steps)

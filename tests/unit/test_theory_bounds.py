@@ -124,6 +124,22 @@ def test_local_steps_need_a_gradient_bound_and_whole_rounds():
         ProblemConstants(0.0, np.zeros(1), np.zeros(1), 1.0)
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_theorem_3_refuses_a_schedule_that_changes_the_mask_within_a_round_of_local_steps(every):
+    """Theorem 3 keeps one mask for each round of H steps; a permute mask redrawn every 1 or 3 steps
+    under H = 2 breaks that (the runtime refuses it too), so no bound, step size or FLOP match."""
+    mask = Mask([[1, 0], [0, 1]], schedule=Schedule("permute", every))
+    c = constants_from_totals(mask, smoothness=1.0, sigma=1.0, zeta=1.0, suboptimality=1.0, grad_bound=1.0)
+    message = f"'permute' schedule every={every} must be a multiple of local_steps=2"
+    for evaluate in (lambda: sdp_bound(mask, c, eta=0.1, steps=6, local_steps=2),
+                     lambda: optimal_step_size(mask, c, steps=6, local_steps=2),
+                     lambda: flop_matched_steps(mask, c, eta=0.1, ddp_steps=6, local_steps=2)):
+        with pytest.raises(TheoryError, match=message):
+            evaluate()
+    aligned = mask.replace(schedule=Schedule("permute", 2 * every))
+    assert sdp_bound(aligned, c, eta=0.1, steps=6, local_steps=2).consensus > 0
+
+
 @PROPERTY
 @given(k=st.integers(2, 9), b=st.integers(1, 6), data=st.data())
 def test_permute_consensus_rate_equals_gap_for_balanced_masks(k, b, data):

@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from masklab.io import save_mask
+from masklab.io import load_mask, save_mask
 from masklab.mask import Mask, Schedule
+from sdp_train.cli import main
 from theory import cli
 
 BASE = ["--smoothness", "1", "--sigma", "1", "--zeta", "1", "--eta", "0.5", "--steps", "100",
@@ -56,17 +57,39 @@ def test_verify_text_reports_failed_step_size(mask_file, capsys):
     assert "VIOLATES 0 < eta <= 1" in out and "not a proved bound" in out
 
 
-def test_verify_local_steps_need_grad_bound(mask_file):
+@pytest.fixture
+def every_2_file(mask_file, tmp_path):
+    """The mask of `mask_file`, redrawn every 2 steps: one mask per round of H = 2 local steps."""
+    mask = load_mask(mask_file)
+    return str(save_mask(mask.replace(schedule=Schedule("permute", 2)), tmp_path / "every2.json"))
+
+
+def test_verify_local_steps_need_grad_bound(every_2_file):
     with pytest.raises(ValueError, match="--grad-bound"):
-        _run([mask_file, *BASE, "--local-steps", "2"])
+        _run([every_2_file, *BASE, "--local-steps", "2"])
 
 
-def test_verify_local_steps_with_grad_bound(mask_file, capsys):
-    argv = [mask_file, *BASE, "--local-steps", "2", "--grad-bound", "3", "--json"]
+def test_verify_local_steps_with_grad_bound(every_2_file, capsys):
+    argv = [every_2_file, *BASE, "--local-steps", "2", "--grad-bound", "3", "--json"]
     argv[argv.index("--eta") + 1] = "0.2"
     argv[argv.index("--steps") + 1] = "50"
-    with pytest.raises(ValueError, match="every=1 must be a multiple of local_steps=2"):
-        _run([*argv, "--simulate", "quadratic"])
     assert _run(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["terms"]["consensus"] > 0 and out["eta_max"] == 0.25
+    assert out["theorem"].startswith("Theorem 3")
+
+
+@pytest.mark.parametrize("extra", [[], ["--overlap"], ["--simulate", "quadratic"]])
+def test_verify_refuses_local_steps_a_schedule_changes_the_mask_within(mask_file, capsys, extra):
+    """A permute mask redrawn every step under H = 2 local steps: a round would train under two masks,
+    which the runtime refuses (`sdp train`, `SubnetworkDataParallel`, `OverlapAveraging`), so no
+    theorem bounds it; refused like any other input error, naming both values."""
+    argv = ["verify", mask_file, *BASE, "--local-steps", "2", "--grad-bound", "3", *extra]
+    argv[argv.index("--eta") + 1] = "0.2"
+    argv[argv.index("--steps") + 1] = "50"
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sdp verify: error: "), captured.err
+    assert "every=1 must be a multiple of local_steps=2" in lines[0]
