@@ -234,10 +234,20 @@ def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
                 construction=f"per-layer {layers[0].construction}")
 
 
+DATA_SOURCES = ("auto", "stdlib", "digits", "bin:DIR", "cifar:DIR")  # what TrainConfig.data may say
+
+
 def _data_config(cfg: TrainConfig, is_lm: bool, *, any_kind: bool = False) -> DataConfig:
-    kind, _, where = cfg.data.partition(":")
+    kind, colon, where = cfg.data.partition(":")
     files: tuple[str, ...] = ()
     val: tuple[str, ...] = ()
+    if kind not in ("auto", "stdlib", "digits", "bin", "cifar"):
+        raise ConfigError(f"data {cfg.data!r} (--data) is not one of {', '.join(DATA_SOURCES)}")
+    if kind in ("auto", "stdlib", "digits") and colon:
+        raise ConfigError(f"data {cfg.data!r} (--data): {kind} takes no argument, got {where!r}")
+    if kind in ("bin", "cifar") and not where:
+        raise ConfigError(f"data {cfg.data!r} (--data): {kind}:DIR needs the directory of its "
+                          f"{'shards' if kind == 'bin' else 'batches'}")
     if kind == "auto":
         kind = "stdlib-bytes" if is_lm else "digits"
     elif kind == "stdlib":
