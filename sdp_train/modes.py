@@ -254,6 +254,8 @@ class OverlapSync(ModeSync):
         self.overlap, self.model, self.train_model = overlap, overlap.module, overlap
 
     def trainable(self) -> list[nn.Parameter]:
+        if self.overlap.mask.schedule.is_static:  # the held blocks and shared parameters, as in B-SDP
+            return super().trainable()
         return list(self.model.parameters())  # another set of blocks trains each round
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:

@@ -7,7 +7,9 @@ as ``null`` so every line stays strict JSON. ``DIR/summary.json`` is written las
 its presence means the run finished. It holds ``peak_memory_bytes``: per rank, the peak over the
 first ``memory_steps`` steps, with its breakdown (`sdp_train.memory`); ``num_params_trained``:
 per rank, the parameter elements its optimizer updates (the held blocks and shared parameters
-under SDP, the whole model under DDP, the local shards under FSDP); ``skipped_steps`` and
+under SDP, the last round's in B-SDP and N-SDP under a schedule, and under overlap averaging with a
+static mask; every parameter in Bb-SDP and overlap averaging under a schedule, where each block
+trains in some round; the whole model under DDP; the local shards under FSDP); ``skipped_steps`` and
 ``num_skipped_steps``: the steps whose update ``nonfinite='skip'`` dropped; ``final_train_loss``:
 the loss of the last step not skipped; under overlap averaging (mode ``overlap``)
 ``final_consensus_distance``: how far the workers' copies are apart at the end, per block, ``other``

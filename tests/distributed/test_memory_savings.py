@@ -11,8 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from masklab import Mask, save_mask
+from sdp_train.config import TrainConfig
+from sdp_train.models import block_map, model_class
+from sdp_train.prepare import prepare
 from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow
@@ -42,6 +46,7 @@ def runs(tmp_path_factory) -> Path:
     for name, matrix in MASKS.items():
         path = save_mask(Mask(np.array(matrix)), out / f"{name}.json")
         configs.append(_cfg(out / f"mask-{name}", mode="bsdp", mask=str(path), active=None))
+    configs.append(_cfg(out / "overlap-two", mode="overlap", mask=str(out / "two.json"), active=None, local_steps=2))
     for ac in (False, True):
         configs.append(_cfg(out / f"resnet-ac{int(ac)}", mode="bsdp", activation_checkpointing=ac, **RESNET))
         configs.append(_cfg(out / f"vit-ac{int(ac)}", mode="bsdp", activation_checkpointing=ac, **VIT))
@@ -86,6 +91,24 @@ def test_forward_masked_worker_activations_shrink_with_the_blocks_it_drops(runs)
     per_block = two[0]["activations"] - one[0]["activations"]
     assert per_block > 0
     assert full - two[0]["activations"] == pytest.approx(2 * per_block, rel=0.05)
+
+
+def test_overlap_averaging_with_a_static_mask_reports_the_parameters_its_optimizer_updates(runs):
+    """Backward masking keeps the whole model on every worker, but its optimizer steps only the held
+    blocks and the shared parameters: num_params_trained counts those (it counted the whole model)."""
+    summary = _summary(runs, "overlap-two")
+    model_config = prepare(TrainConfig.from_dict(summary["config"])).model_config
+    with torch.device("meta"):
+        model = model_class(model_config)(model_config)
+    blocks = block_map(model_config).block_names("block")
+
+    def held(rank: int, name: str) -> bool:
+        block = next((j for j, b in enumerate(blocks) if name.startswith(f"{b}.")), None)
+        return block is None or bool(MASKS["two"][rank][block])
+
+    expected = [sum(p.numel() for n, p in model.named_parameters() if held(k, n)) for k in range(2)]
+    assert expected[0] < expected[1] == sum(p.numel() for p in model.parameters())
+    assert summary["num_params_trained"] == expected
 
 
 @pytest.mark.parametrize("mode", MODES)
