@@ -90,7 +90,7 @@ def check_writable(path: str, flag: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     from masklab.io import atomic_write_text, save_mask
     from sdp_train.estimate import constants_file, estimate_constants, load_point, summary_lines
-    from sdp_train.prepare import prepare
+    from sdp_train.prepare import check_token_ids, prepare
 
     if args.batches < 2:
         raise ConfigError(f"--steps {args.batches}: needs at least 2 batches per worker to tell noise from "
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_writable(args.out, "--out")
     mask_out = None if args.mask_out is None else check_writable(args.mask_out, "--mask-out")
     prep = prepare(config_from_args(args))
+    check_token_ids(prep)
     at = None if args.at is None else load_point(args.at, prep)
     estimate = estimate_constants(prep, batches=args.batches, power_iters=args.power_iters, device=args.device, at=at)
     atomic_write_text(out, json.dumps(constants_file(estimate), indent=2) + "\n")

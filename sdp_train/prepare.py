@@ -23,6 +23,7 @@ from masklab import Mask, Schedule, design, load_mask
 from sdp_train.checkpoint import check_resumable, find_checkpoint
 from sdp_train.config import BASELINES, SCHEDULED_MODES, TrainConfig
 from sdp_train.data import DataConfig
+from sdp_train.data.text import token_beyond
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, get_model_config
 from sdp_train.models.llama import LlamaConfig
@@ -132,7 +133,8 @@ def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> N
 def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: DataConfig) -> None:
     """Refuse a model whose inputs or outputs cannot match the data (else a crash at step 0 on every rank).
 
-    Token-bin shards are uint16 of an unknown tokenizer: their ids are not scanned here.
+    Token-bin shards are uint16 of an unknown tokenizer: their ids are scanned by `check_token_ids`,
+    once in the launching process rather than here, on every rank.
     """
     if data.dataset == "stdlib-bytes" and model_config.vocab_size < 256:
         raise ConfigError(f"model {cfg.model!r} has vocab_size={model_config.vocab_size}; the stdlib byte data "
@@ -152,6 +154,26 @@ def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: Da
         if patch is not None and side % patch:
             raise ConfigError(f"model {cfg.model!r} has patch_size={patch}, which does not divide "
                               f"the {side} x {side} {data.dataset} images")
+
+
+def check_token_ids(prep: Prepared) -> None:
+    """Refuse ``bin:DIR`` shards holding a token id the model cannot embed, naming the shard and position.
+
+    Else every rank would end in ``IndexError: index out of range in self`` at the first batch that
+    holds one (GPT-2 ids on a 32,000-word model). One pass over each shard's memory map: the
+    launching process calls this once, before any rank starts. Models without an embedding whose
+    size is known (a user's model without ``nn.Embedding``) are not checked.
+    """
+    vocab = getattr(prep.model_config, "vocab_size", None)
+    if prep.data.dataset != "token-bin" or vocab is None:
+        return
+    found = token_beyond((*prep.data.train_files, *prep.data.val_files), vocab)
+    if found is not None:
+        path, position, token = found
+        raise ConfigError(f"data {prep.config.data!r} (--data): token id {token} at position {position} of {path} "
+                          f"is beyond the vocabulary of model {prep.config.model!r} (vocab_size={vocab}: ids "
+                          f"0..{vocab - 1}); the shards are of another tokenizer, or the model needs a larger "
+                          f"vocab_size")
 
 
 def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:

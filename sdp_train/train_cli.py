@@ -150,9 +150,13 @@ def check_data(prep) -> None:
     """Open the data as the first and the last rank will, both splits, so a shard too small or
     unreadable for some rank is refused here in one line instead of by every rank after launch.
 
-    The last rank gets the fewest items (items are dealt out in rank order).
+    The last rank gets the fewest items (items are dealt out in rank order). Token shards are
+    scanned for ids beyond the model's vocabulary here, once, not by every rank.
     """
     from sdp_train.data import build_batches
+    from sdp_train.prepare import check_token_ids
+
+    check_token_ids(prep)
 
     workers = prep.config.workers
     for split in ("train", "val"):

@@ -81,6 +81,22 @@ def load_token_shard(path: str | Path) -> np.ndarray:
         raise DataFileError(f"token shard {path} cannot be read: {exc.strerror or exc}") from None
 
 
+def token_beyond(paths: Sequence[str | Path], vocab_size: int) -> tuple[str, int, int] | None:
+    """The first token id >= `vocab_size` in the shards `paths`, as (path, position, id), or None.
+
+    One pass over each shard's memory map (the position is looked up only when there is one);
+    nothing to read when `vocab_size` exceeds every uint16 id.
+    """
+    if vocab_size > np.iinfo(np.uint16).max:
+        return None
+    for path in paths:
+        shard = load_token_shard(path)
+        if int(shard.max()) >= vocab_size:
+            position = int(np.argmax(shard >= vocab_size))
+            return str(path), position, int(shard[position])
+    return None
+
+
 class TokenBatches(Batches):
     """Batches of (inputs, targets), both int64 (B, T), from this rank's windows of ``segments``.
 

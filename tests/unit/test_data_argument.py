@@ -1,5 +1,7 @@
 """``--data`` is one of ``auto``, ``stdlib``, ``digits``, ``bin:DIR`` or ``cifar:DIR``: anything else
-is refused naming the argument (before, ``stdlib:x`` trained on stdlib bytes and ignored ``x``)."""
+is refused naming the argument (before, ``stdlib:x`` trained on stdlib bytes and ignored ``x``), and
+token shards holding an id beyond the model's vocabulary are refused before launch naming the shard
+(before, the ranks ended in ``IndexError: index out of range in self``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,26 @@ import pytest
 from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
 from sdp_train.prepare import prepare
+
+USER_LM = """
+import torch
+
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+def make():
+    return LM()
+"""
 
 
 @pytest.mark.parametrize(("data", "model", "message"), [
@@ -36,9 +58,7 @@ def test_the_plain_data_sources_are_accepted(data, model):
 
 
 def test_a_user_model_refuses_an_argument_to_stdlib_too(tmp_path):
-    (tmp_path / "m.py").write_text("import torch\n"
-                                   "def make():\n"
-                                   "    return torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))\n")
+    (tmp_path / "m.py").write_text(USER_LM.replace("VOCAB", "256"))
     with pytest.raises(ConfigError, match=r"data 'stdlib:x' \(--data\): stdlib takes no argument"):
         prepare(TrainConfig(model=f"{tmp_path / 'm.py'}:make", mode="ddp", data="stdlib:x"))
 
@@ -48,3 +68,53 @@ def test_bin_data_with_a_directory_is_still_read(tmp_path):
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "val_000.bin")
     prep = prepare(TrainConfig(mode="ddp", data=f"bin:{tmp_path}", model_overrides={"vocab_size": 1000}))
     assert prep.data.dataset == "token-bin" and prep.data.val_files == (str(tmp_path / "val_000.bin"),)
+
+
+def _shards(root, train_ids, val_ids):
+    root.mkdir()
+    np.asarray(train_ids, dtype=np.uint16).tofile(root / "train_000.bin")
+    np.asarray(val_ids, dtype=np.uint16).tofile(root / "val_000.bin")
+    return root
+
+
+TINY_TRAIN = ["--mode", "ddp", "--workers", "1", "--steps", "1", "--batch-size", "2", "--seq-len", "8",
+              "--eval-batches", "1", "--memory-steps", "0", "--no-save"]
+
+
+@pytest.mark.parametrize(("where", "file"), [("train", "train_000.bin"), ("val", "val_000.bin")])
+def test_token_ids_beyond_the_vocabulary_are_refused_before_launch_naming_the_shard(tmp_path, capsys, where, file):
+    ids = np.arange(2000) % 256  # llama-debug embeds 256 ids
+    bad = ids.copy()
+    bad[1234] = 50256  # a GPT-2 id
+    data = _shards(tmp_path / "shards", bad if where == "train" else ids, bad if where == "val" else ids)
+    from sdp_train.cli import main
+
+    assert main(["train", *TINY_TRAIN, "--data", f"bin:{data}", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("sdp train: error: "), err
+    assert f"token id 50256 at position 1234 of {data / file}" in err[0]
+    assert "vocab_size=256" in err[0]
+    assert not (tmp_path / "run").exists()  # refused before anything was created
+
+
+def test_token_ids_beyond_a_user_models_embedding_are_refused(tmp_path, capsys):
+    (tmp_path / "m.py").write_text(USER_LM.replace("VOCAB", "100"))
+    data = _shards(tmp_path / "shards", np.arange(2000) % 100, np.arange(2000) % 101)
+    from sdp_train.cli import main
+
+    assert main(["train", *TINY_TRAIN, "--model", f"{tmp_path / 'm.py'}:make", "--data", f"bin:{data}",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"token id 100 at position 100 of {data / 'val_000.bin'}" in err[0], err
+    assert "vocab_size=100" in err[0] or "100 token ids" in err[0]
+
+
+def test_sdp_estimate_refuses_token_ids_beyond_the_vocabulary(tmp_path, capsys):
+    data = _shards(tmp_path / "shards", [7, 300] * 1000, np.arange(2000) % 256)
+    from sdp_train.cli import main
+
+    code = main(["estimate", "--mode", "bsdp", "--workers", "2", "--batch-size", "2", "--seq-len", "8",
+                 "--data", f"bin:{data}", "--out", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and f"token id 300 at position 1 of {data / 'train_000.bin'}" in err[0], err
+    assert not (tmp_path / "c.json").exists()
