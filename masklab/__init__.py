@@ -6,16 +6,22 @@ The main entry points::
 
 `Mask` validates a K x B 0/1 matrix; `analyze` returns its certificate (coverage, masking error,
 variance inflation, spectral gap against the trace bound, co-training gap); `design` builds the
-best mask for (K, B, C); `save_mask`/`load_mask` read and write versioned JSON.
+best mask for (K, B, C); `design_for_costs` one that balances the blocks' bytes (`BlockCosts`)
+and fits each worker's memory budget; `save_mask`/`load_mask` and `save_costs`/`load_costs` read
+and write versioned JSON.
 """
 
+from masklab.balance import design_for_costs
+from masklab.costs import BlockCosts
 from masklab.design import design
-from masklab.errors import DesignError, MaskError, MaskFileError
-from masklab.io import load_mask, save_mask
+from masklab.errors import CostsFileError, DesignError, MaskError, MaskFileError
+from masklab.io import load_costs, load_mask, save_costs, save_mask
 from masklab.mask import Mask, Schedule
 from masklab.report import MaskReport, analyze
 
 __all__ = [
+    "BlockCosts",
+    "CostsFileError",
     "DesignError",
     "Mask",
     "MaskError",
@@ -24,6 +30,9 @@ __all__ = [
     "Schedule",
     "analyze",
     "design",
+    "design_for_costs",
+    "load_costs",
     "load_mask",
+    "save_costs",
     "save_mask",
 ]

@@ -137,10 +137,9 @@ def design(
     c = _check_balanced(K, B, coverage_from_active(K, active) if coverage is None else coverage)
     rng = np.random.default_rng(seed)
     if construction == "auto":
-        for family in EXACT_FAMILIES:
-            mask = _exact_design(family, K, B, c)
-            if mask is not None:
-                return mask
+        mask = exact_design(K, B, c)
+        if mask is not None:
+            return mask
         if c == K:
             return complete(K, B)
         return search(K, B, coverage=c, seed=rng)
@@ -158,6 +157,20 @@ def design(
     if construction == "random":
         return random_balanced(K, B, coverage=c, seed=rng)
     return search(K, B, coverage=c, seed=rng)
+
+
+def exact_design(K: int, B: int, coverage: int) -> Mask | None:
+    """The exact 2-design `design` returns for (K, B, c) with ``construction="auto"``, or None if none fits.
+
+    >>> exact_design(7, 7, 3).construction, exact_design(8, 8, 3)
+    ('projective-plane', None)
+    """
+    c = _check_balanced(K, B, coverage)
+    for family in EXACT_FAMILIES:
+        mask = _exact_design(family, K, B, c)
+        if mask is not None:
+            return mask
+    return None
 
 
 def exact_designs(K_max: int) -> list[tuple[int, int, int, str]]:

@@ -13,3 +13,7 @@ class MaskFileError(MaskError):
 
 class DesignError(ValueError):
     """The parameters of a requested design are inconsistent (e.g. coverage larger than K)."""
+
+
+class CostsFileError(DesignError):
+    """A costs file (bytes per block, `masklab.io.load_costs`) cannot be read or holds invalid costs."""

@@ -1,9 +1,10 @@
-"""Save and load masks as versioned JSON: ``{"format": "sdp-mask", "version": 1, ...}``.
+"""Save and load masks and block costs as versioned JSON: ``{"format": "sdp-mask" | "sdp-costs", ...}``.
 
 Rows are stored as strings of '0'/'1' (one per worker), which keeps a K = 1024, B = 4096 mask at
-about 4 MB and diff-able. Loading checks every field and fails with a `MaskFileError` that names
-the file and the field; it never lets a json/numpy traceback escape. Saving is atomic, so an
-interrupted save never leaves a half-written mask behind.
+about 4 MB and diff-able. A costs file holds the bytes of each block (`masklab.costs.BlockCosts`).
+Loading checks every field and fails with a `MaskFileError` (`CostsFileError` for costs) that
+names the file and the field; it never lets a json/numpy traceback escape. Saving is atomic, so an
+interrupted save never leaves a half-written file behind.
 
 `atomic_write` (with `atomic_write_bytes` / `atomic_write_text`) is the project's one writer of
 whole files: masks and plots here, and the runtime's summaries, reports and exported models. It
@@ -21,10 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from masklab.errors import MaskError, MaskFileError
+from masklab.costs import BlockCosts
+from masklab.errors import CostsFileError, DesignError, MaskError, MaskFileError
 from masklab.mask import Mask, Schedule
 
 FORMAT = "sdp-mask"
+COSTS_FORMAT = "sdp-costs"
 VERSION = 1
 _REQUIRED = ("format", "version", "workers", "blocks", "rows")
 _OPTIONAL = ("block_names", "block_sizes", "schedule", "construction")
@@ -220,36 +223,104 @@ def load_mask(path: str | os.PathLike[str]) -> Mask:
         The file is missing, a directory, not UTF-8, not complete JSON, of another format, of an
         unknown version, or holds an invalid mask; the message names the file and the problem.
     """
+    return mask_from_dict(_read_json(path, "mask", MaskFileError), source=str(path))
+
+
+def costs_to_dict(costs: BlockCosts) -> dict[str, Any]:
+    """The JSON-ready dictionary of `costs` (costs file format version 1)."""
+    return {
+        "format": COSTS_FORMAT,
+        "version": VERSION,
+        "block_bytes": list(costs.block_bytes),
+        "block_names": None if costs.block_names is None else list(costs.block_names),
+        "fixed_bytes": costs.fixed_bytes,
+        "source": costs.source,
+    }
+
+
+def costs_from_dict(data: Any, *, source: str = "<dict>") -> BlockCosts:
+    """Rebuild `BlockCosts` from `costs_to_dict` output, checking every field.
+
+    >>> costs_from_dict({"format": "sdp-costs", "version": 1, "block_bytes": [4, 8]}).block_bytes
+    (4, 8)
+    """
+    def fail(msg: str) -> CostsFileError:
+        return CostsFileError(f"{source}: {msg}")
+
+    if not isinstance(data, dict):
+        raise fail(f"expected a JSON object at the top level, got {type(data).__name__}")
+    if data.get("format") != COSTS_FORMAT:
+        raise fail(f"not an SDP costs file: format is {data.get('format')!r}, expected {COSTS_FORMAT!r}")
+    version = data.get("version")
+    if version != VERSION or isinstance(version, bool):
+        raise fail(f"unknown costs file version {version!r}; this masklab reads version {VERSION}")
+    known = ("format", "version", "block_bytes", "block_names", "fixed_bytes", "source")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise fail(f"unknown field(s) {unknown}; known fields: {list(known)}")
+    if "block_bytes" not in data:
+        raise fail("missing field 'block_bytes' (one byte count per block)")
+    for field in ("block_bytes", "block_names"):
+        if data.get(field) is not None and not isinstance(data[field], list):
+            raise fail(f"field {field!r} must be a list, got {type(data[field]).__name__}")
+    names = data.get("block_names")
+    if names is not None and len(names) != len(data["block_bytes"]):
+        raise fail(f"field 'block_names' has {len(names)} entries but 'block_bytes' has {len(data['block_bytes'])}")
+    try:
+        return BlockCosts(data["block_bytes"], block_names=names, fixed_bytes=data.get("fixed_bytes", 0),
+                          source=data.get("source"))
+    except DesignError as exc:
+        raise fail(str(exc)) from None
+
+
+def save_costs(costs: BlockCosts, path: str | os.PathLike[str]) -> Path:
+    """Write `costs` to `path` atomically; returns the path."""
+    if not isinstance(costs, BlockCosts):
+        raise TypeError(f"save_costs expects a masklab.costs.BlockCosts, got {type(costs).__name__}")
+    path = check_destination(path)
+    return atomic_write_text(path, json.dumps(costs_to_dict(costs), indent=1) + "\n")
+
+
+def load_costs(path: str | os.PathLike[str]) -> BlockCosts:
+    """Read a costs file (`save_costs`, or written by hand: docs/design.md §2).
+
+    Raises
+    ------
+    CostsFileError
+        As `load_mask` does for mask files, naming the file and the field.
+    """
+    return costs_from_dict(_read_json(path, "costs", CostsFileError), source=str(path))
+
+
+def _read_json(path: str | os.PathLike[str], kind: str, error: type[ValueError]) -> Any:
+    """The JSON value in the file `path`, or `error` naming the file and what is wrong with it."""
     path = Path(path)
     try:
         if not path.exists():
-            raise MaskFileError(f"{path}: no such mask file")
+            raise error(f"{path}: no such {kind} file")
         if path.is_dir():
-            raise MaskFileError(f"{path}: is a directory, not a mask file")
+            raise error(f"{path}: is a directory, not a {kind} file")
         if not path.is_file():  # a FIFO or device would block or never end
-            raise MaskFileError(f"{path}: not a regular file")
+            raise error(f"{path}: not a regular file")
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise MaskFileError(f"{path}: not a text (UTF-8) file: byte {exc.start} cannot be decoded") from None
+        raise error(f"{path}: not a text (UTF-8) file: byte {exc.start} cannot be decoded") from None
     except OSError as exc:
-        raise MaskFileError(f"{path}: cannot be read: {exc.strerror}") from None
+        raise error(f"{path}: cannot be read: {exc.strerror}") from None
     if not text.strip():
-        raise MaskFileError(f"{path}: file is empty")
+        raise error(f"{path}: file is empty")
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=lambda name: _reject_constant(name, kind))
     except json.JSONDecodeError as exc:
         truncated = exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
         hint = " (the file looks truncated)" if truncated else ""
-        raise MaskFileError(
-            f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}{hint}"
-        ) from None
+        raise error(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}{hint}") from None
     except (ValueError, RecursionError) as exc:  # NaN/Infinity, 4300+ digit integers, deep nesting
-        raise MaskFileError(f"{path}: {exc}") from None
-    return mask_from_dict(data, source=str(path))
+        raise error(f"{path}: {exc}") from None
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"non-finite number {name} is not allowed in a mask file")
+def _reject_constant(name: str, kind: str) -> None:
+    raise ValueError(f"non-finite number {name} is not allowed in a {kind} file")
 
 
 def _int_field(data: dict[str, Any], key: str, fail) -> int:

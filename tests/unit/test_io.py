@@ -1,4 +1,5 @@
-"""Mask files: exact round trip; every malformed file gives one clear MaskFileError naming the file."""
+"""Mask and costs files: exact round trip; every malformed file gives one clear MaskFileError
+(CostsFileError) naming the file."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from masklab.errors import MaskFileError
-from masklab.io import load_mask, mask_from_dict, mask_to_dict, save_mask
+from masklab.costs import BlockCosts
+from masklab.errors import CostsFileError, MaskFileError
+from masklab.io import load_costs, load_mask, mask_from_dict, mask_to_dict, save_costs, save_mask
 from masklab.mask import Mask, Schedule
 from tests.strategies import masks
 
@@ -136,3 +138,57 @@ def test_save_refuses_directories_and_missing_parents_and_keeps_old_file(tmp_pat
         save_mask("not a mask", path)  # type: ignore[arg-type]
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["m.json"]  # no temporary file left behind
+
+
+# -- costs files -------------------------------------------------------------------------------
+@given(st.lists(st.integers(1, 2**40), min_size=1, max_size=12), st.booleans(), st.integers(0, 2**40),
+       st.none() | st.text(max_size=20))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_costs_file_round_trip_is_exact(tmp_path, block_bytes, named, fixed, source):
+    names = [f"layers.{j}" for j in range(len(block_bytes))] if named else None
+    costs = BlockCosts(block_bytes, block_names=names, fixed_bytes=fixed, source=source)
+    assert load_costs(save_costs(costs, tmp_path / "costs.json")) == costs
+
+
+def test_costs_file_header_is_versioned_and_fields_default(tmp_path):
+    path = save_costs(BlockCosts([4, 8]), tmp_path / "c.json")
+    data = json.loads(path.read_text())
+    assert (data["format"], data["version"], data["block_bytes"]) == ("sdp-costs", 1, [4, 8])
+    path.write_text(json.dumps({"format": "sdp-costs", "version": 1, "block_bytes": [3]}))
+    assert load_costs(path) == BlockCosts([3], fixed_bytes=0)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"format": "sdp-mask", "version": 1, "block_bytes": [1]}, "not an SDP costs file"),
+        ({"format": "sdp-costs", "version": 2, "block_bytes": [1]}, "unknown costs file version 2"),
+        ({"format": "sdp-costs", "version": 1}, "missing field 'block_bytes'"),
+        ({"format": "sdp-costs", "version": 1, "block_bytes": [1], "bytes": 3}, "unknown field(s) ['bytes']"),
+        ({"format": "sdp-costs", "version": 1, "block_bytes": "12"}, "field 'block_bytes' must be a list"),
+        ({"format": "sdp-costs", "version": 1, "block_bytes": [1, 0]}, "block_bytes[1] = 0"),
+        ({"format": "sdp-costs", "version": 1, "block_bytes": [1, 2.0]}, "block_bytes[1] = 2.0"),
+        ({"format": "sdp-costs", "version": 1, "block_bytes": [1], "fixed_bytes": -3}, "fixed_bytes = -3"),
+        ({"format": "sdp-costs", "version": 1, "block_bytes": [1, 2], "block_names": ["a"]},
+         "'block_names' has 1 entries but 'block_bytes' has 2"),
+        ({"format": "sdp-costs", "version": 1, "block_bytes": [1, 2], "block_names": ["a", "a"]}, "'a'"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
+def test_malformed_costs_files_are_rejected_naming_file_and_field(tmp_path, data, message):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostsFileError) as exc:
+        load_costs(path)
+    assert str(exc.value).startswith(f"{path}: ") and message in str(exc.value)
+
+
+@pytest.mark.parametrize(("content", "message"), [("", "file is empty"), ('{"format": "sdp-costs", ', "truncated"),
+                                                  ('{"block_bytes": [NaN]}', "non-finite number NaN"),
+                                                  (None, "no such costs file")])
+def test_unreadable_costs_files_are_rejected_cleanly(tmp_path, content, message):
+    path = tmp_path / "c.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(CostsFileError, match=message):
+        load_costs(path)
