@@ -1,7 +1,8 @@
 """``sdp design`` and ``sdp inspect``: build or read a mask and print its certificate.
 
 The certificate names, for every number, the theorem that uses it (`masklab.report.USED_BY`);
-below it, the number of process groups the mask needs (`masklab.analysis.process_group_holder_sets`).
+below it, the number of process groups the mask needs (`masklab.analysis.process_group_holder_sets`)
+and, for ``sdp design --costs``, each worker's bytes against its budget (`masklab.balance`).
 
 Registered into the ``sdp`` command by `sdp_train.cli`. Bad arguments raise masklab's
 ValueError subclasses; the dispatcher prints them as one line and exits non-zero. A file is
@@ -14,6 +15,7 @@ import argparse
 import json
 
 from masklab.analysis import process_group_holder_sets
+from masklab.costs import BlockCosts
 from masklab.errors import DesignError
 from masklab.mask import ROW_SCHEDULE_KINDS, Mask, Schedule
 from masklab.report import analyze
@@ -30,11 +32,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "certificate. Each number says which theorem of docs/theory.md uses it: coverage and masking error "
         "bound stepwise training; the spectral gap matters only for overlap averaging.",
     )
-    p.add_argument("--workers", "-K", type=int, required=True, metavar="K", help="number of workers")
-    p.add_argument("--blocks", "-B", type=int, required=True, metavar="B", help="number of maskable blocks")
-    budget = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--workers", "-K", type=int, metavar="K",
+                   help="number of workers (with --budgets, defaults to the number of budgets)")
+    p.add_argument("--blocks", "-B", type=int, metavar="B",
+                   help="number of maskable blocks (with --costs, defaults to the file's)")
+    budget = p.add_mutually_exclusive_group()
     budget.add_argument("--active", type=float, metavar="C", help="active fraction C in (0, 1]")
     budget.add_argument("--coverage", type=int, metavar="c", help="holders per block, 1 <= c <= K")
+    budget.add_argument("--costs", metavar="FILE",
+                        help="costs file (bytes per block, docs/design.md section 2): design the mask that "
+                             "balances bytes instead of block counts")
+    p.add_argument("--budgets", metavar="SIZES",
+                   help="with --costs: one memory budget per worker, e.g. 80GB,80GB,24GB,24GB (bytes, or "
+                        "KB/MB/GB/TB, KiB/MiB/GiB/TiB)")
+    p.add_argument("--min-coverage", type=int, metavar="c",
+                   help="with --costs: holders per block (default 2)")
     p.add_argument("--construction", default="auto", metavar="NAME",
                    help="auto (default), complete, cyclic, random, projective-plane, affine-plane, difference-set, search")
     p.add_argument("--schedule", default="static", choices=ROW_SCHEDULE_KINDS,
@@ -58,25 +70,101 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_design(args: argparse.Namespace) -> int:
-    from masklab.design import design
-
-    if args.active is not None and not 0.0 < args.active <= 1.0:
-        raise DesignError(f"--active {args.active} must be in (0, 1]")
-    if args.workers > MAX_WORKERS or max(args.workers, 0) * max(args.blocks, 0) > MAX_ENTRIES:
-        raise DesignError(f"-K {args.workers} -B {args.blocks}: sdp design supports at most {MAX_WORKERS} workers "
-                          f"and {MAX_ENTRIES} mask entries (K x B)")
-    mask = design(args.workers, args.blocks, active=args.active, coverage=args.coverage,
-                  construction=args.construction, seed=args.seed)
+    costs = budgets = None
+    if args.costs is not None:
+        mask, costs, budgets = _design_for_costs(args)
+    else:
+        mask = _design_for_counts(args)
     if args.schedule != "static" or args.every != 1:
         mask = mask.replace(schedule=Schedule(args.schedule, args.every))
+    lines, extra = ([], {}) if costs is None else _bytes_report(mask, args, costs, budgets)
     from masklab.io import check_destination, save_mask
 
     if args.out:
         check_destination(args.out)  # a bad --out fails before the plot is written
-    _emit(mask, args)
+    _emit(mask, args, lines=lines, extra=extra)
     if args.out:
         save_mask(mask, args.out)
     return 0
+
+
+def _design_for_counts(args: argparse.Namespace) -> Mask:
+    """The mask of ``-K -B --active|--coverage``: block counts balanced, the best spectral gap found."""
+    from masklab.design import design
+
+    for flag, value in (("--budgets", args.budgets), ("--min-coverage", args.min_coverage)):
+        if value is not None:
+            raise DesignError(f"{flag} belongs to --costs FILE (a byte-balanced design); for block counts "
+                              "give --active or --coverage")
+    if args.workers is None or args.blocks is None or (args.active is None and args.coverage is None):
+        raise DesignError("give -K WORKERS -B BLOCKS and one of --active C, --coverage c (or --costs FILE)")
+    if args.active is not None and not 0.0 < args.active <= 1.0:
+        raise DesignError(f"--active {args.active} must be in (0, 1]")
+    _check_size(args.workers, args.blocks)
+    return design(args.workers, args.blocks, active=args.active, coverage=args.coverage,
+                  construction=args.construction, seed=args.seed)
+
+
+def _check_size(workers: int, blocks: int) -> None:
+    if workers > MAX_WORKERS or max(workers, 0) * max(blocks, 0) > MAX_ENTRIES:
+        raise DesignError(f"-K {workers} -B {blocks}: sdp design supports at most {MAX_WORKERS} workers "
+                          f"and {MAX_ENTRIES} mask entries (K x B)")
+
+
+def _design_for_costs(args: argparse.Namespace) -> tuple[Mask, BlockCosts, list[int] | None]:
+    """The byte-balanced mask of ``--costs`` (with its costs and budgets, for the report)."""
+    from masklab.balance import design_for_costs
+    from masklab.costs import parse_budgets
+    from masklab.io import load_costs
+
+    if args.construction != "auto":
+        raise DesignError(f"--construction {args.construction} does not apply to --costs: the byte-balanced "
+                          "design is its own construction")
+    budgets = None if args.budgets is None else parse_budgets(args.budgets)
+    costs = load_costs(args.costs)
+    workers = args.workers if args.workers is not None else None if budgets is None else len(budgets)
+    if workers is None:
+        raise DesignError("--costs needs -K WORKERS or --budgets (one size per worker)")
+    if budgets is not None and len(budgets) != workers:
+        raise DesignError(f"--budgets gives {len(budgets)} sizes but -K is {workers}: give one per worker")
+    if args.blocks is not None and args.blocks != costs.blocks:
+        raise DesignError(f"-B {args.blocks} but {args.costs} gives the bytes of {costs.blocks} blocks")
+    _check_size(workers, costs.blocks)
+    min_coverage = 2 if args.min_coverage is None else args.min_coverage
+    mask = design_for_costs(costs, workers, min_coverage=min_coverage, budgets=budgets, seed=args.seed)
+    return mask, costs, budgets
+
+
+def _bytes_report(mask: Mask, args: argparse.Namespace, costs: BlockCosts,
+                  budgets: list[int] | None) -> tuple[list[str], dict[str, object]]:
+    """Text lines and JSON keys: each worker's bytes (of the mask in force in any round) and budget."""
+    from masklab.costs import bytes_lower_bound, worker_bytes
+
+    held = worker_bytes(mask, costs)
+    over = [k for k, b in enumerate(held) if budgets is not None and b > budgets[k]]
+    if over:  # only a schedule, which hands every row to every worker, can push one over
+        k = over[0]
+        raise DesignError(f"--schedule {args.schedule}: worker {k} would hold {held[k]} bytes in some round but its "
+                          f"budget is {budgets[k]}; a schedule hands every row to every worker")
+    bound = bytes_lower_bound(costs, mask.workers, min_coverage=int(mask.coverage.min()))
+    lines = [f"bytes per worker (costs: {args.costs}; fixed {_size(costs.fixed_bytes)} each): largest "
+             f"{_size(max(held))}; no mask with coverage {int(mask.coverage.min())} puts less than {_size(bound)} "
+             "on its largest worker"]
+    width = len(str(mask.workers - 1))
+    for k, b in enumerate(held):
+        budget = "" if budgets is None else f"  budget {_size(budgets[k]):>10}  ({100 * b / budgets[k]:.0f}% used)"
+        lines.append(f"  worker {k:>{width}}  {_size(b):>10}  {len(mask.held_blocks(k))} blocks{budget}")
+    extra = {"worker_bytes": held, "largest_worker_bytes": max(held), "bytes_lower_bound": bound,
+             "fixed_bytes": costs.fixed_bytes, "budgets": budgets}
+    return lines, extra
+
+
+def _size(n: int) -> str:
+    """Bytes in decimal units with three significant digits, as budgets are usually written."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -86,7 +174,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _emit(mask: Mask, args: argparse.Namespace) -> None:
+def _emit(mask: Mask, args: argparse.Namespace, *, lines: list[str] = (), extra: dict | None = None) -> None:
     report = analyze(mask)
     if args.plot:
         from masklab.plot import plot_mask
@@ -95,9 +183,11 @@ def _emit(mask: Mask, args: argparse.Namespace) -> None:
     groups = len(process_group_holder_sets(mask))
     fsdp_groups = len(process_group_holder_sets(mask, singletons=True))
     if args.json:
-        print(json.dumps(report.to_dict() | {"process_groups": groups, "process_groups_fsdp": fsdp_groups},
-                         indent=2))
+        print(json.dumps(report.to_dict() | {"process_groups": groups, "process_groups_fsdp": fsdp_groups}
+                         | (extra or {}), indent=2))
     else:
         print(report.to_text())
         print(f"process groups: {groups} (B-SDP+FSDP: {fsdp_groups}), one per distinct holder set of 2 to K-1 "
               "workers (with FSDP, single holders too); on NCCL each is a communicator on its members' devices")
+        for line in lines:
+            print(line)

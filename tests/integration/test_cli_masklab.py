@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from masklab.io import load_mask
+from masklab.costs import BlockCosts
+from masklab.io import load_mask, save_costs
 from sdp_train.cli import main
 from tests.child_env import child_env
 
@@ -103,3 +104,71 @@ def test_console_script_runs_as_a_real_process(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "sdp_train.cli", "inspect", str(tmp_path)], env=child_env(),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is a directory" in bad.stderr
+
+
+# -- sdp design --costs ------------------------------------------------------------------------
+STAGES = [10**9, 10**9, 2 * 10**9, 2 * 10**9, 4 * 10**9, 4 * 10**9, 8 * 10**9, 8 * 10**9]
+
+
+@pytest.fixture
+def costs_file(tmp_path):
+    names = [f"layer{s}.{i}" for s in range(1, 5) for i in range(2)]
+    return save_costs(BlockCosts(STAGES, block_names=names, fixed_bytes=3 * 10**9), tmp_path / "costs.json")
+
+
+def test_design_costs_with_budgets_fits_every_worker_and_reports_its_bytes(capsys, costs_file):
+    report = _run_json(capsys, ["design", "--costs", str(costs_file), "--budgets", "80GB,80GB,8GB,8GB", "--json"])
+    assert REPORT_KEYS <= set(report) and report["construction"] == "byte-balance"
+    assert report["workers"] == 4 and report["coverage_min"] == report["coverage_max"] == 2
+    assert report["budgets"] == [80 * 10**9, 80 * 10**9, 8 * 10**9, 8 * 10**9]
+    assert all(b <= cap for b, cap in zip(report["worker_bytes"], report["budgets"]))
+    assert report["largest_worker_bytes"] == max(report["worker_bytes"]) >= report["bytes_lower_bound"]
+
+
+def test_design_costs_text_lists_each_worker_against_its_budget_and_out_keeps_names(capsys, costs_file, tmp_path):
+    out = tmp_path / "mask.json"
+    assert main(["design", "--costs", str(costs_file), "-K", "4", "--budgets", "24GB,24GB,24GB,24GB",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "largest 18 GB; no mask with coverage 2 puts less than 18 GB on its largest worker" in text
+    assert text.count("budget      24 GB  (75% used)") == 4
+    mask = load_mask(out)
+    assert mask.block_names[0] == "layer1.0" and mask.construction == "byte-balance"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--budgets", "80GB,80GB,2GB"], "worker 2 holds at least 4000000000 bytes (3000000000 fixed + 1000000000"),
+        (["--budgets", "20GB,20GB,20GB"], "no mask fits: coverage 2 needs 60000000000 bytes"),
+        (["--budgets", "80GB,8XB"], "budget of worker 1: size '8XB' is not a number of bytes"),
+        (["--budgets", "80GB,80GB", "-K", "3"], "--budgets gives 2 sizes but -K is 3"),
+        ([], "--costs needs -K WORKERS or --budgets"),
+        (["-K", "4", "-B", "9"], "-B 9 but"),
+        (["-K", "4", "--construction", "cyclic"], "--construction cyclic does not apply to --costs"),
+        (["-K", "4", "--min-coverage", "5"], "min_coverage=5 must lie in [1, K] = [1, 4]"),
+        (["-K", "4", "--schedule", "permute", "--budgets", "80GB,80GB,15GB,15GB"],
+         "--schedule permute: worker 2 would hold"),
+    ],
+)
+def test_bad_costs_arguments_exit_2_with_one_line(capsys, tmp_path, costs_file, argv, message):
+    out = tmp_path / "m.json"
+    assert main(["design", "--costs", str(costs_file), "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sdp design: error:") and message in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--costs", "/nonexistent/costs.json", "-K", "2"], "no such costs file"),
+        (["-K", "4", "-B", "4", "--coverage", "2", "--budgets", "1GB,1GB,1GB,1GB"], "--budgets belongs to --costs"),
+        (["-K", "4", "-B", "4", "--active", "0.5", "--min-coverage", "2"], "--min-coverage belongs to --costs"),
+        (["-K", "4", "--coverage", "2"], "give -K WORKERS -B BLOCKS and one of --active C, --coverage c"),
+    ],
+)
+def test_costs_flags_without_costs_and_missing_files_exit_2(capsys, argv, message):
+    assert main(["design", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
