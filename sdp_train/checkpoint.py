@@ -271,8 +271,9 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
 
 
 def _step_of(path: Path) -> int | None:
+    """N of a ``step_N`` directory; None for any other name (``step_²``, ``step_٣``: not ASCII digits)."""
     digits = path.name.removeprefix("step_")
-    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
+    return int(digits) if path.name.startswith("step_") and digits.isascii() and digits.isdigit() else None
 
 
 def _barrier() -> None:

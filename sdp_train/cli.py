@@ -66,7 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module_name).register(subparsers)
     for sub in (parser, *subparsers.choices.values()):
         sub.allow_abbrev = False  # ``--step`` is not ``--steps``: a typo must fail, not guess
+        for action in sub._actions:
+            if action.type in (int, float):
+                action.type = _ascii_number(action.type)
     return parser
+
+
+def _ascii_number(parse: type[int] | type[float]):
+    """`parse` (``int`` or ``float``) for every numeric flag, refusing digits other than ASCII 0-9.
+
+    Python's ``int("٣")`` is 3 and ``float("١.٥")`` 1.5: ``--workers ٣`` started 3 workers.
+    """
+    def number(text: str) -> int | float:
+        if not text.isascii():
+            raise argparse.ArgumentTypeError(f"invalid {parse.__name__} value: {text!r} (only the ASCII digits "
+                                             f"0-9 make numbers)")
+        return parse(text)
+
+    number.__name__ = parse.__name__
+    return number
 
 
 def _version() -> str:

@@ -71,7 +71,7 @@ def collective_timeout() -> timedelta:
     """
     raw = os.environ.get("SDP_COLLECTIVE_TIMEOUT_S", str(DEFAULT_COLLECTIVE_TIMEOUT_S))
     try:
-        seconds = float(raw)
+        seconds = float(raw) if raw.isascii() else float("nan")  # float() also reads '٣٠٠'
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):

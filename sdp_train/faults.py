@@ -61,6 +61,6 @@ def _spec(environ: Mapping[str, str], variable: str) -> tuple[int, int] | None:
     if text is None:
         return None
     step, _, rank = text.partition(":")
-    if not (step.isdigit() and rank.isdigit()):
+    if not (step.isascii() and rank.isascii() and step.isdigit() and rank.isdigit()):
         raise ValueError(f"{variable}={text!r} must be STEP:RANK, two integers >= 0")
     return int(step), int(rank)
