@@ -17,7 +17,7 @@ import numpy as np
 from masklab.analysis import spectral_gap
 from masklab.constructions import SeedLike
 from masklab.costs import BlockCosts, bytes_lower_bound, check_coverage, per_worker
-from masklab.design import exact_design
+from masklab.design import design, exact_design
 from masklab.errors import DesignError
 from masklab.mask import Mask
 from masklab.search import _check_budget, search
@@ -32,6 +32,7 @@ def design_for_costs(
     min_coverage: int = 2,
     budgets: Sequence[int] | None = None,
     fixed_bytes: int | Sequence[int] | None = None,
+    max_groups: int | None = None,
     seed: SeedLike = None,
     starts: int = 4,
     iterations: int | None = None,
@@ -60,10 +61,14 @@ def design_for_costs(
        end lowest, then swaps of two blocks' sets. Which block gets which set leaves the mixing
        graph, hence the gap, as it is; with equal block bytes this keeps `design`'s gap.
 
+    With `max_groups` only the second candidate is built, from ``design(K, B, coverage=c,
+    max_groups=G)``: handing its sets to other blocks keeps its process groups at most G.
+
     Guaranteed: every block has exactly `min_coverage` holders (more only for the lightest blocks
     when K > B * min_coverage, so that no worker is empty); every row is non-empty; with budgets,
     every worker's bytes are within its budget, or DesignError; the largest worker's bytes (with
-    budgets: the excess, then the largest worker's bytes) are never more than the plain greedy's.
+    budgets: the excess, then the largest worker's bytes) are never more than the plain greedy's
+    (without `max_groups`); with `max_groups`, at most G process groups.
     Not guaranteed: optimality (the problem is NP-hard; `bytes_lower_bound` says how far off the
     result can be), a connected mixing graph, or few process groups.
 
@@ -80,6 +85,8 @@ def design_for_costs(
     fixed_bytes : int or sequence of K ints, optional
         Bytes each worker holds whatever its blocks; replaces ``costs.fixed_bytes`` (0 for a plain
         sequence).
+    max_groups : int, optional
+        At most this many process groups (distinct holder sets of 2 to K - 1 workers).
     seed : int, numpy.random.Generator or None
         Turned once into a generator by ``numpy.random.default_rng``.
     starts : int
@@ -123,11 +130,17 @@ def design_for_costs(
         _check_each_worker_fits(w, fixed, cap)
     rng = np.random.default_rng(seed)
     order = np.argsort(-w, kind="stable")
+    if iterations is None:
+        iterations = int(min(100 * K * r + 20 * w.size, 20_000))
+    if max_groups is not None:
+        skeleton = design(K, w.size, coverage=r, max_groups=max_groups, seed=rng).matrix.astype(bool)
+        held = _permute_columns(skeleton, w, order, fixed, cap, iterations, rng)
+        if cap is not None:
+            _raise_if_over(held, w, fixed, cap, r)
+        return Mask(held.astype(np.uint8), block_names=costs.block_names, construction=CONSTRUCTION)
     rules = ["least"] + (["room"] if cap is not None else []) + ["spread"] * starts
     candidates = [_greedy(w, order, r, fixed, cap, rule, rng) for rule in rules]
     start = min(candidates, key=lambda held: _score(held, w, fixed, cap))
-    if iterations is None:
-        iterations = int(min(100 * K * r + 20 * w.size, 20_000))
     floor = bytes_lower_bound(costs, K, min_coverage=r, fixed_bytes=fixed.tolist())
     results = [_Search(start, w, fixed, cap).run(iterations, floor, rng)]
     if w.size * r >= K and 1 < r < K:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from masklab.analysis import process_group_holder_sets
+from masklab.analysis import optimality_ratio, process_group_holder_sets, spectral_gap
 from masklab.costs import BlockCosts
 from masklab.errors import DesignError
 from masklab.mask import ROW_SCHEDULE_KINDS, Mask, Schedule
@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "KB/MB/GB/TB, KiB/MiB/GiB/TiB)")
     p.add_argument("--min-coverage", type=int, metavar="c",
                    help="with --costs: holders per block (default 2)")
+    p.add_argument("--max-groups", type=int, metavar="G",
+                   help="at most G process groups (distinct holder sets of 2 to K-1 workers, each an NCCL "
+                        "communicator); prints the spectral gap of the masks tried against their groups")
     p.add_argument("--construction", default="auto", metavar="NAME",
                    help="auto (default), complete, cyclic, random, projective-plane, affine-plane, difference-set, search")
     p.add_argument("--schedule", default="static", choices=ROW_SCHEDULE_KINDS,
@@ -71,13 +74,15 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 def run_design(args: argparse.Namespace) -> int:
     costs = budgets = None
+    lines, extra = [], {}
     if args.costs is not None:
         mask, costs, budgets = _design_for_costs(args)
     else:
-        mask = _design_for_counts(args)
+        mask, lines, extra = _design_for_counts(args)
     if args.schedule != "static" or args.every != 1:
         mask = mask.replace(schedule=Schedule(args.schedule, args.every))
-    lines, extra = ([], {}) if costs is None else _bytes_report(mask, args, costs, budgets)
+    if costs is not None:
+        lines, extra = _bytes_report(mask, args, costs, budgets)
     from masklab.io import check_destination, save_mask
 
     if args.out:
@@ -88,9 +93,10 @@ def run_design(args: argparse.Namespace) -> int:
     return 0
 
 
-def _design_for_counts(args: argparse.Namespace) -> Mask:
-    """The mask of ``-K -B --active|--coverage``: block counts balanced, the best spectral gap found."""
-    from masklab.design import design
+def _design_for_counts(args: argparse.Namespace) -> tuple[Mask, list[str], dict[str, object]]:
+    """The mask of ``-K -B --active|--coverage``: block counts balanced, the best spectral gap found
+    (within ``--max-groups``, with the trade-off as text lines and JSON keys)."""
+    from masklab.design import design, group_tradeoff, pick_within_groups
 
     for flag, value in (("--budgets", args.budgets), ("--min-coverage", args.min_coverage)):
         if value is not None:
@@ -101,8 +107,22 @@ def _design_for_counts(args: argparse.Namespace) -> Mask:
     if args.active is not None and not 0.0 < args.active <= 1.0:
         raise DesignError(f"--active {args.active} must be in (0, 1]")
     _check_size(args.workers, args.blocks)
-    return design(args.workers, args.blocks, active=args.active, coverage=args.coverage,
-                  construction=args.construction, seed=args.seed)
+    if args.max_groups is None:
+        return design(args.workers, args.blocks, active=args.active, coverage=args.coverage,
+                      construction=args.construction, seed=args.seed), [], {}
+    if args.construction != "auto":
+        raise DesignError(f"--max-groups applies to --construction auto, not {args.construction}")
+    masks = group_tradeoff(args.workers, args.blocks, active=args.active, coverage=args.coverage,
+                           max_groups=args.max_groups, seed=args.seed)
+    mask = pick_within_groups(masks, args.max_groups)
+    rows = [{"process_groups": len(process_group_holder_sets(m)), "spectral_gap": spectral_gap(m),
+             "optimality_ratio": optimality_ratio(m), "construction": m.construction, "chosen": m is mask}
+            for m in masks]
+    lines = [f"--max-groups {args.max_groups}: the masks tried (the first without the limit)",
+             "  groups  spectral gap  optimality ratio  construction"]
+    lines += [f"  {r['process_groups']:>6}  {r['spectral_gap']:>12.6g}  {r['optimality_ratio']:>16.6f}  "
+              f"{r['construction']}{'  <- chosen' if r['chosen'] else ''}" for r in rows]
+    return mask, lines, {"max_groups": args.max_groups, "group_tradeoff": rows}
 
 
 def _check_size(workers: int, blocks: int) -> None:
@@ -131,7 +151,8 @@ def _design_for_costs(args: argparse.Namespace) -> tuple[Mask, BlockCosts, list[
         raise DesignError(f"-B {args.blocks} but {args.costs} gives the bytes of {costs.blocks} blocks")
     _check_size(workers, costs.blocks)
     min_coverage = 2 if args.min_coverage is None else args.min_coverage
-    mask = design_for_costs(costs, workers, min_coverage=min_coverage, budgets=budgets, seed=args.seed)
+    mask = design_for_costs(costs, workers, min_coverage=min_coverage, budgets=budgets, max_groups=args.max_groups,
+                            seed=args.seed)
     return mask, costs, budgets
 
 

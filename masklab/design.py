@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from masklab.analysis import optimality_ratio
+from masklab.analysis import optimality_ratio, process_group_holder_sets, spectral_gap
 from masklab.constructions import (
     SeedLike,
     _check_balanced,
@@ -86,6 +86,7 @@ def design(
     active: float | None = None,
     coverage: int | None = None,
     construction: str = "auto",
+    max_groups: int | None = None,
     seed: SeedLike = None,
 ) -> Mask:
     """A balanced K x B mask with coverage c and, for ``"auto"``, the largest spectral gap found.
@@ -103,6 +104,10 @@ def design(
         optimality ratio is 1 within 1e-9), the complete mask when c = K, else `search` seeded from
         the cyclic mask and 20 random balanced masks. Any other name of `list_constructions` forces
         that construction and raises when it does not fit.
+    max_groups : int, optional
+        With ``"auto"``: at most this many process groups, i.e. distinct holder sets of 2 to K - 1
+        workers (`masklab.analysis.process_group_holder_sets`). The ``"auto"`` mask when it has
+        few enough, else the mask of `group_tradeoff` with the largest gap among those that do.
     seed : int, numpy.random.Generator or None
         Turned once into a generator by ``numpy.random.default_rng`` and handed on.
 
@@ -125,6 +130,8 @@ def design(
     >>> m = design(10, 10, coverage=4, seed=0)
     >>> m.construction, m.coverage.tolist() == [4] * 10
     ('search', True)
+    >>> design(7, 14, coverage=3, max_groups=7).construction  # 14 blocks on the Fano plane's 7 lines
+    'projective-plane-repeated'
     """
     if construction not in CONSTRUCTIONS:
         raise DesignError(f"construction={construction!r} is not one of {CONSTRUCTIONS}")
@@ -136,13 +143,12 @@ def design(
         )
     c = _check_balanced(K, B, coverage_from_active(K, active) if coverage is None else coverage)
     rng = np.random.default_rng(seed)
+    if max_groups is not None:
+        if construction != "auto":
+            raise DesignError(f"max_groups applies to construction='auto', not {construction!r}")
+        return pick_within_groups(_group_candidates(K, B, c, _checked_groups(max_groups), rng), max_groups)
     if construction == "auto":
-        mask = exact_design(K, B, c)
-        if mask is not None:
-            return mask
-        if c == K:
-            return complete(K, B)
-        return search(K, B, coverage=c, seed=rng)
+        return _auto(K, B, c, rng)
     if construction in EXACT_FAMILIES:
         mask = _exact_design(construction, K, B, c)
         if mask is None:
@@ -157,6 +163,62 @@ def design(
     if construction == "random":
         return random_balanced(K, B, coverage=c, seed=rng)
     return search(K, B, coverage=c, seed=rng)
+
+
+def group_tradeoff(
+    K: int,
+    B: int,
+    *,
+    active: float | None = None,
+    coverage: int | None = None,
+    max_groups: int,
+    seed: SeedLike = None,
+) -> list[Mask]:
+    """The masks ``design(K, B, ..., max_groups=G)`` chooses from, the unconstrained design first.
+
+    A mask needs one process group per distinct holder set of 2 to K - 1 workers. The ``"auto"``
+    design of (K, B, c) comes first (drawn from the seed's generator first, so it is the mask
+    `design` returns without `max_groups`); when it has at most G groups it is the only one.
+    Otherwise, for each g tried, a K x g design with coverage c (``"auto"``: exact where one
+    exists, else searched) whose columns are repeated: block j takes the holder set of column
+    j mod g, so the mask has at most g groups. When g divides B every set serves B / g blocks and
+    the mixing graph, hence the spectral gap and optimality ratio, is exactly the K x g design's;
+    otherwise the first B mod g sets serve one block more. g is tried at min(G, B), at the largest
+    divisor of B not above it, and wherever an exact design (K, g, c) exists, for
+    g >= ceil(K / c) (so that every worker is in some set). The gap against the number of groups
+    is the trade-off `sdp design --max-groups` prints.
+
+    Raises
+    ------
+    DesignError
+        On invalid parameters, or when G < ceil(K / c) and the unconstrained design has more than
+        G groups: sets of c workers cover all K workers only with ceil(K / c) of them.
+
+    Examples
+    --------
+    >>> from masklab.analysis import process_group_holder_sets as groups, spectral_gap
+    >>> [(len(groups(m)), round(spectral_gap(m), 4)) for m in group_tradeoff(7, 14, coverage=3, max_groups=7, seed=0)]
+    [(14, 0.3333), (7, 0.3333)]
+    """
+    _check_sizes(K, B)
+    if (active is None) == (coverage is None):
+        raise DesignError(f"give exactly one of active and coverage; got active={active!r}, coverage={coverage!r}")
+    c = _check_balanced(K, B, coverage_from_active(K, active) if coverage is None else coverage)
+    return _group_candidates(K, B, c, _checked_groups(max_groups), np.random.default_rng(seed))
+
+
+def pick_within_groups(masks: list[Mask], max_groups: int) -> Mask:
+    """The mask with at most `max_groups` process groups and the largest spectral gap (fewer groups,
+    then the earlier mask, on ties): what `design` returns from `group_tradeoff`'s list.
+
+    >>> from masklab.constructions import complete, cyclic
+    >>> pick_within_groups([cyclic(4, 4, coverage=2), complete(4, 4)], 2).construction
+    'complete'
+    """
+    fitting = [m for m in masks if _groups(m) <= _checked_groups(max_groups)]
+    if not fitting:
+        raise DesignError(f"none of the {len(masks)} masks has at most max_groups={max_groups} process groups")
+    return max(fitting, key=lambda m: (spectral_gap(m), -_groups(m)))
 
 
 def exact_design(K: int, B: int, coverage: int) -> Mask | None:
@@ -203,6 +265,44 @@ def exact_designs(K_max: int) -> list[tuple[int, int, int, str]]:
 
 
 # -- internals ---------------------------------------------------------------------------------
+def _auto(K: int, B: int, c: int, rng: np.random.Generator) -> Mask:
+    """``construction="auto"``: an exact design, the complete mask, else search."""
+    mask = exact_design(K, B, c)
+    if mask is not None:
+        return mask
+    if c == K:
+        return complete(K, B)
+    return search(K, B, coverage=c, seed=rng)
+
+
+def _groups(mask: Mask) -> int:
+    return len(process_group_holder_sets(mask))
+
+
+def _checked_groups(max_groups: int) -> int:
+    if isinstance(max_groups, bool) or not isinstance(max_groups, (int, np.integer)) or max_groups < 0:
+        raise DesignError(f"max_groups={max_groups!r} must be an integer >= 0")
+    return int(max_groups)
+
+
+def _group_candidates(K: int, B: int, c: int, G: int, rng: np.random.Generator) -> list[Mask]:
+    """`group_tradeoff` with checked arguments."""
+    masks = [_auto(K, B, c, rng)]
+    if _groups(masks[0]) <= G:
+        return masks
+    least, most = -(-K // c), min(G, B)
+    if least > most:
+        raise DesignError(f"max_groups={G}: holder sets of coverage={c} workers cover all K={K} workers only with "
+                          f"at least ceil(K / c) = {least} distinct sets" + (f" (and B={B} blocks)" if B < least else "")
+                          + f"; the unconstrained design has {_groups(masks[0])} process groups")
+    divisors = [g for g in range(least, most + 1) if B % g == 0]
+    sizes = {most, *divisors[-1:]} | {g for g in range(least, most + 1) if exact_design(K, g, c) is not None}
+    for g in sorted(sizes):
+        base = _auto(K, g, c, rng)
+        masks.append(Mask(base.matrix[:, np.arange(B) % g], construction=f"{base.construction}-repeated"))
+    return masks
+
+
 def _exact_design(family: str, K: int, B: int, c: int) -> Mask | None:
     """The first mask of `family` (any orientation, or complement) with shape (K, B), coverage c
     and optimality ratio 1, or None."""

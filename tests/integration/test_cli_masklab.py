@@ -172,3 +172,47 @@ def test_costs_flags_without_costs_and_missing_files_exit_2(capsys, argv, messag
     assert main(["design", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+# -- sdp design --max-groups -------------------------------------------------------------------
+def test_max_groups_keeps_the_groups_and_shows_the_gap_against_the_unconstrained_design(capsys):
+    free = _run_json(capsys, ["design", "-K", "9", "-B", "36", "--coverage", "3", "--json"])
+    limited = _run_json(capsys, ["design", "-K", "9", "-B", "36", "--coverage", "3", "--max-groups", "12", "--json"])
+    assert free["process_groups"] > 12 >= limited["process_groups"]
+    first, *rest = limited["group_tradeoff"]
+    assert (first["process_groups"], first["spectral_gap"]) == (free["process_groups"], free["spectral_gap"])
+    chosen = [row for row in limited["group_tradeoff"] if row["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["spectral_gap"] == limited["spectral_gap"]
+    assert limited["optimality_ratio"] == pytest.approx(1.0, abs=1e-9)  # the affine plane's lines, repeated
+    assert main(["design", "-K", "9", "-B", "36", "--coverage", "3", "--max-groups", "12"]) == 0
+    text = capsys.readouterr().out
+    assert "  groups  spectral gap  optimality ratio  construction" in text
+    assert "affine-plane-repeated  <- chosen" in text
+
+
+def test_max_groups_large_enough_prints_the_same_certificate_as_without(capsys):
+    free = _run_json(capsys, ["design", "-K", "8", "-B", "12", "--active", "0.5", "--seed", "4", "--json"])
+    limited = _run_json(capsys, ["design", "-K", "8", "-B", "12", "--active", "0.5", "--seed", "4", "--json",
+                                 "--max-groups", str(free["process_groups"])])
+    assert {k: v for k, v in limited.items() if k not in ("max_groups", "group_tradeoff")} == free
+    assert [row["chosen"] for row in limited["group_tradeoff"]] == [True]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-groups", "3"], "max_groups=3: holder sets of coverage=2 workers cover all K=8 workers only with"),
+        (["--max-groups", "-1"], "max_groups=-1 must be an integer >= 0"),
+        (["--max-groups", "4", "--construction", "cyclic"], "--max-groups applies to --construction auto"),
+    ],
+)
+def test_bad_max_groups_exit_2_with_one_line(capsys, argv, message):
+    assert main(["design", "-K", "8", "-B", "16", "--coverage", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_design_costs_with_max_groups_keeps_them(capsys, costs_file):
+    report = _run_json(capsys, ["design", "--costs", str(costs_file), "-K", "4", "--max-groups", "2", "--json"])
+    assert report["process_groups"] <= 2 and report["coverage_min"] == 2
+    assert report["largest_worker_bytes"] == report["bytes_lower_bound"]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from masklab.analysis import optimality_ratio
+from masklab.analysis import optimality_ratio, process_group_holder_sets
 from masklab.balance import design_for_costs
 from masklab.costs import BlockCosts, bytes_lower_bound, parse_budgets, parse_bytes, worker_bytes
 from masklab.errors import DesignError
@@ -175,3 +175,24 @@ def test_parse_budgets_names_the_worker_of_a_bad_size() -> None:
         parse_budgets("80GB,80GB,24XB")
     with pytest.raises(DesignError, match="budget of worker 1: size ''"):
         parse_budgets("80GB,")
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems(equal_fixed=True), st.integers(0, 8), st.integers(0, 2**32 - 1))
+def test_max_groups_byte_balanced_masks_never_exceed_g_groups(problem, g, seed) -> None:
+    costs, k, r, fixed = problem
+    try:
+        m = design_for_costs(costs, k, min_coverage=r, fixed_bytes=fixed, max_groups=g, seed=seed, **FAST)
+    except DesignError as exc:
+        assert len(costs) * r < k or f"max_groups={g}" in str(exc), str(exc)
+        return
+    assert len(process_group_holder_sets(m)) <= g
+    assert np.all(m.coverage == r) and m.row_sums.min() >= 1
+
+
+def test_max_groups_byte_balance_keeps_the_repeated_design_gap() -> None:
+    costs = [3] * 12 + [5] * 12 + [9] * 12  # three stages of 12 blocks on 9 workers
+    m = design_for_costs(costs, 9, min_coverage=3, max_groups=12, seed=0, **FAST)
+    assert len(process_group_holder_sets(m)) <= 12
+    assert optimality_ratio(m) == pytest.approx(1.0, abs=1e-9)  # the affine plane's 12 lines, each 3 times
+    assert max(worker_bytes(m, costs)) == bytes_lower_bound(costs, 9, min_coverage=3)

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from masklab.analysis import optimality_ratio, spectral_gap
+from masklab.analysis import optimality_ratio, process_group_holder_sets, spectral_gap
 from masklab.constructions import cyclic, random_balanced
-from masklab.design import coverage_from_active, design, exact_designs, list_constructions
+from masklab.design import coverage_from_active, design, exact_designs, group_tradeoff, list_constructions
 from masklab.errors import DesignError
 
 
@@ -126,3 +126,62 @@ def test_invalid_parameters_raise_design_error_naming_the_value(kwargs, match) -
 def test_list_constructions_names_every_accepted_construction() -> None:
     names = list_constructions()
     assert {"auto", "complete", "cyclic", "random", "projective-plane", "affine-plane", "difference-set", "search"} == set(names)
+
+
+# -- max_groups ----------------------------------------------------------------------------------
+def _groups(mask) -> int:
+    return len(process_group_holder_sets(mask))
+
+
+@settings(max_examples=25, deadline=None)
+@given(balanced_parameters(), st.integers(0, 12), st.integers(0, 2**32 - 1))
+def test_max_groups_results_never_exceed_g_groups(params, g, seed) -> None:
+    k, b, c = params
+    try:
+        m = design(k, b, coverage=c, max_groups=g, seed=seed)
+    except DesignError as exc:
+        assert g < -(-k // c), str(exc)
+        assert f"max_groups={g}" in str(exc)
+        return
+    assert _groups(m) <= g
+    assert np.all(m.coverage == c) and m.row_sums.min() >= 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(balanced_parameters(), st.integers(0, 2**32 - 1))
+def test_max_groups_large_enough_returns_the_unconstrained_design(params, seed) -> None:
+    k, b, c = params
+    free = design(k, b, coverage=c, seed=seed)
+    limited = design(k, b, coverage=c, max_groups=_groups(free), seed=seed)
+    assert limited == free and limited.construction == free.construction
+    assert spectral_gap(limited) == spectral_gap(free)
+
+
+def test_repeating_an_exact_design_keeps_the_trace_bound_with_as_few_groups_as_its_columns() -> None:
+    m = design(9, 36, coverage=3, max_groups=12, seed=0)
+    assert m.construction == "affine-plane-repeated" and _groups(m) == 12
+    assert optimality_ratio(m) == pytest.approx(1.0, abs=1e-9)
+    assert _groups(design(9, 36, coverage=3, seed=0)) > 12
+
+
+def test_group_tradeoff_lists_the_unconstrained_design_first_then_fewer_groups() -> None:
+    masks = group_tradeoff(8, 24, coverage=4, max_groups=6, seed=1)
+    assert masks[0] == design(8, 24, coverage=4, seed=1)
+    assert _groups(masks[0]) > 6 and all(_groups(m) <= 6 for m in masks[1:])
+    chosen = design(8, 24, coverage=4, max_groups=6, seed=1)
+    assert spectral_gap(chosen) == max(spectral_gap(m) for m in masks[1:])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_groups": 3}, r"max_groups=3: holder sets of coverage=2 workers cover all K=8 workers only with at "
+                            r"least ceil\(K / c\) = 4"),
+        ({"max_groups": -1}, r"max_groups=-1 must be an integer >= 0"),
+        ({"max_groups": 2.5}, r"max_groups=2.5 must be an integer >= 0"),
+        ({"max_groups": 4, "construction": "cyclic"}, "max_groups applies to construction='auto', not 'cyclic'"),
+    ],
+)
+def test_bad_max_groups_raise_design_error_naming_the_value(kwargs, match) -> None:
+    with pytest.raises(DesignError, match=match):
+        design(8, 16, coverage=2, seed=0, **kwargs)
