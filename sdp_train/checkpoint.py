@@ -33,8 +33,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -319,9 +321,13 @@ def check_out_shared(out: str | Path, world_size: int) -> None:
 
 
 def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
-    """Restore this rank's state from checkpoint ``path``; return the step to continue from."""
+    """Restore this rank's state from checkpoint ``path``; return the step to continue from.
+
+    Everything is checked before the first tensor is copied (`_check_rank_state`), so a refused
+    file leaves the model, optimizer, data stream and RNG as they were.
+    """
     file = path / f"rank{run.info.rank}.pt"
-    state = torch.load(file, weights_only=True, map_location=run.device)
+    state = _read_rank_file(file, run.device)
     # first the round: under a forward-masked schedule it fixes which blocks this worker holds
     try:
         run.load_schedule_state(state.get("schedule", {}) if isinstance(state, dict) else {})
@@ -329,6 +335,10 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
         raise ConfigError(f"checkpoint {file}: {exc}") from None
     local = run.model.state_dict()
     _check_rank_state(file, state, local, run)
+    try:  # checks the stream's seed, rank and world size, and changes it only when they match
+        batches.load_state_dict(state["data"])
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint file {file}: data: {exc}") from None
     with torch.no_grad():
         for name, tensor in local.items():
             _local(tensor).copy_(state["model"][name])
@@ -340,18 +350,57 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
                                                  stride=param.stride(), run_check=False)
                            for k, v in values.items() if v.shape == param.to_local().shape and v.dim() > 0})
     run.optimizer.load_state_dict(state["optimizer"])
-    batches.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)
     return int(state["step"])
 
 
+def _read_rank_file(file: Path, device: torch.device) -> Any:
+    """What rank file `file` holds, read by torch's weights-only unpickler; ConfigError naming `file` else.
+
+    Only tensors, numbers and plain containers are read, so nothing in the file runs. torch's own
+    message for anything else advises loading it with ``weights_only=False``, that is, running the
+    file's code: it is replaced by one line that names the file.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes about the file's pickle protocol: the error says it
+            return torch.load(file, weights_only=True, map_location=device)
+    except pickle.UnpicklingError:
+        raise ConfigError(f"checkpoint file {file}: holds objects other than tensors, numbers and plain containers, "
+                          "or its pickle is damaged: refused, nothing in it was run (a rank file holds only those)"
+                          ) from None
+    except OSError as exc:
+        raise ConfigError(f"checkpoint file {file}: cannot be read: {exc.strerror or exc}") from None
+    except Exception as exc:  # RuntimeError, EOFError, ...: whatever torch makes of bytes it did not write
+        raise ConfigError(f"checkpoint file {file}: is not a complete torch.save archive ({type(exc).__name__}: "
+                          "truncated, or written by something else)") from None
+
+
+def _rng_problem(state: torch.Tensor, device: torch.device) -> str | None:
+    """Why `state` is not an RNG state of `device`'s generator (torch's reason), or None.
+
+    Set and restored at once: the first line of torch's error is the only complete check of a state.
+    """
+    get, put = ((torch.get_rng_state, torch.set_rng_state) if device.type != "cuda" else
+                (lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
+    current = get()
+    try:
+        put(state)
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    finally:
+        put(current)
+    return None
+
+
 def _check_rank_state(file: Path, state: Any, local: dict[str, torch.Tensor], run: RunState) -> None:
     """ConfigError naming `file` and the field unless `state` fits this rank's model and the manifest.
 
     Shapes and dtypes are compared before any tensor is copied (``copy_`` would broadcast a scalar
-    into a 128 x 128 weight), the step against the manifest's, the data position and RNG state by type.
+    into a 128 x 128 weight), the step against the manifest's, the data position by type, the RNG
+    state by setting it (and restoring the current one), the optimizer's groups by their sizes.
     """
     def bad(field: str, why: str) -> ConfigError:
         return ConfigError(f"checkpoint file {file}: {field}: {why}")
@@ -378,13 +427,23 @@ def _check_rank_state(file: Path, state: Any, local: dict[str, torch.Tensor], ru
             got = (f"{tuple(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor)
                    else type(saved).__name__)
             raise bad(f"model.{name}", f"{got}, this rank's model has {tuple(want.shape)} {want.dtype}")
-    if not isinstance(state["rng"], dict) or not isinstance(state["rng"].get("torch"), torch.Tensor) \
-            or state["rng"]["torch"].dtype != torch.uint8:
-        raise bad("rng.torch", "not a torch RNG state (a uint8 tensor)")
+    rng = state["rng"] if isinstance(state["rng"], dict) else {}
+    for key in ("torch", "cuda") if "cuda" in rng else ("torch",):  # cuda: saved on a GPU
+        saved = rng.get(key)
+        if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8:
+            raise bad(f"rng.{key}", "not a torch RNG state (a uint8 tensor)")
+        device = torch.device("cpu") if key == "torch" else run.device
+        if (key == "torch" or device.type == "cuda") and (why := _rng_problem(saved, device)) is not None:
+            raise bad(f"rng.{key}", f"not a torch RNG state ({why})")
     optimizer = state["optimizer"]
     if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) \
             or not isinstance(optimizer.get("param_groups"), list):
         raise bad("optimizer", "not an optimizer state dict (state, param_groups)")
+    groups = [len(group["params"]) for group in run.optimizer.param_groups]
+    saved_groups = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
+                    for g in optimizer["param_groups"]]
+    if saved_groups != groups:
+        raise bad("optimizer.param_groups", f"groups of {saved_groups} parameters, this rank's optimizer {groups}")
     params = [_local(p) for group in run.optimizer.param_groups for p in group["params"]]
     for index, values in optimizer["state"].items():
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(values, dict):

@@ -255,6 +255,8 @@ def _recraft_rank_file(path: Path, change) -> None:
     (lambda s: s["data"].update(step=10**30), "data.step: 10{30}, but the checkpoint is at step 4"),
     (lambda s: s["rng"].update(torch=torch.zeros(3)), "rng.torch: not a torch RNG state"),
     (lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(1)), r"optimizer.state\[0\].exp_avg"),
+    (lambda s: s["optimizer"]["param_groups"].append({"params": [99]}), r"optimizer.param_groups: groups of \["),
+    (lambda s: s["data"].update(rank=1), "data: cannot resume a data stream with rank=0 from a state with rank=1"),
 ])
 def test_crafted_rank_files_with_a_valid_checksum_are_refused_before_any_tensor_is_loaded(
         two_checkpoints, tmp_path, change, message):
@@ -266,3 +268,64 @@ def test_crafted_rank_files_with_a_valid_checksum_are_refused_before_any_tensor_
         load_checkpoint(run, batches, step)
     assert str(step / "rank0.pt") in str(err.value)
     assert all(torch.equal(before[n], t) for n, t in run.model.state_dict().items())  # nothing half-loaded
+    assert batches.step == 0
+
+
+class _Payload:
+    """Unpickling this would create the file `marker`: a stand-in for code run by a crafted checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def _rehash(path: Path) -> None:
+    file = path / "rank0.pt"
+    digest = __import__("hashlib").sha256(file.read_bytes()).hexdigest()
+    _rewrite_manifest(path, lambda m: m["files"]["rank0.pt"].update(size=file.stat().st_size, sha256=digest))
+
+
+def _with_rng(state: torch.Tensor):
+    def craft(file: Path) -> None:
+        saved = torch.load(file, weights_only=True)
+        saved["rng"]["torch"] = state
+        torch.save(saved, file)
+    return craft
+
+
+CRAFTED_FILES = {
+    "malicious pickle in a torch archive": (lambda f, marker: torch.save({"step": 4, "x": _Payload(marker)}, f),
+                                            "holds objects other than tensors"),
+    "malicious raw pickle": (lambda f, marker: f.write_bytes(__import__("pickle").dumps(_Payload(marker))),
+                             "holds objects other than tensors"),
+    "invalid RNG state": (lambda f, marker: _with_rng(torch.zeros(5056, dtype=torch.uint8))(f),
+                          "rng.torch: not a torch RNG state (Invalid mt19937 state)"),
+    "RNG state of the wrong size": (lambda f, marker: _with_rng(torch.zeros(3, dtype=torch.uint8))(f),
+                                    "rng.torch: not a torch RNG state"),
+    "truncated": (lambda f, marker: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
+                  "is not a complete torch.save archive"),
+    "empty": (lambda f, marker: f.write_bytes(b""), "is not a complete torch.save archive"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CRAFTED_FILES))
+def test_crafted_rank_files_are_one_error_naming_the_file_running_nothing_loading_nothing(
+        two_checkpoints, tmp_path, recwarn, kind):
+    craft, message = CRAFTED_FILES[kind]
+    step, marker = two_checkpoints / "step_4", tmp_path / "payload-ran"
+    craft(step / "rank0.pt", marker)
+    _rehash(step)  # the manifest agrees: only reading the file can tell
+    assert find_checkpoint(step) == step
+    run, batches = _run(tmp_path)
+    before = {n: t.clone() for n, t in run.model.state_dict().items()}
+    with pytest.raises(ConfigError) as err:
+        load_checkpoint(run, batches, step)
+    text = str(err.value)
+    assert text.startswith(f"checkpoint file {step / 'rank0.pt'}: ") and message in text, text
+    assert "\n" not in text and "weights_only=False" not in text and "weights_only` set to `False" not in text
+    assert not marker.exists()  # nothing in the file ran
+    assert all(torch.equal(before[n], t) for n, t in run.model.state_dict().items())  # nothing half-loaded
+    assert batches.step == 0
+    assert [str(w.message) for w in recwarn] == []  # no torch warning about the file's pickle protocol
