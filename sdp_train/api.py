@@ -186,6 +186,8 @@ class SubnetworkDataParallel(nn.Module):
         self.seed, self.steps, self.local_steps = seed, 0, local_steps
         self._average_bytes = ByteCount()  # local steps: the holder averages of parameters
         self._matrix = mask.round_matrix(0, seed=seed)
+        self._mask_step = 0  # a step whose round's mask is `_matrix`, the mask this worker's state is in
+        self._next_matrix: np.ndarray | None = None  # a round ended, its successor differs: `enter_next_round`
         self.mask_change_bytes = ByteCount()
         """Bytes of the optimizer state moved at mask changes (a schedule), apart from gradient traffic."""
         self._old_bytes = ByteCount()  # of the engines and broadcasters that no_sync and mask changes retired
@@ -273,6 +275,8 @@ class SubnetworkDataParallel(nn.Module):
             raise ConfigError("backward masking sends each block's new values after the optimizer step, a "
                               "schedule changes the mask after it, and local steps average after every H-th: call "
                               "model.register_optimizer(optimizer) before training")
+        if self.training and torch.is_grad_enabled():
+            self.enter_next_round()
         if self.autocast_dtype is None:
             output = self.module(*args, **kwargs)
         else:
@@ -310,8 +314,10 @@ class SubnetworkDataParallel(nn.Module):
         """Backward passes inside accumulate local gradients only; the next one outside averages the sum.
 
         As with DDP: N-1 micro-batches under ``no_sync()``, the last outside, give the holder
-        average of the N summed gradients.
+        average of the N summed gradients. A mask change that is due (`enter_next_round`) is made on
+        entry, before any gradient accumulates.
         """
+        self.enter_next_round()
         if not self._sync_enabled:  # already inside one, or local steps (nothing is sent during backward)
             yield
             return
@@ -332,7 +338,8 @@ class SubnetworkDataParallel(nn.Module):
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer, *, hook: bool = True) -> None:
         """Backward masking: after each ``optimizer.step()``, send held blocks' new values to the others
-        and, under a schedule, move to the next round's mask (`step_done`).
+        and, under a schedule, count the step that fixes the round (`step_done`; the mask changes when
+        the next step begins, `enter_next_round`).
 
         With ``hook=False`` nothing is registered on `optimizer`: call `step_done` yourself after
         each step (``sdp train`` does, so that its memory meter, which files what a step allocates as
@@ -348,12 +355,10 @@ class SubnetworkDataParallel(nn.Module):
             self._places.add(optimizer, self.module, self.world_size)
 
     def step_done(self) -> None:
-        """After each optimizer step (every rank): `broadcast_held`, and under a schedule, when the
-        mask changes, the next round (`sdp_train.sdp_schedule`): with forward masking the blocks a
-        worker gains are built and receive their parameters, buffers and optimizer state from their
-        lowest-ranked old holder, and the blocks it stops holding are freed; with backward masking
-        only the optimizer state moves. The gradient averages, the broadcasts and requires_grad
-        follow the new mask. With local steps, after every H-th step first `average`."""
+        """After each optimizer step (every rank): `broadcast_held`; with local steps, after every H-th
+        step, `average`; under a schedule, count the step. When it ends a round whose successor holds
+        other blocks, the change is due, and made when the next step begins (`enter_next_round`), so a
+        run's last step moves nothing for a round that never trains."""
         self.broadcast_held()
         if not self._counts_steps:
             return
@@ -363,8 +368,23 @@ class SubnetworkDataParallel(nn.Module):
         if self.mask.schedule.is_static:
             return
         matrix = self.mask.round_matrix(self.steps, seed=self.seed)
-        if not np.array_equal(matrix, self._matrix):
-            self._enter_round(matrix, move_state=True)
+        self._next_matrix = None if np.array_equal(matrix, self._matrix) else matrix
+
+    def enter_next_round(self) -> None:
+        """Make the mask change due since the last `step_done` (nothing when none is): the next
+        round's mask from now on (`sdp_train.sdp_schedule`). With forward masking the blocks a worker
+        gains are built and receive their parameters, buffers and optimizer state from their
+        lowest-ranked old holder, and the blocks it stops holding are freed (N-SDP: the MLPs are
+        re-cut); with backward masking only the optimizer state moves. The gradient averages, the
+        broadcasts and requires_grad follow the new mask.
+
+        A training ``forward`` (and `no_sync`) calls it, so a loop need not; call it yourself right
+        after `step_done` when another step follows to keep the change apart from the forward pass
+        (``sdp train`` does, for its memory meter). Every rank must call it (a collective when due).
+        """
+        if self._next_matrix is not None:
+            matrix, self._next_matrix = self._next_matrix, None
+            self._enter_round(matrix, step=self.steps, move_state=True)
 
     @property
     def _counts_steps(self) -> bool:
@@ -403,8 +423,13 @@ class SubnetworkDataParallel(nn.Module):
     def schedule_state(self) -> dict[str, int]:
         """``{"steps": optimizer steps taken}`` under a schedule or with local steps (it fixes the
         round and the next average), ``{}`` otherwise: save it with each worker's model and
-        optimizer state."""
-        return {"steps": self.steps} if self._counts_steps else {}
+        optimizer state. When a mask change is due (`enter_next_round`), the state is still the
+        round's that ended: ``"mask_step"`` then names a step of that round."""
+        if not self._counts_steps:
+            return {}
+        if self._next_matrix is not None:
+            return {"steps": self.steps, "mask_step": self._mask_step}
+        return {"steps": self.steps}
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
         """Continue from `schedule_state`; every rank calls it, after `register_optimizer` and *before*
@@ -414,19 +439,27 @@ class SubnetworkDataParallel(nn.Module):
         if not self._counts_steps and not state:
             return
         steps = state.get("steps") if isinstance(state, dict) else None
-        if not self._counts_steps or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        # a checkpoint taken before a due change keeps the ended round's state (written before there was
+        # "mask_step", a checkpoint's state was always the round of "steps")
+        mask_step = state.get("mask_step", steps) if isinstance(state, dict) else None
+        schedule = not self.mask.schedule.is_static
+        if (not self._counts_steps or not _count(steps) or not _count(mask_step) or mask_step > steps
+                or (mask_step != steps and not schedule)):
+            expected = ("{}" if not self._counts_steps else "{'steps': n} with an integer n >= 0"
+                        + (", and 'mask_step': m with 0 <= m <= n" if schedule else ""))
             raise ConfigError(f"schedule state {state!r} does not fit a {self.mask.schedule.kind!r} mask with "
-                              f"local_steps={self.local_steps}: expected "
-                              + ("{}" if not self._counts_steps else "{'steps': n} with an integer n >= 0"))
+                              f"local_steps={self.local_steps}: expected {expected}")
         self.steps = steps
-        if self.mask.schedule.is_static:
+        if not schedule:
             return
-        matrix = self.mask.round_matrix(steps, seed=self.seed)
+        matrix = self.mask.round_matrix(mask_step, seed=self.seed)
         if not np.array_equal(matrix, self._matrix):
-            self._enter_round(matrix, move_state=False)  # the state to be loaded is already this round's
+            self._enter_round(matrix, step=mask_step, move_state=False)  # the state to be loaded is this round's
+        upcoming = self.mask.round_matrix(steps, seed=self.seed)
+        self._next_matrix = None if np.array_equal(upcoming, self._matrix) else upcoming
 
-    def _enter_round(self, matrix: np.ndarray, *, move_state: bool) -> None:
-        """Train under `matrix` from now on (every rank calls it)."""
+    def _enter_round(self, matrix: np.ndarray, *, step: int, move_state: bool) -> None:
+        """Train under `matrix`, the mask of step `step`'s round, from now on (every rank calls it)."""
         new_held = [self.layout.held(matrix[r]) for r in range(self.world_size)]
         optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
         if self.masking == "forward" and self.level == "neuron":
@@ -444,7 +477,7 @@ class SubnetworkDataParallel(nn.Module):
                 param.grad = None
             elif id(param) not in self._hooks:  # first held in this round: it needs the sync hook
                 self._hooks[id(param)] = param.register_post_accumulate_grad_hook(hook)
-        self.held_by_rank, self._matrix = new_held, matrix
+        self.held_by_rank, self._matrix, self._mask_step = new_held, matrix, step
         self.held_blocks = tuple(b for b, keep in zip(self.layout.blocks, self._held_block_flags()) if keep)
         shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
         self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names, shapes=shapes)
@@ -654,6 +687,11 @@ def _check_options(level: str, masking: str, fsdp: bool, comm_dtype, local_steps
         raise ConfigError(f"comm_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {comm_dtype!r}")
     if comm_dtype is not None and fsdp:
         raise ConfigError("comm_dtype applies to the sync engine; with fsdp=True FSDP's own buffers are used")
+
+
+def _count(value) -> bool:
+    """Whether `value` is a count of steps: an integer >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _rank_and_world() -> tuple[int, int]:

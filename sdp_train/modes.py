@@ -4,7 +4,8 @@ interface (`ModeSync`), built by `build_sync` in one numbered order.
 `sdp_train.run.Run` drives every mode the same way, with no mode tests in its step: the forward
 pass through `ModeSync.train_model` inside `ModeSync.step_context`, backward, this rank's share of
 the squared gradient norm (`ModeSync.grad_sq_norm`, summed over ranks with the loss), the norm to
-report and the norm to clip by (`ModeSync.norms`), the optimizer step, then `ModeSync.after_step`.
+report and the norm to clip by (`ModeSync.norms`), the optimizer step, then `ModeSync.after_step` and,
+when another step follows, `ModeSync.enter_next_round`.
 Bytes sent (`ModeSync.bytes`), long-lived communication buffers (`ModeSync.buffers`), the full
 model (`ModeSync.full_state`) and the overlap-averaging extras (consensus distance, schedule
 position) have one name in every mode.
@@ -87,6 +88,10 @@ class ModeSync:
 
     def after_step(self) -> None:
         """After the optimizer step (not after a skipped one)."""
+
+    def enter_next_round(self) -> None:
+        """Make the mask change a schedule's round that ended made due (a collective); call it only when
+        another step follows, so that nothing moves for a round that never trains."""
 
     @property
     def bytes(self) -> ByteCount:
@@ -209,6 +214,10 @@ class SubnetworkSync(ModeSync):
     def after_step(self) -> None:
         # here, not in an optimizer hook: the memory meter would file its buffers as optimizer state
         self.sdp.step_done()
+
+    def enter_next_round(self) -> None:
+        # outside the forward pass, where the memory meter would file what moves as activations
+        self.sdp.enter_next_round()
 
     @property
     def engine(self):

@@ -147,6 +147,8 @@ class Run:
                     p.grad.mul_(coef)
         self.optimizer.step()
         sync.after_step()
+        if step + 1 < cfg.steps:  # after the last step no round follows: nothing may move for one
+            sync.enter_next_round()
         self.optimizer.zero_grad(set_to_none=False)
         return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
 
@@ -176,6 +178,11 @@ class Run:
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
         self.sync.load_schedule_state(state)
+
+    def enter_next_round(self) -> None:
+        """Make the mask change due at a checkpoint taken at the end of a round (`ModeSync.enter_next_round`;
+        every rank, after the checkpoint's state is loaded and only when a step follows)."""
+        self.sync.enter_next_round()
 
     @property
     def mask_change_bytes(self) -> int | None:

@@ -100,6 +100,8 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
     run = Run(prep, info, device)
     batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
     start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
+    if start < cfg.steps:  # a checkpoint at the end of a round: the change comes now, before the memory meter
+        run.enter_next_round()
     meter = MemoryMeter(run.model, run.optimizer, device, extra=run.comm_buffers)
     metrics_file, history = open_metrics(out, start) if info.is_main else (None, [])
     log = RunLog(cfg, start=start, enabled=info.is_main)

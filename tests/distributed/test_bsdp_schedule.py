@@ -4,9 +4,11 @@ At every mask change a block's parameters, buffers and AdamW state reach its new
 bit, a worker that stops holding a block frees it (its parameters leave the module and the
 optimizer), the parameters stay in the optimizer group their name belongs to, and the run equals a
 single-process reference in which each worker trains its round's subnetwork and every block takes
-the mean of its holders' gradients. A second run stops in the middle of the schedule, saves each
-worker's model, optimizer and schedule state, and a fresh wrapper resumes from them to the same
-values bit for bit. Run as a script, this file is the ranks' program."""
+the mean of its holders' gradients. A change is made when the step that trains the new round begins,
+so nothing moves after the last step (the run ends with a round). A second run stops at the end of
+a round, before its change, saves each worker's model, optimizer and schedule state, and a fresh
+wrapper resumes from them to the same values bit for bit. Run as a script, this file is the ranks'
+program."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import nn
 from masklab import Mask, Schedule
 
 pytestmark = pytest.mark.slow
-K, STEPS, LR, STOP = 3, 7, 1e-2, 3  # STOP: the resumed run saves after step 3, in the middle of round 1
+K, STEPS, LR, STOP = 3, 6, 1e-2, 3  # STOP: the resumed run saves after step 3, at the end of round 1
 MASK = Mask(np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), schedule=Schedule("permute", every=2))
 SEED = 4  # of the permute draws: rounds 0..3 draw 3 different permutations
 
@@ -90,7 +92,7 @@ def _train(model, opt, rank: int, steps: range, meter=None) -> list[dict]:
         with meter.measure() if meter is not None else nullcontext():
             x, y = batch(step, rank)
             (model(x) - y).square().mean().backward()
-            opt.step()  # the hook moves to the next round at a change
+            opt.step()  # the hook counts the step; a change is made by the next step's forward
             opt.zero_grad()
         trace.append(_snapshot(model, opt))
         if meter is not None:  # live parameter bytes at the step's end, by the memory tracker
@@ -177,9 +179,10 @@ def reference() -> list[dict]:
 
 
 def _holders(step: int, name: str) -> list[int]:
-    """Who holds `name` after step `step` (its optimizer step ended the round it trained in)."""
+    """Who holds `name` after step `step`: the holders of its round (the next round's change is made
+    when the next step begins)."""
     j = int(name.split(".")[1]) if name.startswith("layers.") else None
-    matrix = MASK.round_matrix(step + 1, seed=SEED)
+    matrix = MASK.round_matrix(step, seed=SEED)
     return list(range(K)) if j is None else [int(k) for k in np.flatnonzero(matrix[:, j])]
 
 
@@ -204,7 +207,17 @@ def test_new_holders_get_the_block_and_its_adamw_state_bit_for_bit_and_others_fr
                 for k in holders[1:]:
                     for key, value in states[holders[0]].items():
                         assert torch.equal(value, states[k][key]), (step, name, key)
-    assert ranks[0][1]["moved"] > 0 and ranks[0][0]["moved"] == 0  # the first change comes after step 2
+
+
+def test_blocks_move_when_a_step_begins_a_new_round_and_never_after_the_last_step(ranks):
+    """Bytes move in steps 2 and 4, whose rounds differ from the step before, and not after the last
+    step (5), which ends round 2: round 3 never trains (its move was 1/3 of all bytes moved)."""
+    rounds = [MASK.round_matrix(step, seed=SEED) for step in range(STEPS)]
+    changed = [step > 0 and not np.array_equal(rounds[step], rounds[step - 1]) for step in range(STEPS)]
+    assert changed == [False, False, True, False, True, False]
+    for trace in ranks:
+        moved = [snap["moved"] for snap in trace]
+        assert [b > a for a, b in zip([0, *moved], moved)] == changed, moved
 
 
 def test_a_dropped_block_is_freed(ranks):

@@ -21,7 +21,7 @@ from masklab import Mask, Schedule
 from tests.distributed.mlp_net import HIDDEN, batch, make_net
 
 pytestmark = pytest.mark.slow
-K, STEPS, LR, STOP, GROUPS = 3, 7, 1e-2, 3, 3
+K, STEPS, LR, STOP, GROUPS = 3, 6, 1e-2, 3, 3  # the run ends with round 2; STOP ends round 1
 BASE = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1]])  # per block: every worker keeps 2 of its 3 neuron groups
 MASK = Mask(np.hstack([BASE, np.roll(BASE, 1, axis=0), BASE]), schedule=Schedule("permute", every=2))
 SEED = 4
@@ -42,7 +42,7 @@ def _train(model, opt, rank: int, steps: range) -> list[dict]:
     for step in steps:
         x, y = batch(step, rank)
         (model(x) - y).square().mean().backward()
-        opt.step()  # the hook re-cuts the MLPs at a change
+        opt.step()  # the hook counts the step; at a change the next forward re-cuts the MLPs
         opt.zero_grad()
         names = {id(p): n for n, p in model.module.named_parameters()}
         trace.append({"params": {n: t.clone() for n, t in model.module.state_dict().items()},
@@ -147,7 +147,16 @@ def test_the_slices_and_their_adamw_state_equal_the_single_process_reference(ran
                     torch.testing.assert_close(snap["state"][name][key],
                                                snap["index"][name].take(ref[step]["state"][name][key]),
                                                rtol=1e-5, atol=1e-7, msg=lambda m: f"step {step} {name} {key}: {m}")
-    assert ranks[0][1]["moved"] > 0 and ranks[0][0]["moved"] == 0  # the first change comes after step 2
+
+
+def test_groups_move_when_a_step_begins_a_new_round_and_never_after_the_last_step(ranks):
+    """Steps 2 and 4 begin new rounds; after the last step (5), which ends round 2, nothing moves."""
+    rounds = [MASK.round_matrix(step, seed=SEED) for step in range(STEPS)]
+    changed = [step > 0 and not np.array_equal(rounds[step], rounds[step - 1]) for step in range(STEPS)]
+    assert changed == [False, False, True, False, True, False]
+    for trace in ranks:
+        moved = [snap["moved"] for snap in trace]
+        assert [b > a for a, b in zip([0, *moved], moved)] == changed, moved
 
 
 def test_holders_of_a_group_agree_bit_for_bit(ranks):

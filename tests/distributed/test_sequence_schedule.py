@@ -2,8 +2,9 @@
 
 The sequence of a mask's rotations trains exactly what ``--schedule cyclic`` trains; sequences
 whose rounds are no row permutation of each other (workers hold different numbers of blocks or
-neuron groups from round to round) train in B-SDP, N-SDP and Bb-SDP, move state at every change,
-and resume in the middle of a round to the uninterrupted run's losses."""
+neuron groups from round to round) train in B-SDP, N-SDP and Bb-SDP, move state at every change
+but none after the last step, resume in the middle of a round to the uninterrupted run's losses,
+and resume from a checkpoint at the end of a round into the next one."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow
 BASE = {"model": "llama-debug", "workers": 2, "steps": 6, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
-        "max_data_bytes": 100_000, "memory_steps": 0, "warmup_steps": 1, "seed": 5, "active": None}
+        "max_data_bytes": 100_000, "memory_steps": 0, "warmup_steps": 1, "seed": 5, "active": None,
+        "min_lr_ratio": 1.0}  # one learning rate after warm-up, whatever --steps: runs of 6 and 8 steps agree
 M = np.array([[1, 1, 1, 0], [0, 1, 1, 1]])
 # coverage (1, 2, 2, 1) in every round; worker 0 holds 3, 4, 2 blocks in turn
 BLOCK_ROUNDS = [M, np.array([[1, 1, 1, 1], [0, 1, 1, 0]]), np.array([[0, 1, 1, 0], [1, 1, 1, 1]])]
@@ -52,11 +54,18 @@ def runs(tmp_path_factory) -> Path:
     }
     configs = [_cfg(out, "cyclic", mode="bsdp", mask=str(files["cyclic"])),
                _cfg(out, "rotations", mode="bsdp", mask=str(files["rotations"])),
-               _cfg(out, "bbsdp-blocks", mode="bbsdp", mask=str(files["blocks"]))]
+               _cfg(out, "bbsdp-blocks", mode="bbsdp", mask=str(files["blocks"]), checkpoint_every=6)]
     for mode, file in (("bsdp", "blocks"), ("nsdp", "neurons")):
         configs.append(_cfg(out, f"{mode}-{file}", mode=mode, mask=str(files[file]), checkpoint_every=3))
         configs.append(_cfg(out, f"{mode}-{file}-resumed", mode=mode, mask=str(files[file]),
                             resume=str(out / f"{mode}-{file}" / "checkpoints" / "step_3")))
+    # the 6-step runs end a round (the next, round 3, is round 0's mask again): nothing may move for it.
+    # 5 steps move the same; a resume from step 6 with 8 steps moves to round 3 first, as 8 steps do
+    for mode in ("bsdp", "bbsdp"):
+        kw = {"mode": mode, "mask": str(files["blocks"])}
+        configs += [_cfg(out, f"{mode}-blocks-5", steps=5, **kw), _cfg(out, f"{mode}-blocks-8", steps=8, **kw),
+                    _cfg(out, f"{mode}-blocks-more", steps=8, **kw,
+                         resume=str(out / f"{mode}-blocks" / "checkpoints" / "step_6"))]
     run_rank_script(2, "train", {"configs": configs}, out)
     return out
 
@@ -83,6 +92,27 @@ def test_a_sequence_resumed_mid_round_repeats_the_uninterrupted_run(runs, name):
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[3:]]
     assert _summary(runs / name)["final_val_loss"] == _summary(runs / f"{name}-resumed")["final_val_loss"]
     assert _summary(runs / name)["mask_change_bytes"] > 0
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "bbsdp"])
+def test_nothing_moves_after_the_last_step(runs, mode):
+    """A 6-step run ends round 2; round 3 never trains, so its blocks (B-SDP) or optimizer state
+    (Bb-SDP) must not move: the run moves what a 5-step run moves (changes at steps 2 and 4)."""
+    moved = _summary(runs / f"{mode}-blocks")["mask_change_bytes"]
+    assert moved == _summary(runs / f"{mode}-blocks-5")["mask_change_bytes"] > 0
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "bbsdp"])
+def test_a_run_resumed_from_its_final_checkpoint_with_more_steps_trains_the_next_round(runs, mode):
+    """The checkpoint at step 6 holds round 2's state (no change was made after the last step); the
+    run resumed from it with 8 steps moves to round 3 before step 6 and repeats the 8-step run."""
+    full, more = _metrics(runs / f"{mode}-blocks-8"), _metrics(runs / f"{mode}-blocks-more")
+    assert [m["step"] for m in more] == [6, 7]
+    assert [(m["loss"], m["grad_norm"]) for m in more] == [(m["loss"], m["grad_norm"]) for m in full[6:]]
+    summaries = {n: _summary(runs / f"{mode}-blocks{n}") for n in ("", "-8", "-more")}
+    assert summaries["-more"]["final_val_loss"] == summaries["-8"]["final_val_loss"]
+    assert summaries[""]["mask_change_bytes"] + summaries["-more"]["mask_change_bytes"] == \
+        summaries["-8"]["mask_change_bytes"]
 
 
 def test_backward_masking_trains_a_sequence_and_moves_optimizer_state(runs):

@@ -283,6 +283,12 @@ def test_user_errors_name_the_bad_value():
     sdp = SubnetworkDataParallel(Net(), mask=scheduled)  # B-SDP trains it: the optimizer must be registered
     with pytest.raises(ConfigError, match="call model.register_optimizer"):
         sdp(torch.randn(3, 5))
+    for bad in ({"steps": 2, "mask_step": 3}, {"steps": 2, "mask_step": -1}, {"steps": 2, "mask_step": True}):
+        with pytest.raises(ConfigError, match=r"expected \{'steps': n\} .*'mask_step': m with 0 <= m <= n"):
+            sdp.load_schedule_state(bad)
+    local = SubnetworkDataParallel(Net(), active=1.0, local_steps=2)  # static: no round to be in but steps'
+    with pytest.raises(ConfigError, match=r"expected \{'steps': n\} with an integer n >= 0$"):
+        local.load_schedule_state({"steps": 2, "mask_step": 1})
 
 
 def test_active_designs_a_neuron_mask_in_which_every_worker_keeps_neurons_of_every_block():
