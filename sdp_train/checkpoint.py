@@ -324,21 +324,38 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
     """Restore this rank's state from checkpoint ``path``; return the step to continue from.
 
     Everything is checked before the first tensor is copied (`_check_rank_state`), so a refused
-    file leaves the model, optimizer, data stream and RNG as they were.
+    file leaves the model, optimizer and RNG as they were. Collective under a process group: a
+    file refused on one rank is refused on every rank, with the error of the lowest such rank, so
+    none goes on to wait in a collective for a rank that has left.
     """
     file = path / f"rank{run.info.rank}.pt"
-    state = _read_rank_file(file, run.device)
-    # first the round: under a forward-masked schedule it fixes which blocks this worker holds
+    state, schedule, own = None, None, None
     try:
-        run.load_schedule_state(state.get("schedule", {}) if isinstance(state, dict) else {})
+        state = _read_rank_file(file, run.device)
+        schedule = _schedule_of(file, state)
     except ConfigError as exc:
+        own = exc
+    # the round comes first: under a forward-masked schedule it fixes which blocks this worker holds,
+    # and every rank enters it together (holder-set groups are made there), so it must be one round
+    schedules = _raise_first_on_every_rank(own, schedule)
+    if (differs := next((r for r, theirs in enumerate(schedules) if theirs != schedules[0]), None)) is not None:
+        raise ConfigError(f"checkpoint {path}: rank{differs}.pt holds schedule state {schedules[differs]!r}, "
+                          f"rank0.pt {schedules[0]!r}: rank files of different checkpoints")
+    try:
+        run.load_schedule_state(schedule)
+    except ConfigError as exc:  # the same on every rank: one state, one mask
         raise ConfigError(f"checkpoint {file}: {exc}") from None
-    local = run.model.state_dict()
-    _check_rank_state(file, state, local, run)
-    try:  # checks the stream's seed, rank and world size, and changes it only when they match
-        batches.load_state_dict(state["data"])
+    own = None
+    try:
+        _check_rank_state(file, state, run.model.state_dict(), run)
+        try:  # checks the stream's seed, rank and world size, and changes it only when they match
+            batches.load_state_dict(state["data"])
+        except ConfigError as exc:
+            raise ConfigError(f"checkpoint file {file}: data: {exc}") from None
     except ConfigError as exc:
-        raise ConfigError(f"checkpoint file {file}: data: {exc}") from None
+        own = exc
+    _raise_first_on_every_rank(own)
+    local = run.model.state_dict()
     with torch.no_grad():
         for name, tensor in local.items():
             _local(tensor).copy_(state["model"][name])
@@ -354,6 +371,28 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
     if "cuda" in state["rng"]:
         torch.cuda.set_rng_state(state["rng"]["cuda"], run.device)
     return int(state["step"])
+
+
+def _raise_first_on_every_rank(own: ConfigError | None, shared: Any = None) -> list[Any]:
+    """Every rank's `shared`, in rank order, unless a rank has an error (`own`: this rank's): then
+    raise, on every rank, that of the lowest such rank. A collective under a process group."""
+    mine = (None if own is None else str(own), shared)
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [mine] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    first = next((error for error, _ in every if error is not None), None)
+    if first is not None:
+        raise own if own is not None and str(own) == first else ConfigError(first)
+    return [value for _, value in every]
+
+
+def _schedule_of(file: Path, state: Any) -> dict[str, int]:
+    """The schedule position a rank file holds (`RunState.schedule_state`): step counts by name."""
+    schedule = state.get("schedule", {}) if isinstance(state, dict) else {}
+    if not isinstance(schedule, dict) or not all(isinstance(k, str) and type(v) is int for k, v in schedule.items()):
+        raise ConfigError(f"checkpoint file {file}: schedule: {schedule!r} is not a dict of step counts")
+    return schedule
 
 
 def _read_rank_file(file: Path, device: torch.device) -> Any:

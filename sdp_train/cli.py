@@ -16,6 +16,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from sdp_train.errors import EXIT_USAGE
+
 # Order is the order shown in --help. Set SDP_DEBUG=1 to see the traceback of a user error.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "masklab.cli",
@@ -26,7 +28,6 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "sdp_train.estimate_cli",
 )
 
-EXIT_USAGE = 2
 
 
 def _is_user_error(exc: BaseException) -> bool:
@@ -107,8 +108,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _is_user_error(exc) or os.environ.get("SDP_DEBUG"):
             raise
         message = " ".join(str(exc).splitlines())  # one line even when a path or value holds a newline
-        print(f"sdp {args.command}: error: {message}", file=sys.stderr)
+        line = f"sdp {args.command}: error: {message}"
+        if not _left_to_launcher(line):
+            print(line, file=sys.stderr)
         return EXIT_USAGE
+
+
+def _left_to_launcher(line: str) -> bool:
+    """Whether this process is a rank of ``sdp train``'s own launcher and has left `line` for it.
+
+    That launcher prints the line once for the job and exits 2 (`sdp_train.dist.launch_local`), as
+    when it finds the error itself; a rank under another launcher (torchrun) prints it.
+    """
+    from sdp_train.dist import leave_error_to_launcher
+    from sdp_train.rundir import LOCKED_ENV
+
+    return "RANK" in os.environ and LOCKED_ENV in os.environ and leave_error_to_launcher(line)
 
 
 def rank_main() -> None:

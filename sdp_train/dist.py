@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
+import logging
 import os
 import signal
 import sys
@@ -26,6 +28,8 @@ import torch.distributed as dist
 # Imported here, before any process group exists: importing torch.distributed.tensor while a group
 # exists keeps that group referenced (and its threads running) until the process exits.
 from torch.distributed.tensor import DTensor
+
+from sdp_train.errors import EXIT_USAGE
 
 
 @dataclass(frozen=True)
@@ -226,13 +230,53 @@ def describe_failures(failures) -> str:
     return text
 
 
+_INPUT_ERROR = "sdp_input_error"  # marks a rank's elastic error file written by `leave_error_to_launcher`
+
+
+def leave_error_to_launcher(line: str) -> bool:
+    """Write `line`, this rank's one-line input error, into its elastic error file (``TORCHELASTIC_ERROR_FILE``),
+    where `launch_local` reads it; False where there is none (no launcher set one)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
+    if not path:
+        return False
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": line, "timestamp": int(time.time()), _INPUT_ERROR: True}, f)
+    except OSError:
+        return False
+    return True
+
+
+def _refused_input(failures) -> tuple[int, str] | None:
+    """(exit code, line) of the lowest rank that exited refusing its input, or None (another failure)."""
+    for _, failure in sorted(failures.items()):
+        data = failure.error_file_data
+        if (failure.exitcode == EXIT_USAGE and isinstance(data, dict) and data.get(_INPUT_ERROR)
+                and isinstance(data.get("message"), str)):
+            return failure.exitcode, data["message"]
+    return None
+
+
+class _QuietAgent(logging.Filter):
+    """Drops the elastic agent's lines that `launch_local`'s own line says: the ranks it stops after
+    a failure ("Sending process P closing signal SIGTERM": "stopped by the launcher after it") and the
+    failure of a rank that refused its input (exit code 2: its one line says what is wrong)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("Sending process ")
+                    or text.startswith("failed (exitcode: ") and bool(record.args) and record.args[0] == EXIT_USAGE)
+
+
 def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 0) -> int:
     """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks via torch's elastic launcher.
 
     With ``max_restarts > 0`` the agent restarts the whole group when a worker fails (at most that
     many times); the restarted ranks resume (`restart_attempt`). Returns 0; 1 once the group has
-    failed more often than allowed; 128 + the signal's number when this process is interrupted
-    (130 for SIGINT, 143 for SIGTERM, as a shell reports it), after the agent has stopped the ranks.
+    failed more often than allowed; 2 with the rank's one line when a rank refused its input
+    (`leave_error_to_launcher`: bad checkpoint contents, ...), as if this process had found it;
+    128 + the signal's number when this process is interrupted (130 for SIGINT, 143 for SIGTERM,
+    as a shell reports it), after the agent has stopped the ranks.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
@@ -247,13 +291,20 @@ def launch_local(module_argv: Sequence[str], nproc: int, *, max_restarts: int = 
             *module_argv,
         ]
     )
+    agent_log, quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api"), _QuietAgent()
+    agent_log.addFilter(quiet)
     try:
         run(args)
     except SignalException as exc:  # the agent's handler of SIGINT/SIGTERM/...: the ranks are stopped
         print(f"sdp {module_argv[0]}: interrupted ({signal.Signals(exc.sigval).name})", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
-    except Exception as exc:  # ChildFailedError: the rank's own error is already on stderr
-        print(f"sdp: worker failed: {describe_failures(getattr(exc, 'failures', {})) or type(exc).__name__}",
-              file=sys.stderr)
+    except Exception as exc:  # ChildFailedError: the rank's own error is already on stderr, or left to us
+        failures = getattr(exc, "failures", {})
+        if (refused := _refused_input(failures)) is not None:
+            print(refused[1], file=sys.stderr, flush=True)
+            return refused[0]
+        print(f"sdp: worker failed: {describe_failures(failures) or type(exc).__name__}", file=sys.stderr)
         return 1
+    finally:
+        agent_log.removeFilter(quiet)
     return 0

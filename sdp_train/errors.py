@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+EXIT_USAGE = 2
+"""Exit status of a command that refused its input (argparse's too), wherever the error was found:
+in the launching process or, under ``sdp train``'s own launcher, inside a rank."""
+
 
 class ConfigError(ValueError):
     """A model, subnetwork or data configuration is invalid (bad field, unknown name, wrong mask row)."""
