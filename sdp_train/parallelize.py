@@ -9,8 +9,9 @@ With SDP (``--fsdp``) each held block is sharded among exactly its holders: its 
 from the block's holder-set process group, so FSDP's reduce-scatter computes the holder-set
 average that the sync engine would, and SDP's and FSDP's savings multiply. Every block's input
 requires grad (it is the output of a trained embedding/stem), so FSDP launches each block's
-reduce-scatter from the block's own backward, and `apply_fsdp` keeps backward free of
-all-gathers: every rank issues its collectives in the model's block order.
+reduce-scatter from the block's own backward; with holder-set meshes `apply_fsdp` turns FSDP's
+backward prefetch off, so every rank gathers and reduces each block it holds in reverse block
+order (docs/design.md §5).
 
 Not here: tensor or pipeline parallelism, mixed precision, CPU offload.
 """
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from sdp_train.models import ResNet
-from sdp_train.sdp_parts import apply_checkpointing
+from sdp_train.sdp_parts import apply_checkpointing, without_backward_prefetch
 
 
 def residual_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -64,15 +65,17 @@ def apply_fsdp(model: nn.Module, block_meshes: Mapping[str, DeviceMesh], root_me
                blocks: Sequence[tuple[str, nn.Module]]) -> None:
     """``fully_shard`` each residual block on its mesh (default the root's), then the root.
 
-    With holder-set meshes (``block_meshes`` given), blocks keep their parameters unsharded from
-    forward to the end of their backward: backward then issues no all-gathers, so FSDP's implicit
-    backward prefetch (of the previous block *this rank* ran) cannot put collectives on a shared
-    group in different orders on different ranks. Every collective then follows the model's block
-    order on every rank. Between steps every block is sharded.
+    Blocks reshard after forward and are gathered again in backward. With holder-set meshes
+    (``block_meshes`` given) no module prefetches in backward (`without_backward_prefetch`): FSDP's
+    default prefetch of the previous block *this rank* ran would put collectives on a shared group
+    in different orders on different ranks. Between steps every block is sharded.
     """
     from torch.distributed.fsdp import fully_shard
 
-    reshard = not block_meshes
     for name, block in blocks:
-        fully_shard(block, mesh=block_meshes.get(name, root_mesh), reshard_after_forward=reshard)
+        fully_shard(block, mesh=block_meshes.get(name, root_mesh))
+        if block_meshes:
+            without_backward_prefetch(block)
     fully_shard(model, mesh=root_mesh)
+    if block_meshes:
+        without_backward_prefetch(model)

@@ -15,10 +15,10 @@ from the same designed mask: `design_for_model`, seed 0) and adds up, in bytes:
   `NCCL_COMMUNICATOR_BYTES` each (``SDP_NCCL_COMMUNICATOR_BYTES`` overrides it); gloo's are host
   memory and count 0;
 - FSDP2's transient state: the root's parameters stay unsharded from forward to the end of
-  backward and its head gradients are unsharded until then; a block is gathered for its backward
-  while the next one is prefetched (with holder-set meshes every held block stays unsharded until
-  its backward ends); the previous block's reduce-scatter input lives until the next
-  reduce-scatter; the block's first weight gradient is unsharded.
+  backward and its head gradients are unsharded until then; a block is gathered again for its
+  backward while the next one is prefetched (with holder-set meshes nothing is prefetched:
+  `sdp_parts.without_backward_prefetch`); the previous block's reduce-scatter input lives until the
+  next reduce-scatter; the block's first weight gradient is unsharded.
 
 The peak is the largest of these moments: the start of backward (every saved activation, the loss
 gradients), each block's backward peak (activations of the blocks below it, the block's own,
@@ -443,29 +443,30 @@ class _Moment:
     gradients: int  # FSDP: unsharded gradients
 
 
-def _moments(acts: ActivationModel, ac: bool, reshard: bool, unit_full: dict[str, int] | None,
+def _moments(acts: ActivationModel, ac: bool, prefetch: bool, unit_full: dict[str, int] | None,
              mesh_of: dict[str, int], head_grads: int, elem: int) -> list[_Moment]:
-    """The start of backward, then each block's backward peak, last block first."""
+    """The start of backward, then each block's backward peak, last block first.
+
+    With FSDP (`unit_full` given) every block reshards after forward and is gathered again for its
+    backward; with `prefetch` (FSDP over the world) the next block in backward order is gathered
+    too, holder-set meshes prefetch nothing.
+    """
     fsdp = unit_full is not None
     units = [unit_full.get(b.name, 0) if fsdp else 0 for b in acts.blocks]
     meshes = [mesh_of.get(b.name, 1) for b in acts.blocks]
     root = unit_full.get("", 0) if fsdp else 0
-    out = [_Moment("backward start", acts.forward_bytes(ac), acts.loss_backward,
-                   root + (0 if reshard else sum(units)), 0)]
+    out = [_Moment("backward start", acts.forward_bytes(ac), acts.loss_backward, root, 0)]
     below = acts.stem + acts.constant  # activations of the blocks below block k
     for k, block in enumerate(acts.blocks):
         temps, unsharded, grads = block.backward, root, 0
         if fsdp:
-            if reshard:  # block k gathered; the next one in backward order prefetched
-                unsharded += units[k]
-                temps += units[k - 1] if k > 0 else 0
-            else:  # holder-set meshes: blocks stay unsharded from forward to the end of their backward
-                unsharded += sum(units[: k + 1])
+            unsharded += units[k]  # block k gathered (and with prefetch the next one in backward order)
+            temps += units[k - 1] if prefetch and k > 0 else 0
             temps += units[k + 1] if k + 1 < len(units) else 0  # the previous block's reduce-scatter input
             grads = head_grads + block.first_grad * elem
         out.append(_Moment(f"backward of {block.name}", below + block.saved, temps, unsharded, grads))
         if fsdp:  # its reduce-scatter: gradients copied into the input buffer; the shard out (gloo: a copy in)
-            unsharded = root + (units[k - 1] if reshard and k > 0 else 0) + (0 if reshard else sum(units[:k]))
+            unsharded = root + (units[k - 1] if prefetch and k > 0 else 0)
             temps = block.output + 2 * units[k] + (units[k] // meshes[k] if meshes[k] > 1 else 0)
             out.append(_Moment(f"reduce-scatter of {block.name}", below, temps, unsharded, head_grads))
         below += (0 if ac else block.saved) + block.output

@@ -4,10 +4,11 @@ The same collectives the runtime issues, from the model's structure and the mask
 allocated): DDP all-reduces every gradient; FSDP2 all-gathers every unit in forward, every
 residual block again in backward (the root stays unsharded), and reduce-scatters every gradient,
 each over padded dim-0 shards; the SDP sync engine all-reduces each bucket of `plan_buckets`
-among its holders (with ``--fsdp``, each held block is gathered once and reduce-scattered over
-its holders instead); Bb-SDP broadcasts every bucket not held by all workers to every rank;
-ResNets average their BatchNorm statistics among holders (`sdp_train.sync.BufferAverager`); every
-mode all-reduces the step's [loss, gradient norm^2]. Wire bytes follow `sdp_train.wire`'s model.
+among its holders (with ``--fsdp``, each held block is gathered in forward, again in backward,
+and reduce-scattered over its holders instead; a block with one holder sends nothing); Bb-SDP
+broadcasts every bucket not held by all workers to every rank; ResNets average their BatchNorm
+statistics among holders (`sdp_train.sync.BufferAverager`); every mode all-reduces the step's
+[loss, gradient norm^2]. Wire bytes follow `sdp_train.wire`'s model.
 `process_group_holder_sets` lists the process groups those collectives run on (besides the world's).
 
 Not here: memory (`sdp_train.plan`), or timing: the bytes say nothing about overlap or latency.
@@ -66,12 +67,12 @@ def predict_comm(config: ModelConfig, mode: str, held_by_rank: Sequence[Mapping[
     elif fsdp:
         for r, count in enumerate(counts):
             for n in params:
-                if n not in held_by_rank[r]:
-                    continue
                 c = sum(n in h for h in held_by_rank)
+                if n not in held_by_rank[r] or c == 1:  # FSDP2 on one rank copies, it calls no collective
+                    continue
                 padded = _padded(shapes[n], c) * elem
-                count.add("all_gather", padded, c)
-                count.add("reduce_scatter", padded, c)
+                for collective in ("all_gather", "reduce_scatter") + (("all_gather",) if n in in_block else ()):
+                    count.add(collective, padded, c)
     else:
         _bucket_bytes(plan_buckets(held_by_rank, params, shapes=shapes), shapes, counts, elem)
         if mode == "bbsdp":

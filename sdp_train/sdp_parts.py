@@ -149,9 +149,11 @@ def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str],
     """FSDP2 ``fully_shard`` of each held block over its holders, then of the root over every rank.
 
     ``groups`` holds every block's holder-set group, single holders included (`holder_set_groups`
-    with ``singletons=True``). Each block keeps its parameters unsharded from forward to the end
-    of its backward (``reshard_after_forward=False``): backward then issues no all-gathers, and
-    every rank's collectives follow the model's block order (see `sdp_train.parallelize.apply_fsdp`).
+    with ``singletons=True``). Each block reshards after its forward and is gathered again at the
+    start of its backward, so a rank keeps one held block unsharded at a time; no module prefetches
+    (`without_backward_prefetch`), so every rank issues, per held block in reverse model order, the
+    block's all-gather then its reduce-scatter: a subsequence of one global order, which cannot
+    deadlock across overlapping holder sets (docs/design.md §5).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -161,6 +163,20 @@ def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str],
     for j, name in enumerate(block_names):
         holders = tuple(int(k) for k in mask.holder_set(j))
         if rank in holders:
-            mesh = DeviceMesh.from_group(groups[holders], device.type)
-            fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=False)
+            block = module.get_submodule(name)
+            fully_shard(block, mesh=DeviceMesh.from_group(groups[holders], device.type))
+            without_backward_prefetch(block)
     fully_shard(module, mesh=DeviceMesh.from_group(dist.group.WORLD, device.type))
+    without_backward_prefetch(module)
+
+
+def without_backward_prefetch(module: nn.Module) -> None:
+    """Stop FSDP2 from all-gathering another module early in backward; ``module`` gathers only itself.
+
+    By default FSDP2 prefetches, at a module's backward, the module this rank ran before it in
+    forward. With holder-set meshes that module differs from rank to rank, so two ranks sharing two
+    groups could issue one group's all-gather and the other's reduce-scatter in opposite orders and
+    wait for each other forever. An empty prefetch list means the default to FSDP2, so the module
+    lists itself: by the time its list runs it is gathered already, and gathering it is a no-op.
+    """
+    module.set_modules_to_backward_prefetch([module])

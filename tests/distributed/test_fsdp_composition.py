@@ -101,6 +101,17 @@ def test_fsdp_comm_bytes_count_every_all_gather_and_reduce_scatter(runs):
 
 
 @pytest.mark.slow
+def test_sdp_fsdp_comm_bytes_are_the_plans_each_shared_block_gathered_in_forward_and_backward(runs):
+    from sdp_train.plan import predict
+
+    # blocks 1, 2 (two holders) gathered twice and reduced, 0 and 3 (one holder) send nothing
+    expected = predict("llama-debug", mode="bsdp", fsdp=True, workers=2, mask=Mask(MASK), batch_size=2, seq_len=32)
+    for name in ("bsdp-fsdp", "bsdp-fsdp-ac"):
+        assert {m["comm_bytes"] for m in _metrics(runs, name)} == {expected["comm_bytes_per_step"]}, name
+        assert _summary(runs, name)["wire_bytes_per_step"] == pytest.approx(expected["wire_bytes_per_step"]), name
+
+
+@pytest.mark.slow
 def test_activation_checkpointing_composes_with_sdp_and_fsdp_and_lowers_activations(runs):
     plain = _summary(runs, "bsdp-fsdp")["peak_memory_bytes"]
     ac = _summary(runs, "bsdp-fsdp-ac")["peak_memory_bytes"]

@@ -63,6 +63,20 @@ def test_sdp_with_fsdp_at_half_coverage_stores_what_fsdp_stores():
     assert both["persistent"]["parameters"] == fsdp["persistent"]["parameters"]
     assert both["total"] < fsdp["total"]
 
+def test_holder_fsdp_keeps_one_block_unsharded_beside_the_root_and_fsdps_parameters_and_gradients():
+    # resharded after forward, gathered again in backward, nothing prefetched (docs/design.md §5)
+    bmap = block_map(get_model_config("llama-debug"))
+    root = 4 * _numel(n for n in bmap.shared("block") if n in bmap.parameter_names)
+    block = 4 * _numel(n for n, _ in bmap.owned("block", 0))
+    for ac in (False, True):
+        fsdp = predict("llama-debug", mode="fsdp", workers=4, ac=ac, **LLAMA)
+        both = predict("llama-debug", mode="bsdp", fsdp=True, workers=4, active=0.5, ac=ac, **LLAMA)
+        for state in ("parameters", "gradients"):  # (AdamW's step counters: one per tensor a rank holds)
+            assert both["persistent"][state] == fsdp["persistent"][state]
+        assert both["parameters"] - both["persistent"]["parameters"] <= root + block
+        assert both["total"] < fsdp["total"]
+
+
 
 def test_checkpointing_lowers_every_mode_and_sharding_lowers_sdp():
     for mode in ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp"):
@@ -305,6 +319,17 @@ def test_bsdp_bytes_per_step_are_the_held_blocks_with_several_holders_and_their_
     wire, buffer = max(per_rank)
     assert p["comm_bytes_per_step"] == buffer
     assert p["wire_bytes_per_step"] == pytest.approx(wire)
+
+def test_holder_fsdp_bytes_gather_each_shared_block_twice_and_a_single_holder_sends_nothing():
+    mask = np.array([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=np.uint8)  # blocks 0 and 3: one holder each
+    bmap = block_map(get_model_config("llama-debug"))
+    root = 4 * _numel(n for n in bmap.shared("block") if n in bmap.parameter_names)
+    shared_blocks = 4 * _numel(n for j in (1, 2) for n, _ in bmap.owned("block", j))
+    p = predict("llama-debug", mode="bsdp", fsdp=True, workers=2, mask=Mask(mask), **LLAMA)
+    # the root gathered once and reduced; blocks 1 and 2 gathered in forward and backward and reduced
+    assert p["comm_bytes_per_step"] == 2 * root + 3 * shared_blocks + 8
+    assert p["wire_bytes_per_step"] == pytest.approx((p["comm_bytes_per_step"] - 8) / 2 + 8)
+
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp", "fsdp"])
