@@ -33,7 +33,7 @@ import kernels
 from masklab import Mask
 from sdp_train import clip_guard
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import WHOLE, SliceSpec
+from sdp_train.models.blocks import WHOLE, SliceSpec, owned_parameters, owned_state
 from sdp_train.sdp_blocks import MLPSpec, find_blocks
 from sdp_train.sdp_export import assemble, save_safetensors
 from sdp_train.sdp_masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
@@ -503,13 +503,14 @@ class SubnetworkDataParallel(nn.Module):
         old_rows, new_rows = self._matrix.astype(bool), matrix.astype(bool)
         gained = [b for j, b in enumerate(self.layout.blocks) if new_rows[self.rank, j] and not old_rows[self.rank, j]]
         dropped = [b for j, b in enumerate(self.layout.blocks) if old_rows[self.rank, j] and not new_rows[self.rank, j]]
-        for name in gained:
+        for name in gained:  # a block's shared children (a shortcut) stay as they are: every worker holds them
             block = gain_block(self.module, name, self.device)
             if self.activation_checkpointing:
                 apply_checkpointing([block])
-            self._places.insert({f"{name}.{n}": p for n, p in block.named_parameters()}, self.module)
+            owned = dict(owned_parameters(block))
+            self._places.insert({f"{name}.{n}": p for n, p in owned.items()}, self.module)
             if self.world_size > 1 and self.local_steps == 1:
-                clip_guard.watch(block.parameters())
+                clip_guard.watch(owned.values())
         if move_state:
             send_blocks(self.module, self.layout.blocks, old_rows, new_rows, self.rank, self.device,
                         self.mask_change_bytes)
@@ -517,7 +518,7 @@ class SubnetworkDataParallel(nn.Module):
                                  self.rank, self.mask_change_bytes)
         for name in dropped:
             block = self.module.get_submodule(name)
-            params = list(block.parameters())
+            params = [p for _, p in owned_parameters(block)]
             self._places.remove(params)
             for param in params:
                 param.grad = None
@@ -525,7 +526,7 @@ class SubnetworkDataParallel(nn.Module):
                 if handle is not None:
                     handle.remove()
             block.__dict__.pop("forward", None)  # activation checkpointing's wrapper, if any
-            tensors = [*params, *block.buffers()]
+            tensors = [t for _, t in owned_state(block)]
             drop_blocks(self.module, [name], np.zeros(1, dtype=bool))  # the module keeps meta copies
             for tensor in tensors:  # free the memory even where something else still holds the tensor
                 if not tensor.is_meta:

@@ -43,7 +43,7 @@ from sdp_train.models import ModelConfig, block_map, build_model, model_class
 from sdp_train.overlap import OverlapAveraging
 from sdp_train.parallelize import parallelize
 from sdp_train.sdp_blocks import MLPSpec, find_blocks
-from sdp_train.sdp_masking import ModelLayout
+from sdp_train.sdp_masking import ModelLayout, shared_inside
 from sdp_train.subnet import apply_backward_mask, build_worker_model, held_tensors
 from sdp_train.user_model import NEURON_GROUPS as USER_NEURON_GROUPS, UserModel, user_blocks
 from sdp_train.wire import ByteCount
@@ -384,11 +384,13 @@ def family_layout(config: ModelConfig, level: str) -> ModelLayout:
     """The library API's `ModelLayout` of a built-in family's full model: every tensor's shape and dtype,
     the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups)."""
     bmap = block_map(config)
+    blocks = bmap.block_names("block")
     with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
-        dtypes = {n: t.dtype for n, t in model_class(config)(config).state_dict().items()}
+        full = model_class(config)(config)
+    dtypes = {n: t.dtype for n, t in full.state_dict().items()}
     tensors = {n: (tuple(shape), dtypes[n]) for n, shape in bmap.shapes.items()}
     params = tuple(n for n in bmap.shapes if n in bmap.parameter_names)
-    return ModelLayout(tensors, params, tuple(bmap.block_names("block")), level)
+    return ModelLayout(tensors, params, blocks, level, shared_inside=shared_inside(full, blocks))
 
 
 class FSDPStepBytes:

@@ -239,8 +239,7 @@ class OverlapAveraging(nn.Module):
         parts: dict[str, list[str]] = {b: [] for b in self.layout.blocks}
         parts["other"] = []
         for name in self._tensors:
-            block = next((b for b in self.layout.blocks if name.startswith(b + ".")), "other")
-            parts[block].append(name)
+            parts[self.layout.owning_block(name) or "other"].append(name)
         return parts
 
     @torch.no_grad()
@@ -266,9 +265,9 @@ class OverlapAveraging(nn.Module):
         return out
 
     def _holders_of(self, name: str, matrix: np.ndarray) -> tuple[int, ...]:
-        for j, block in enumerate(self.layout.blocks):
-            if name.startswith(block + "."):
-                return tuple(int(k) for k in np.flatnonzero(matrix[:, j]))
+        block = self.layout.owning_block(name)
+        if block is not None:
+            return tuple(int(k) for k in np.flatnonzero(matrix[:, self.layout.blocks.index(block)]))
         return tuple(range(self.world_size))
 
     def save_full(self, path) -> None:

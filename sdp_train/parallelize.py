@@ -24,13 +24,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from sdp_train.models import ResNet
+from sdp_train.models.blocks import PassThrough
 from sdp_train.sdp_parts import apply_checkpointing, without_backward_prefetch
 
 
 def residual_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every residual block the model has built, in forward order."""
+    """(name, module) of every residual block the model has built, in forward order (a pass-through's
+    shared shortcut is not a block's: it goes with the root, held by every worker)."""
     if isinstance(model, ResNet):
-        return [(f"{stage}.{j}", block) for stage in model.stages for j, block in getattr(model, stage).items()]
+        return [(f"{stage}.{j}", block) for stage in model.stages for j, block in getattr(model, stage).items()
+                if not isinstance(block, PassThrough)]
     return [(f"layers.{i}", block) for i, block in model.layers.items()]
 
 

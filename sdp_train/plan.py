@@ -54,6 +54,7 @@ from sdp_train.models import ModelConfig, block_map, get_model_config, model_cla
 from sdp_train.parallelize import residual_blocks
 from sdp_train.plan_activations import ActivationModel, activation_model
 from sdp_train.plan_comm import predict_comm, process_group_holder_sets
+from sdp_train.sdp_masking import shared_inside
 from sdp_train.subnet import check_held, held_tensors
 
 PLANNED_MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")  # sdp train's modes but overlap averaging
@@ -329,7 +330,8 @@ def _worker(config: ModelConfig, mode: str, matrix: np.ndarray | None, rank: int
     if mode == "bbsdp":
         names = bmap.block_names("block")
         frozen_blocks = frozenset(n for n, held in zip(names, matrix[rank]) if not held)
-        trained = frozenset(n for n in trained if not any(n.startswith(b + ".") for b in frozen_blocks))
+        frozen = {n for j in np.flatnonzero(~matrix[rank]) for n, _ in bmap.owned("block", int(j))}
+        trained = trained - frozen
     meshes = None
     if mode == "fsdp":
         meshes = {name: workers for name, _ in residual_blocks(model)} | {"": workers}
@@ -391,9 +393,12 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
     acts = activation_model(w.model, w.frozen_blocks, batch_size=batch_size, seq_len=seq_len,
                             image_size=image_size, elem=elem)
     block_of = {name: block for name, block in residual_blocks(w.model)}
+    # SDP+FSDP shards a block's shared children (a shortcut) over every rank: counted with the root
+    shared = tuple(f"{n}." for n in shared_inside(w.model, list(block_of))) if mode != "fsdp" else ()
     unit_of = {}  # parameter -> FSDP unit ("" = root)
     for pname, _ in w.model.named_parameters():
-        unit_of[pname] = next((b for b in block_of if pname.startswith(b + ".")), "")
+        block = next((b for b in block_of if pname.startswith(b + ".")), "")
+        unit_of[pname] = "" if pname.startswith(shared) else block
     local: dict[str, int] = {}
     full: dict[str, int] = {}
     for pname, p in w.model.named_parameters():

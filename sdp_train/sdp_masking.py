@@ -6,8 +6,10 @@ at neuron level, which rows/columns of which tensors are each block's hidden neu
 without touching a module, which is what the sync plan and the full-model assembly need.
 
 The cuts change the model in place: `drop_blocks` replaces each non-held block by a `PassThrough`
-(its parameters are moved to the meta device, so nothing is allocated for them),
-`slice_neurons` cuts each MLP to the held hidden neurons, `freeze_blocks` is backward masking.
+(`sdp_train.models.blocks`; the block's parameters are moved to the meta device, so nothing is
+allocated for them, except its shared children, such as a downsampling block's shortcut, which
+every worker holds), `slice_neurons` cuts each MLP to the held hidden neurons, `freeze_blocks` is
+backward masking.
 State-dict names stay the full model's. Not here: gradients (the sync engine) and the public
 wrapper (`sdp_train.api`).
 """
@@ -20,10 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import WHOLE, SliceSpec
+from sdp_train.models.blocks import WHOLE, PassThrough, SliceSpec, shared_children
 from sdp_train.sdp_blocks import MLPSpec, find_mlp, is_conv1d
 
 NeuronTensor = tuple[str, int]  # (full-model tensor name, dimension of the hidden neurons)
@@ -49,6 +50,9 @@ class ModelLayout:
     """Block -> tensors sliced along their hidden-neuron dimension (level ``"neuron"``)."""
     hidden: Mapping[str, int] | None = None
     """Block -> number of hidden neurons of its MLP (level ``"neuron"``)."""
+    shared_inside: tuple[str, ...] = ()
+    """Submodules inside blocks that every worker holds (`shared_children`, e.g. ``layer2.0.downsample``):
+    their tensors belong to no block."""
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -58,7 +62,15 @@ class ModelLayout:
         return tuple(f"{b}.g{g}" for b in self.blocks for g in range(self.neuron_groups))
 
     def block_tensors(self, block: str) -> list[str]:
-        return [n for n in self.tensors if n.startswith(block + ".")]
+        """The tensors `block` owns: those under its name but its shared children's."""
+        shared = tuple(f"{s}." for s in self.shared_inside if s.startswith(block + "."))
+        return [n for n in self.tensors if n.startswith(block + ".") and not n.startswith(shared)]
+
+    def owning_block(self, name: str) -> str | None:
+        """The block that owns tensor `name`, None for a shared tensor."""
+        if name.startswith(tuple(f"{s}." for s in self.shared_inside)):
+            return None
+        return next((b for b in self.blocks if name.startswith(b + ".")), None)
 
     def group_index(self, block: str, groups: Sequence[int]) -> tuple[int, ...]:
         """Hidden-neuron positions of ``groups`` of ``block`` (contiguous groups, as even as possible)."""
@@ -89,11 +101,13 @@ def describe(model: nn.Module, blocks: Sequence[str], level: str, *, neuron_grou
     """The `ModelLayout` of the full ``model`` (which may live on the meta device)."""
     tensors = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
     params = tuple(n for n, _ in model.named_parameters())
+    shared = shared_inside(model, blocks)
     if level == "block":
+        skip = tuple(f"{s}." for s in shared)
         for b in blocks:
-            if not any(n.startswith(b + ".") for n in params):
+            if not any(n.startswith(b + ".") and not n.startswith(skip) for n in params):
                 raise ConfigError(f"block {b!r} has no parameters; a maskable block must own some")
-        return ModelLayout(tensors, params, tuple(blocks), level)
+        return ModelLayout(tensors, params, tuple(blocks), level, shared_inside=shared)
     if isinstance(neuron_groups, bool) or not isinstance(neuron_groups, int) or neuron_groups < 1:
         raise ConfigError(f"neuron_groups must be a positive int, got {neuron_groups!r}")
     modules = dict(model.named_modules())
@@ -104,7 +118,12 @@ def describe(model: nn.Module, blocks: Sequence[str], level: str, *, neuron_grou
         if hidden[b] < neuron_groups:
             raise ConfigError(f"block {b!r}: its MLP has {hidden[b]} hidden neurons, fewer than "
                               f"neuron_groups={neuron_groups}")
-    return ModelLayout(tensors, params, tuple(blocks), level, neuron_groups, mlps, sliced, hidden)
+    return ModelLayout(tensors, params, tuple(blocks), level, neuron_groups, mlps, sliced, hidden, shared)
+
+
+def shared_inside(model: nn.Module, blocks: Sequence[str]) -> tuple[str, ...]:
+    """Full names of the `shared_children` of ``model``'s ``blocks`` (the blocks or their `PassThrough`s)."""
+    return tuple(f"{b}.{c}" for b in blocks for c in shared_children(model.get_submodule(b)))
 
 
 def _neuron_tensors(block: nn.Module, name: str, spec: MLPSpec) -> tuple[tuple[NeuronTensor, ...], int]:
@@ -125,55 +144,6 @@ def _neuron_tensors(block: nn.Module, name: str, spec: MLPSpec) -> tuple[tuple[N
     if len(set(widths.values())) != 1:
         raise ConfigError(f"block {name!r}: the MLP's projections disagree on the hidden width: {widths}")
     return tuple(found), widths[spec.output]
-
-
-class PassThrough(nn.Module):
-    """What a dropped residual block becomes: returns its hidden states, holds no parameters.
-
-    Accepts the block's call signature (positional or keyword hidden states, any other keyword
-    arguments such as Hugging Face's ``attention_mask`` / ``position_embeddings``). The output has
-    the block's structure: on the first call the original block, kept on the meta device (no
-    memory), is run on meta copies of the arguments; a tuple output becomes ``(hidden, None, ...)``.
-    """
-
-    def __init__(self, block: nn.Module, name: str) -> None:
-        super().__init__()
-        object.__setattr__(self, "shape_only", block.to("meta"))  # not a submodule: no state, no .to()
-        self.name = name
-        self.tuple_length: int | None = None
-        self.probed = False
-
-    def forward(self, *args, **kwargs):
-        if args:
-            hidden = args[0]
-        elif "hidden_states" in kwargs:
-            hidden = kwargs["hidden_states"]
-        elif kwargs:
-            hidden = next(iter(kwargs.values()))
-        else:
-            raise ConfigError(f"the pass-through of dropped block {self.name!r} was called without arguments")
-        if not self.probed:
-            self.tuple_length = self._probe(args, kwargs)
-            self.probed = True
-        if self.tuple_length is None:
-            return hidden
-        return (hidden,) + (None,) * (self.tuple_length - 1)
-
-    def _probe(self, args: tuple, kwargs: dict) -> int | None:
-        def to_meta(x):
-            return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
-        try:
-            with torch.no_grad():
-                out = self.shape_only(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        except Exception as exc:
-            raise ConfigError(f"cannot tell the output structure of dropped block {self.name!r} "
-                              f"({type(self.shape_only).__name__}) from a meta-device run: {exc}") from exc
-        if isinstance(out, torch.Tensor):
-            return None
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-            return len(out)
-        raise ConfigError(f"dropped block {self.name!r} returns a {type(out).__name__}; a pass-through can stand in "
-                          "for blocks returning a tensor or a tuple whose first element is the hidden states")
 
 
 def drop_blocks(model: nn.Module, blocks: Sequence[str], row: np.ndarray) -> list[str]:

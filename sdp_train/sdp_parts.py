@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from masklab import Mask, design, load_mask
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import SliceSpec
+from sdp_train.models.blocks import SliceSpec, shared_children
 from sdp_train.sdp_masking import ModelLayout
 from sdp_train.sync import BucketPlan
 
@@ -153,20 +153,30 @@ def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str],
     start of its backward, so a rank keeps one held block unsharded at a time; no module prefetches
     (`without_backward_prefetch`), so every rank issues, per held block in reverse model order, the
     block's all-gather then its reduce-scatter: a subsequence of one global order, which cannot
-    deadlock across overlapping holder sets (docs/design.md §5).
+    deadlock across overlapping holder sets (docs/design.md §5). A block's shared children (a
+    downsampling block's shortcut, which a worker without the block keeps in its pass-through) are
+    units of their own over every rank, gathered and reduced inside their block's window.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("fsdp=True needs torch.distributed: run under torchrun")
+    world = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    # a shared child (a shortcut) runs on every rank, in its block or its pass-through: a unit over the
+    # world, so that every rank's root holds the same parameters
+    built = dict(module.named_modules())  # a block a worker skips may be absent
+    for block in (built[name] for name in block_names if name in built):
+        for child in shared_children(block):
+            fully_shard(block.get_submodule(child), mesh=world)
+            without_backward_prefetch(block.get_submodule(child))
     for j, name in enumerate(block_names):
         holders = tuple(int(k) for k in mask.holder_set(j))
         if rank in holders:
             block = module.get_submodule(name)
             fully_shard(block, mesh=DeviceMesh.from_group(groups[holders], device.type))
             without_backward_prefetch(block)
-    fully_shard(module, mesh=DeviceMesh.from_group(dist.group.WORLD, device.type))
+    fully_shard(module, mesh=world)
     without_backward_prefetch(module)
 
 

@@ -18,8 +18,10 @@ well (`move_blocks`): a worker that gains a block builds it empty from the meta-
 pass-through keeps, receives its parameters and buffers from the block's lowest-ranked old holder
 (packed broadcasts, as the state), and adds its parameters to the optimizer parameter group their
 name belongs to (`OptimizerPlaces`); then the state moves; then a worker that no longer holds a
-block frees it (parameters, gradients, optimizer state) and puts a pass-through in its place. At
-the peak a worker holds its old subnetwork plus the blocks it gains (and one packed buffer).
+block frees it (parameters, gradients, optimizer state) and puts a pass-through in its place. A
+block's shared children (a downsampling block's shortcut, `sdp_train.models.blocks.owned_state`)
+never move: every worker holds them, in the pass-through or the block. At the peak a worker holds
+its old subnetwork plus the blocks it gains (and one packed buffer).
 
 N-SDP (forward masking at neuron level) moves no block: every worker holds a slice of every MLP
 tensor, so at a change each tensor whose groups change is re-cut (`recut_neurons`): the groups
@@ -45,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import SliceSpec
+from sdp_train.models.blocks import SliceSpec, owned_state
 from sdp_train.sdp_masking import fix_features
 from sdp_train.wire import ByteCount
 
@@ -244,13 +246,11 @@ def send_blocks(module: nn.Module, blocks: Sequence[str], old_rows: np.ndarray, 
         receivers = [int(r) for r in np.flatnonzero(new_rows[:, j] & ~old_rows[:, j])]
         if not old or not receivers:
             continue
-        block = block_of(module, name)
-        for tensor_name, tensor in [*block.named_parameters(), *block.named_buffers()]:
+        for tensor_name, tensor in owned_state(block_of(module, name)):  # every worker holds shared children
             items.append((old[0], receivers, tuple(tensor.shape), tensor.dtype, (name, tensor_name)))
 
     def tensor(key) -> torch.Tensor:
-        block = module.get_submodule(key[0])
-        return dict([*block.named_parameters(), *block.named_buffers()])[key[1]]
+        return dict(owned_state(module.get_submodule(key[0])))[key[1]]
 
     def write(key, value: torch.Tensor) -> None:
         tensor(key).copy_(value)
@@ -260,8 +260,11 @@ def send_blocks(module: nn.Module, blocks: Sequence[str], old_rows: np.ndarray, 
 
 def gain_block(module: nn.Module, name: str, device: torch.device) -> nn.Module:
     """Put an empty copy of dropped block `name` (built from its pass-through's meta copy) on `device`
-    in its place; returns it."""
-    block = copy.deepcopy(module.get_submodule(name).shape_only).to_empty(device=device)
+    in its place, with the pass-through's shared children, values and all; returns it."""
+    skipped = module.get_submodule(name)
+    block = copy.deepcopy(skipped.shape_only).to_empty(device=device)
+    for shared in skipped.shared_children:
+        setattr(block, shared, getattr(skipped, shared))
     parent, _, child = name.rpartition(".")
     setattr(module.get_submodule(parent), child, block)
     return block

@@ -6,8 +6,10 @@ level (N-SDP) it is a group of MLP hidden neurons / inner conv channels and owns
 one dimension of a few tensors. Everything no block owns is *shared*. The same `SliceSpec` also
 says, for a worker's (sliced) model, where each of its tensors lives inside the full model.
 
-This module only describes structure and deterministic initialisation; building worker models
-from a mask row is `sdp_train.subnet`, moving gradients is the sync engine's job.
+A block a worker does not hold becomes a `PassThrough` (defined here, below the model families,
+so that a family can build one for a worker's subnetwork). This module only describes structure
+and deterministic initialisation; building worker models from a mask row is `sdp_train.subnet`,
+moving gradients is the sync engine's job.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from sdp_train.errors import ConfigError
 
@@ -251,3 +254,87 @@ def state_shapes(module: nn.Module) -> tuple[dict[str, tuple[int, ...]], frozens
     """(state-dict name -> shape, parameter names) of ``module`` (typically built on meta)."""
     shapes = {name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items()}
     return shapes, frozenset(name for name, _ in module.named_parameters())
+
+
+def shared_children(block: nn.Module) -> tuple[str, ...]:
+    """Names of the submodules of a residual block that every worker holds, whether it holds the
+    block or not (a downsampling ResNet block's projection shortcut); ``()`` for most blocks.
+
+    A block declares them as ``block.shared_children`` and provides
+    ``block.forward_skipped(x, **children)``, its output with a zero residual branch.
+    """
+    return tuple(getattr(block, "shared_children", ()))
+
+
+def owned_parameters(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name relative to the block, parameter) of the parameters that only the block's holders
+    keep: all of them but its shared children's."""
+    skip = tuple(f"{c}." for c in shared_children(block))
+    return [(n, p) for n, p in block.named_parameters() if not n.startswith(skip)]
+
+
+def owned_state(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`owned_parameters`, then the buffers that only the block's holders keep."""
+    skip = tuple(f"{c}." for c in shared_children(block))
+    return [*owned_parameters(block), *((n, b) for n, b in block.named_buffers() if not n.startswith(skip))]
+
+
+class PassThrough(nn.Module):
+    """What a residual block becomes on a worker that does not hold it.
+
+    The block's residual branch contributes nothing: a block without `shared_children` returns
+    its hidden states and holds no parameters; a block with some (a downsampling ResNet block)
+    keeps them here, as real submodules under their own names (so state-dict names stay the full
+    model's, ``layer2.0.downsample.0.weight``), and returns ``block.forward_skipped``. The rest of
+    the block is kept on the meta device (no memory) as ``shape_only``, from which a worker that
+    gains the block rebuilds it.
+
+    Accepts the block's call signature (positional or keyword hidden states, any other keyword
+    arguments such as Hugging Face's ``attention_mask`` / ``position_embeddings``). The output has
+    the block's structure: on the first call the meta copy is run on meta copies of the
+    arguments; a tuple output becomes ``(hidden, None, ...)``.
+    """
+
+    def __init__(self, block: nn.Module, name: str) -> None:
+        super().__init__()
+        self.shared_children = shared_children(block)
+        for child in self.shared_children:  # taken out first: Module.to("meta") moves tensors in place
+            self.add_module(child, block._modules.pop(child))
+        object.__setattr__(self, "shape_only", block.to("meta"))  # not a submodule: no state, no .to()
+        self.name = name
+        self.tuple_length: int | None = None
+        self.probed = False
+
+    def forward(self, *args, **kwargs):
+        if args:
+            hidden = args[0]
+        elif "hidden_states" in kwargs:
+            hidden = kwargs["hidden_states"]
+        elif kwargs:
+            hidden = next(iter(kwargs.values()))
+        else:
+            raise ConfigError(f"the pass-through of dropped block {self.name!r} was called without arguments")
+        if self.shared_children:
+            return self.shape_only.forward_skipped(hidden, **{c: getattr(self, c) for c in self.shared_children})
+        if not self.probed:
+            self.tuple_length = self._probe(args, kwargs)
+            self.probed = True
+        if self.tuple_length is None:
+            return hidden
+        return (hidden,) + (None,) * (self.tuple_length - 1)
+
+    def _probe(self, args: tuple, kwargs: dict) -> int | None:
+        def to_meta(x):
+            return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+        try:
+            with torch.no_grad():
+                out = self.shape_only(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        except Exception as exc:
+            raise ConfigError(f"cannot tell the output structure of dropped block {self.name!r} "
+                              f"({type(self.shape_only).__name__}) from a meta-device run: {exc}") from exc
+        if isinstance(out, torch.Tensor):
+            return None
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return len(out)
+        raise ConfigError(f"dropped block {self.name!r} returns a {type(out).__name__}; a pass-through can stand in "
+                          "for blocks returning a tensor or a tuple whose first element is the hidden states")
