@@ -1,12 +1,16 @@
 """CIFAR-style ResNet-18 (3x3 stem, four stages of BasicBlocks) for SDP.
 
-Maskable blocks are the BasicBlocks with an identity shortcut; a stage entry with a downsampling
-shortcut is shared, as are the stem and the classifier. The model can be built as a worker's
-subnetwork: ``block_ids`` keeps only some maskable BasicBlocks (B-SDP; the others are skipped),
-``inner_index`` keeps only some inner channels (conv1 outputs) of maskable BasicBlocks (N-SDP; at
-least one per block, since an empty residual branch would still add bn2's bias). Module names are
-the full model's (stages are ``nn.ModuleDict``s keyed by the block's index in its stage). Not here:
-bottleneck blocks, ImageNet stems.
+Every BasicBlock is maskable. A block a worker does not hold contributes a zero residual branch:
+its output is relu(shortcut(x)). For a block with an identity shortcut that is x itself (every
+block input is a ReLU output), so the block is skipped; a stage entry keeps its downsampling
+shortcut (1x1 convolution + BatchNorm), which is *shared* like the stem and the classifier: every
+worker holds and averages it, and a worker without the block keeps it in the block's `PassThrough`
+under the full model's names (``layer2.0.downsample.*``). The model can be built as a worker's
+subnetwork: ``block_ids`` keeps only some BasicBlocks (B-SDP), ``inner_index`` keeps only some
+inner channels (conv1 outputs) of BasicBlocks (N-SDP; at least one per block, since an empty
+residual branch would still add bn2's bias). Module names are the full model's (stages are
+``nn.ModuleDict``s keyed by the block's index in its stage). Not here: bottleneck blocks, ImageNet
+stems.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from sdp_train.models.blocks import (
     WHOLE,
     Block,
     BlockMap,
+    PassThrough,
     SliceSpec,
     check_config_fields,
     check_level,
@@ -101,8 +106,8 @@ def block_layout(config: ResNetConfig) -> list[tuple[str, int, int, int]]:
 
 
 def maskable_blocks(config: ResNetConfig) -> list[str]:
-    """Names of the BasicBlocks with an identity shortcut, in forward order."""
-    return [name for name, cin, cout, stride in block_layout(config) if stride == 1 and cin == cout]
+    """Names of the BasicBlocks, in forward order: every one is maskable."""
+    return [name for name, _, _, _ in block_layout(config)]
 
 
 def num_params(config: ResNetConfig) -> int:
@@ -121,6 +126,11 @@ def channel_group(config: ResNetConfig, block: str, g: int) -> range:
     return range(g * width, (g + 1) * width)
 
 
+def projection(cin: int, cout: int, stride: int) -> nn.Sequential:
+    """The downsampling shortcut: 1x1 convolution with ``stride``, then BatchNorm."""
+    return nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+
 class BasicBlock(nn.Module):
     """relu(bn2(conv2(relu(bn1(conv1 x)))) + shortcut(x)) with ``inner`` conv1 output channels."""
 
@@ -130,14 +140,28 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(inner)
         self.conv2 = nn.Conv2d(inner, cout, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+        self.downsample = projection(cin, cout, stride) if stride != 1 or cin != cout else None
+        # every worker holds the shortcut, with the block or in its PassThrough (`forward_skipped`)
+        self.shared_children = ("downsample",) if self.downsample is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+    @staticmethod
+    def forward_skipped(x: torch.Tensor, downsample: nn.Module) -> torch.Tensor:
+        """The output of a downsampling block with a zero residual branch: relu(downsample(x))."""
+        return F.relu(downsample(x))
+
+
+def skipped_block(name: str, cin: int, cout: int, stride: int) -> PassThrough:
+    """Downsampling block ``name`` on a worker that does not hold it: its `PassThrough`, with a real
+    shortcut (built where the model is) and the rest on the meta device."""
+    with torch.device("meta"):
+        block = BasicBlock(cin, cout, stride, cout)
+    block.downsample = projection(cin, cout, stride)
+    return PassThrough(block, name)
 
 
 class ResNet(nn.Module):
@@ -148,11 +172,12 @@ class ResNet(nn.Module):
     config : ResNetConfig
         Shape of the full model.
     block_ids : iterable of str, optional
-        Maskable BasicBlocks to build (B-SDP), e.g. ``"layer2.1"``; default all. Absent ones are
-        skipped; non-maskable blocks are always built.
+        BasicBlocks to build (B-SDP), e.g. ``"layer2.1"``; default all. An absent block with an
+        identity shortcut is skipped; one with a downsampling shortcut becomes a `PassThrough`
+        that keeps the shortcut: relu(downsample(x)).
     inner_index : mapping str -> sequence of int, optional
-        Per maskable block, the full-model inner channels to keep, increasing and non-empty
-        (N-SDP); blocks not in the mapping keep all.
+        Per block, the full-model inner channels to keep, increasing and non-empty (N-SDP);
+        blocks not in the mapping keep all.
     """
 
     def __init__(
@@ -179,8 +204,10 @@ class ResNet(nn.Module):
         for name, cin, cout, stride in block_layout(config):
             stage, j = name.split(".")
             blocks = stages.setdefault(stage, nn.ModuleDict())
-            if name in keep or name not in maskable:
+            if name in keep:
                 blocks[j] = BasicBlock(cin, cout, stride, len(self.inner_index.get(name, range(cout))))
+            elif stride != 1 or cin != cout:
+                blocks[j] = skipped_block(name, cin, cout, stride)
         for stage, blocks in stages.items():
             self.add_module(stage, blocks)
         self.stages = list(stages)
@@ -200,7 +227,8 @@ class ResNet(nn.Module):
         widths = {name: cout for name, _, cout, _ in block_layout(self.config)}
         for name, idx in self.inner_index.items():
             stage, j = name.split(".")
-            if j not in getattr(self, stage) or idx == tuple(range(widths[name])):
+            blocks = getattr(self, stage)
+            if j not in blocks or not isinstance(blocks[j], BasicBlock) or idx == tuple(range(widths[name])):
                 continue
             for t in INNER_ROWS:
                 index[f"{name}.{t}"] = SliceSpec(dim=0, index=idx, full_size=widths[name])
@@ -233,13 +261,16 @@ def init_tensor(config: ResNetConfig, name: str, shape: tuple[int, ...], generat
 
 
 def block_map(config: ResNetConfig) -> BlockMap:
-    """Blocks: identity BasicBlocks (block level); ``<block>.g{g}`` = inner-channel groups (neuron level)."""
+    """Blocks: every BasicBlock but its downsampling shortcut (block level); ``<block>.g{g}`` = inner-channel
+    groups (neuron level)."""
     with torch.device("meta"):
         shapes, params = state_shapes(ResNet(config))
     maskable = maskable_blocks(config)
     widths = {name: cout for name, _, cout, _ in block_layout(config)}
     by_block = names_by_prefix(shapes)
-    whole_blocks = tuple(Block(name, tuple((n, WHOLE) for n in by_block[name])) for name in maskable)
+    whole_blocks = tuple(Block(name, tuple((n, WHOLE) for n in by_block[name]
+                                           if not n.startswith(f"{name}.downsample.")))  # shared
+                         for name in maskable)
     neuron_blocks = []
     for name in maskable:
         for g in range(config.neuron_groups):
@@ -281,8 +312,11 @@ def activations(model: ResNet, frozen: frozenset[str], *, batch_size: int, seq_l
     A BasicBlock with A output positions, c_i inner and c_o output channels saves 2 c_i A + c_o A
     (+ c_o A with a downsampling shortcut) + the BatchNorm statistics and outputs c_o A; backward
     +(c_i + c_o) A. BatchNorm needs its input for the input gradient, so a frozen block keeps the
-    same. The stem keeps its conv output and BatchNorm output and statistics; the head the pooled
-    features and log-softmax per image.
+    same. A skipped downsampling block, relu(bn(conv1x1 x)), keeps its BatchNorm input c_o A and
+    statistics and its output c_o A, all counted as output since activation checkpointing does not
+    recompute a pass-through; backward +3 c_o A (its BatchNorm input, still held, and two
+    gradients). The stem keeps its conv output and BatchNorm output and statistics; the head the
+    pooled features and log-softmax per image.
     """
     c = model.config
     images = batch_size
@@ -291,6 +325,13 @@ def activations(model: ResNet, frozen: frozenset[str], *, batch_size: int, seq_l
     blocks = []
     for stage in model.stages:
         for j, block in getattr(model, stage).items():
+            if isinstance(block, PassThrough):
+                conv = block.downsample[0]
+                side = (side - 1) // conv.stride[0] + 1
+                area, out = images * side * side, conv.out_channels
+                blocks.append(BlockActivations(f"{stage}.{j}", 0, (2 * out * area + 2 * out) * elem,
+                                               3 * out * area * elem, out * conv.in_channels))
+                continue
             stride = block.conv1.stride[0]
             side = (side - 1) // stride + 1
             area = images * side * side

@@ -147,9 +147,11 @@ def test_comm_bytes_are_the_held_blocks_with_several_holders(grad_runs, case):
 
 RESNET_OVERRIDES = {"width_multiplier": 0.125, "in_channels": 1}
 RESNET = get_model_config("resnet18-cifar", **RESNET_OVERRIDES)
-RESNET_MASKS = {  # coverage 1 to 4 per block (channel group), every worker non-empty
-    "block": np.array([[1, 1, 0, 1, 1], [1, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=np.uint8),
-    "neuron": np.tile(np.array([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 0], [0, 0, 0, 1]], dtype=np.uint8), (1, 5)),
+RESNET_MASKS = {  # coverage 1 to 4 per block (channel group), every worker non-empty; the blocks
+    # are layer1.0 ... layer4.1, with the downsampling ones (layer2.0, 3.0, 4.0) dropped on some workers
+    "block": np.array([[1, 1, 0, 1, 1, 0, 1, 1], [1, 0, 1, 1, 0, 1, 0, 1], [0, 1, 1, 1, 1, 0, 0, 1],
+                       [0, 0, 0, 1, 1, 1, 0, 1]], dtype=np.uint8),
+    "neuron": np.tile(np.array([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 0], [0, 0, 0, 1]], dtype=np.uint8), (1, 8)),
 }
 STEP_CASES = ["llama-bbsdp", "llama-fsdp", "resnet-bsdp", "resnet-nsdp", "resnet-bbsdp"]
 

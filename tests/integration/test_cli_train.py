@@ -57,7 +57,7 @@ def test_scheduled_mask_and_structural_violations_are_refused(tmp_path, capsys):
     neurons[1, 8:16] = 0  # worker 1 keeps no neuron group of layer 1: fine for a static mask, not for a schedule
     path = save_mask(Mask(neurons, schedule=Schedule("cyclic", 5)), tmp_path / "n.json")
     _refused(capsys, ["--mask", str(path), "--workers", "2", "--mode", "nsdp"], "row 1 holds none of block 1")
-    resnet = np.ones((2, 20), dtype=np.uint8)
+    resnet = np.ones((2, 32), dtype=np.uint8)  # 8 blocks x 4 channel groups
     resnet[1, :4] = 0  # worker 1 keeps no channel group of block layer1.0
     path = save_mask(Mask(resnet), tmp_path / "r.json")
     _refused(capsys, ["--model", "resnet18-cifar", "--mode", "nsdp", "--mask", str(path), "--workers", "2"],

@@ -134,12 +134,15 @@ def test_neuron_groups_partition_the_sliced_dimension_of_each_tensor(config):
         assert sorted(index) == list(range(bmap.shapes[name][dim]))
 
 
-def test_resnet_maskable_blocks_are_the_identity_shortcut_blocks():
+def test_every_resnet_block_is_maskable_and_its_downsampling_shortcut_is_shared():
     bmap = block_map(tiny_resnet())
-    assert bmap.block_names("block") == ("layer1.0", "layer1.1", "layer2.1", "layer3.1", "layer4.1")
+    assert bmap.block_names("block") == tuple(f"layer{s}.{j}" for s in (1, 2, 3, 4) for j in (0, 1))
     shared = set(bmap.shared("block"))
-    assert {"conv1.weight", "fc.weight", "layer2.0.downsample.0.weight", "layer2.0.conv1.weight"} <= shared
-    assert bmap.block_names("neuron")[:2] == ("layer1.0.g0", "layer1.0.g1")
+    downsample = {n for n in bmap.shapes if ".downsample." in n}
+    assert len(downsample) == 3 * 6  # three stage entries: 1x1 conv weight, BatchNorm's 5 tensors
+    assert shared == {n for n in bmap.shapes if not n.startswith("layer")} | downsample
+    assert {n for n, _ in bmap.owned("block", 2)} == {n for n in bmap.shapes if n.startswith("layer2.0.")} - downsample
+    assert bmap.block_names("neuron")[:2] == ("layer1.0.g0", "layer1.0.g1") and bmap.num_blocks("neuron") == 8 * 4
 
 
 def test_unknown_level_is_rejected():

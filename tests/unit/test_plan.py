@@ -63,6 +63,7 @@ def test_sdp_with_fsdp_at_half_coverage_stores_what_fsdp_stores():
     assert both["persistent"]["parameters"] == fsdp["persistent"]["parameters"]
     assert both["total"] < fsdp["total"]
 
+
 def test_holder_fsdp_keeps_one_block_unsharded_beside_the_root_and_fsdps_parameters_and_gradients():
     # resharded after forward, gathered again in backward, nothing prefetched (docs/design.md §5)
     bmap = block_map(get_model_config("llama-debug"))
@@ -75,7 +76,6 @@ def test_holder_fsdp_keeps_one_block_unsharded_beside_the_root_and_fsdps_paramet
             assert both["persistent"][state] == fsdp["persistent"][state]
         assert both["parameters"] - both["persistent"]["parameters"] <= root + block
         assert both["total"] < fsdp["total"]
-
 
 
 def test_checkpointing_lowers_every_mode_and_sharding_lowers_sdp():
@@ -187,6 +187,19 @@ def test_swin_patch_merging_bytes_count_where_the_worker_keeps_them(row):
     inputs, targets = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
     acts = activation_model(model, frozenset(), batch_size=4, seq_len=1, image_size=8, elem=4)
     assert acts.forward_bytes(ac=False) == pytest.approx(_saved_bytes(model, inputs, targets), abs=8)
+
+@pytest.mark.parametrize("side", [8, 32])
+def test_skipped_downsampling_blocks_count_the_bytes_autograd_saves(side):
+    """relu(bn(conv1x1 x)) of every stage entry the worker does not hold: BatchNorm input and
+    statistics and the output, whether or not the blocks after it are held."""
+    config = get_model_config("resnet18-cifar", **TINY_RESNET)
+    model = build_worker_model(config, np.array([1, 1, 0, 1, 0, 0, 0, 1]), "block", seed=0)
+    inputs, targets = torch.randn(4, 1, side, side), torch.randint(0, 10, (4,))
+    acts = activation_model(model, frozenset(), batch_size=4, seq_len=1, image_size=side, elem=4)
+    skipped = [b.saved for b in acts.blocks if b.name in ("layer2.0", "layer3.0", "layer4.0")]
+    assert skipped == [0, 0, 0] and "layer3.1" not in [b.name for b in acts.blocks]  # pass-throughs keep outputs
+    assert acts.forward_bytes(ac=False) == pytest.approx(_saved_bytes(model, inputs, targets), abs=8)
+
 
 def test_activation_bytes_scale_with_tokens():
     small = predict("llama-134m", mode="ddp", workers=2, batch_size=1, seq_len=256)["activations"]
@@ -320,6 +333,7 @@ def test_bsdp_bytes_per_step_are_the_held_blocks_with_several_holders_and_their_
     assert p["comm_bytes_per_step"] == buffer
     assert p["wire_bytes_per_step"] == pytest.approx(wire)
 
+
 def test_holder_fsdp_bytes_gather_each_shared_block_twice_and_a_single_holder_sends_nothing():
     mask = np.array([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=np.uint8)  # blocks 0 and 3: one holder each
     bmap = block_map(get_model_config("llama-debug"))
@@ -329,7 +343,6 @@ def test_holder_fsdp_bytes_gather_each_shared_block_twice_and_a_single_holder_se
     # the root gathered once and reduced; blocks 1 and 2 gathered in forward and backward and reduced
     assert p["comm_bytes_per_step"] == 2 * root + 3 * shared_blocks + 8
     assert p["wire_bytes_per_step"] == pytest.approx((p["comm_bytes_per_step"] - 8) / 2 + 8)
-
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp", "fsdp"])

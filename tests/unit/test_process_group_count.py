@@ -60,7 +60,7 @@ def test_llama_neuron_level_groups_are_the_masks_distinct_holder_sets(mask):
 
 
 @EXAMPLES
-@given(mask=masks(workers=st.integers(2, 5), blocks=5))
+@given(mask=masks(workers=st.integers(2, 5), blocks=8))
 def test_resnet_groups_with_batchnorm_averaging_are_the_masks_distinct_holder_sets(mask):
     config = get_model_config("resnet18-cifar", **SMALL_RESNET)
     held = _held(config, mask, "block")

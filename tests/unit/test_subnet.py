@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, build_model, get_model_config
+from sdp_train.models.blocks import PassThrough
 from sdp_train.subnet import (
     apply_backward_mask,
     backward_mask,
@@ -71,16 +72,35 @@ def test_block_worker_forward_equals_full_model_with_other_blocks_skipped(held):
 
 
 @FAST
-@given(held=rows(5))
-def test_resnet_block_worker_equals_full_model_with_other_blocks_skipped(held):
+@given(held=rows(8))
+def test_resnet_block_worker_equals_full_model_with_other_residual_branches_zeroed(held):
+    """A block not held adds nothing to its shortcut: identity blocks are skipped, downsampling
+    blocks keep relu(downsample(x)), both as the full model with bn2 (the branch's end) zeroed."""
     full = build_model(RESNET, seed=1).double()
     names = block_map(RESNET).block_names("block")
-    for j in np.flatnonzero(~held):
-        stage, idx = names[j].split(".")
-        del getattr(full, stage)[idx]
+    with torch.no_grad():
+        for j in np.flatnonzero(~held):
+            full.get_submodule(names[j]).bn2.weight.zero_()
+            full.get_submodule(names[j]).bn2.bias.zero_()
     worker = build_worker_model(RESNET, held, "block", seed=1).double()
     assert set(worker.state_dict()) == expected_names(RESNET, held, "block")
     torch.testing.assert_close(worker(images()), full(images()), rtol=0, atol=0)
+
+
+def test_a_skipped_downsampling_block_computes_relu_of_its_shortcut_and_trains_it():
+    held = np.ones(8, dtype=bool)
+    held[2] = False  # layer2.0, the second stage's entry
+    worker = build_worker_model(RESNET, held, "block", seed=3).double()
+    full = build_model(RESNET, seed=3).double()
+    skipped, shortcut = worker.layer2["0"], full.layer2["0"].downsample
+    assert isinstance(skipped, PassThrough) and sum(p.numel() for p in skipped.parameters()) == sum(
+        p.numel() for p in shortcut.parameters())
+    x = torch.rand(4, 4, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = skipped(x)
+    torch.testing.assert_close(out, torch.relu(shortcut(x)), rtol=0, atol=0)
+    assert out.shape == (4, 8, 4, 4)
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in skipped.parameters())
 
 
 def zero_dropped_neurons(full: torch.nn.Module, config, held: np.ndarray) -> None:
@@ -142,7 +162,7 @@ def test_scatter_then_load_round_trips_and_leaves_other_entries(level, n_blocks,
 
 
 def test_seeded_worker_equals_slice_of_seeded_full_model():
-    held = np.array([0, 1] * 5, dtype=bool)
+    held = np.array([0, 1] * 8, dtype=bool)
     full = build_model(RESNET, seed=5)
     seeded = build_worker_model(RESNET, held, "neuron", seed=5)
     sliced = build_worker_model(RESNET, held, "neuron", seed=0)
@@ -168,8 +188,8 @@ def test_invalid_mask_row_is_rejected_with_expected_and_got(held, level, message
 
 
 def test_resnet_neuron_row_dropping_a_whole_block_is_rejected():
-    held = np.ones(10, dtype=bool)
-    held[4:6] = False
+    held = np.ones(16, dtype=bool)
+    held[6:8] = False
     with pytest.raises(ConfigError, match="layer2.1"):
         build_worker_model(RESNET, held, "neuron", seed=0)
 
@@ -197,3 +217,26 @@ def test_backward_mask_freezes_exactly_the_non_held_blocks():
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(held_names)
     with pytest.raises(ConfigError, match="level 'block' only"):
         backward_mask(LLAMA, np.ones(12, dtype=bool), "neuron")
+
+
+def test_a_dropped_downsampling_block_keeps_its_live_shortcut_and_gaining_it_takes_the_shortcut_back():
+    """The library's cut (`drop_blocks`, a schedule's `gain_block`) of a full ResNet: the shortcut is
+    never moved to the meta device, keeps its full-model names and values, and is the gained block's."""
+    from sdp_train.sdp_masking import describe, drop_blocks
+    from sdp_train.sdp_schedule import gain_block
+
+    model = build_model(RESNET, seed=4)
+    shortcut = model.layer3["0"].downsample
+    before = {n: t.clone() for n, t in model.state_dict().items() if n.startswith("layer3.0.downsample.")}
+    layout = describe(model, block_map(RESNET).block_names("block"), "block")
+    assert layout.shared_inside == ("layer2.0.downsample", "layer3.0.downsample", "layer4.0.downsample")
+    assert not any(".downsample." in n for n in layout.block_tensors("layer3.0"))
+    assert set(layout.held(np.array([1, 1, 1, 1, 0, 1, 1, 1]))) == set(model.state_dict()) - set(
+        layout.block_tensors("layer3.0"))
+    drop_blocks(model, layout.blocks, np.array([1, 1, 1, 1, 0, 1, 1, 1]))
+    skipped = model.layer3["0"]
+    assert isinstance(skipped, PassThrough) and skipped.downsample is shortcut
+    assert {n: t for n, t in model.state_dict().items() if n.startswith("layer3.0.")}.keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+    block = gain_block(model, "layer3.0", torch.device("cpu"))
+    assert block.downsample is shortcut and model.layer3["0"] is block and not block.conv1.weight.is_meta
