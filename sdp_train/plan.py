@@ -173,7 +173,11 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
         and ``wire_bytes_per_step``: buffer and wire bytes per step of the rank that sends most
         (`sdp_train.plan_comm`); ``process_groups``: the process groups the run creates besides
         the world's (one per distinct holder set, `plan_comm.process_group_holder_sets`);
-        ``eval_peak``: rank 0's peak during validation, which assembles the full model on rank 0 only.
+        ``eval_peak``: rank 0's peak during validation, which assembles the full model on rank 0 only;
+        ``unmaskable``: the part of the largest rank's memory that no mask removes, the parameters
+        outside every block (embedding, final norm, head; sharded over all ranks under FSDP) with
+        their gradients, optimizer state and bucket copies, and at the start of backward the root
+        unsharded (FSDP), the stem's and head's activations and the loss gradients.
     """
     config = _model_config(model, model_overrides, image_size)
     if mode not in PLANNED_MODES:
@@ -411,13 +415,11 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
     grads_b = sum(local[n] for n in trained) * elem
     opt_b = 2 * grads_b + STEP_BYTES * len(trained)
     buffers_b = sum(b.numel() * b.element_size() for b in w.model.buffers())
-    comm = buffers_b
-    if mode == "ddp" and workers > 1:
-        comm += grads_b  # the reducer's buckets (gradient_as_bucket_view=False)
-    elif mode in ("bsdp", "nsdp", "bbsdp") and w.meshes is None:
-        comm += grads_b  # the sync engine's flat buckets
-        if mode == "bbsdp" and workers > 1:
-            comm += _broadcast_bytes(config, matrix) * elem
+    # a copy of every gradient: DDP's reducer buckets (gradient_as_bucket_view=False), the sync engine's
+    bucketed = (mode == "ddp" and workers > 1) or (mode in ("bsdp", "nsdp", "bbsdp") and w.meshes is None)
+    comm = buffers_b + (grads_b if bucketed else 0)
+    if mode == "bbsdp" and bucketed and workers > 1:
+        comm += _broadcast_bytes(config, matrix) * elem
     decay = sum(local[n] for n in trained if len(w.model.get_parameter(n).shape) >= 2)
     foreach = max(decay, sum(local[n] for n in trained) - decay) * elem
 
@@ -427,6 +429,14 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
                        head_grads, elem)
     moments.append(_Moment("optimizer step", 0, foreach, 0, 0))
     state = params_b + grads_b + opt_b + comm
+    # what no mask removes: the root (embedding, final norm, head; FSDP: sharded over all ranks) with its
+    # gradients, AdamW state and bucket copies, and at backward start the root unsharded (FSDP), the
+    # stem's and head's activations (the logits' log-softmax), the constants and the loss gradients
+    root = [n for n in local if unit_of[n] == ""]
+    root_trained = [n for n in root if n in w.trained]
+    unmaskable = ((sum(local[n] for n in root) + (4 if bucketed else 3) * sum(local[n] for n in root_trained)) * elem
+                  + STEP_BYTES * len(root_trained) + acts.stem + acts.constant + acts.head + acts.loss_backward
+                  + (unit_full[""] if w.meshes is not None else 0))
     peak = max(moments, key=lambda m: m.activations + m.temporaries + m.parameters + m.gradients)
     total = state + peak.activations + peak.temporaries + peak.parameters + peak.gradients
     optimizer = opt_b + (foreach if peak.label == "optimizer step" else 0)
@@ -434,6 +444,7 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
     return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer, "buffers": comm,
             "activations": max(m.activations for m in moments),
             "other": total - parameters - gradients - optimizer - peak.activations, "total": total,
+            "unmaskable": unmaskable,
             "persistent": {"parameters": params_b, "gradients": grads_b, "optimizer": opt_b}, "peak_at": peak.label}
 
 

@@ -64,22 +64,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}, {args.workers} workers, batch {args.batch_size}"
           f"{f' x {args.seq_len} tokens' if args.model.startswith('llama') else ''}, {args.dtype}, {args.device}; "
           f"peak per rank (largest rank) vs {args.memory_per_device} = {format_bytes(budget)} per device")
-    header = ("system", "C", "groups", "params", "grads", "optimizer", "activations", "comms", "total", "eval peak",
-              "buffer/step", "wire/step", "fits")
-    print(f"{header[0]:<16}{header[1]:>6}{header[2]:>7}" + "".join(f"{h:>12}" for h in header[3:12])
-          + f"{header[12]:>6}")
+    header = ("system", "C", "groups", "params", "grads", "optimizer", "activations", "comms", "total", "no mask",
+              "eval peak", "buffer/step", "wire/step", "fits")
+    print(f"{header[0]:<16}{header[1]:>6}{header[2]:>7}" + "".join(f"{h:>12}" for h in header[3:9])
+          + f"{header[9]:>18}" + "".join(f"{h:>12}" for h in header[10:13]) + f"{header[13]:>6}")
     notes = []
     for row in rows:
         if row["total"] is None:
             notes.append(f"{row['system']} at C={row['active']:g}: {row['error']}")
             continue
+        fixed = f"{format_bytes(row['unmaskable'])} ({row['unmaskable'] / row['total']:.0%})"
         cells = "".join(f"{format_bytes(round(row[k])):>12}" for k in (
-            "parameters", "gradients", "optimizer", "activations", "communicators", "total", "eval_peak",
-            "comm_bytes_per_step", "wire_bytes_per_step"))
+            "parameters", "gradients", "optimizer", "activations", "communicators", "total"))
+        cells += f"{fixed:>18}" + "".join(f"{format_bytes(round(row[k])):>12}" for k in (
+            "eval_peak", "comm_bytes_per_step", "wire_bytes_per_step"))
         print(f"{row['system']:<16}{row['active']:>6.3g}{row['process_groups']:>7}{cells}"
               f"{'yes' if row['fits'] else 'no':>6}")
     for note in notes:
         print(f"not designable: {note}")
+    print("no mask: the part of total that no mask removes (its share): the parameters outside the blocks "
+          "(embedding, final norm, head) with their gradients, optimizer state and buckets, sharded over all "
+          "ranks under FSDP (and --fsdp), and at backward start the root unsharded (FSDP), the stem's and head's "
+          "activations (logits) and the loss gradients")
     print("eval peak: rank 0 during validation (it alone assembles the full model); buffer/step and "
           "wire/step: bytes per step of the rank that sends most, wire under the ring model "
           "(all-reduce 2(c-1)/c of the buffer, all-gather / reduce-scatter / broadcast (c-1)/c)")

@@ -345,6 +345,19 @@ def test_holder_fsdp_bytes_gather_each_shared_block_twice_and_a_single_holder_se
     assert p["wire_bytes_per_step"] == pytest.approx((p["comm_bytes_per_step"] - 8) / 2 + 8)
 
 
+def test_what_no_mask_removes_is_the_same_at_every_c_and_sharded_over_all_ranks_with_fsdp():
+    ddp = predict("llama-debug", mode="ddp", workers=4, ac=True, **LLAMA)["unmaskable"]
+    fsdp = predict("llama-debug", mode="fsdp", workers=4, ac=True, **LLAMA)["unmaskable"]
+    for c in meaningful_actives(4):
+        assert predict("llama-debug", mode="bsdp", workers=4, active=c, ac=True, **LLAMA)["unmaskable"] == ddp
+        assert predict("llama-debug", mode="bsdp", fsdp=True, workers=4, active=c, ac=True, **LLAMA)["unmaskable"] == fsdp
+    # the root: DDP keeps it whole with gradients, AdamW moments and a bucket copy (4 + 4 + 8 + 4 B per
+    # element); FSDP shards those but the bucket over 4 ranks and holds the root unsharded in forward and backward
+    bmap = block_map(get_model_config("llama-debug"))
+    root = _numel(n for n in bmap.shared("block") if n in bmap.parameter_names)
+    assert ddp - fsdp == 20 * root - (16 * root // 4 + 4 * root)
+
+
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp", "fsdp"])
 def test_evaluation_peak_adds_one_full_model_to_rank_zeros_state_only_where_rank_zero_lacks_it(mode):
     full = 4 * _numel(block_map(get_model_config("llama-debug")).shapes)
@@ -409,3 +422,15 @@ def test_cli_shows_process_groups_and_communicator_memory_on_cuda(capsys, monkey
     bsdp = next(line for line in lines if line.startswith("B-SDP ")).split()
     assert ddp[2] == "0" and ddp[-1] == "yes" and bsdp[2] == "4" and bsdp[-1] == "no"  # 3 x 1 GiB > 2 GiB
     assert any("at 1.0 GiB each" in line for line in lines)
+
+
+def test_cli_shows_what_no_mask_removes_and_its_share_of_the_peak(capsys):
+    argv = ["plan", "--model", "llama-debug", "--workers", "4", "--memory-per-device", "2GiB", "--batch-size", "2",
+            "--seq-len", "16", "--active", "0.5", "--fsdp"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "no mask" in lines[1]
+    row = predict("llama-debug", mode="bsdp", fsdp=True, workers=4, active=0.5, batch_size=2, seq_len=16)
+    both = next(line for line in lines if line.startswith("B-SDP+FSDP "))
+    assert f"({row['unmaskable'] / row['total']:.0%})" in both
+    assert any(line.startswith("no mask: ") for line in lines)
