@@ -62,9 +62,11 @@ def block_costs(model: str | ModelConfig, *, batch_size: int = 8, seq_len: int =
                                 seq_len=seq_len, image_size=image_size, elem=elem)
         return acts.forward_bytes(ac=ac)
 
-    def state(names: Sequence[str]) -> int:
+    buffers = {n: b.numel() * b.element_size() for n, b in _meta_model(config, None, None).named_buffers()}
+
+    def state(names: Sequence[str]) -> int:  # buffers as predict counts them (BatchNorm's counter: int64)
         return sum(STATE_ELEMENTS * elem * math.prod(bmap.shapes[n]) + STEP_BYTES if n in bmap.parameter_names
-                   else elem * math.prod(bmap.shapes[n]) for n in names)
+                   else buffers.get(n, elem * math.prod(bmap.shapes[n])) for n in names)
 
     full_acts = forward_bytes(every)
     costs = []
