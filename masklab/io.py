@@ -64,13 +64,7 @@ def mask_from_dict(data: Any, *, source: str = "<dict>") -> Mask:
     def fail(msg: str) -> MaskFileError:
         return MaskFileError(f"{source}: {msg}")
 
-    if not isinstance(data, dict):
-        raise fail(f"expected a JSON object at the top level, got {type(data).__name__}")
-    if data.get("format") != FORMAT:
-        raise fail(f"not an SDP mask file: format is {data.get('format')!r}, expected {FORMAT!r}")
-    version = data.get("version")
-    if version != VERSION or isinstance(version, bool):
-        raise fail(f"unknown mask file version {version!r}; this masklab reads version {VERSION}")
+    _check_header(data, FORMAT, "mask", fail)
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise fail(f"missing field(s) {missing}")
@@ -247,13 +241,7 @@ def costs_from_dict(data: Any, *, source: str = "<dict>") -> BlockCosts:
     def fail(msg: str) -> CostsFileError:
         return CostsFileError(f"{source}: {msg}")
 
-    if not isinstance(data, dict):
-        raise fail(f"expected a JSON object at the top level, got {type(data).__name__}")
-    if data.get("format") != COSTS_FORMAT:
-        raise fail(f"not an SDP costs file: format is {data.get('format')!r}, expected {COSTS_FORMAT!r}")
-    version = data.get("version")
-    if version != VERSION or isinstance(version, bool):
-        raise fail(f"unknown costs file version {version!r}; this masklab reads version {VERSION}")
+    _check_header(data, COSTS_FORMAT, "costs", fail)
     known = ("format", "version", "block_bytes", "block_names", "fixed_bytes", "source")
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -363,3 +351,14 @@ def _schedule(value: Any, fail) -> Schedule:
         return Schedule(value.get("kind", "static"), value.get("every", 1))
     except MaskError as exc:
         raise fail(f"field 'schedule': {exc}") from None
+
+
+def _check_header(data: Any, fmt: str, kind: str, fail: Callable[[str], Exception]) -> None:
+    """A JSON object whose ``format`` is `fmt` and whose ``version`` is this masklab's."""
+    if not isinstance(data, dict):
+        raise fail(f"expected a JSON object at the top level, got {type(data).__name__}")
+    if data.get("format") != fmt:
+        raise fail(f"not an SDP {kind} file: format is {data.get('format')!r}, expected {fmt!r}")
+    version = data.get("version")
+    if version != VERSION or isinstance(version, bool):
+        raise fail(f"unknown {kind} file version {version!r}; this masklab reads version {VERSION}")
