@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from masklab import Mask, Schedule
+from tests.distributed.schedule_moves import assert_moves_only_when_a_round_begins
 
 pytestmark = pytest.mark.slow
 K, STEPS, LR = 3, 6, 1e-2  # the run ends with round 2: nothing may move for round 3
@@ -161,12 +162,7 @@ def test_new_holders_get_the_old_holders_adamw_state_bit_for_bit_and_others_free
 
 def test_state_moves_when_a_step_begins_a_new_round_and_never_after_the_last_step(ranks):
     """Steps 2 and 4 begin new rounds; after the last step (5), which ends round 2, nothing moves."""
-    rounds = [MASK.round_matrix(step, seed=SEED) for step in range(STEPS)]
-    changed = [step > 0 and not np.array_equal(rounds[step], rounds[step - 1]) for step in range(STEPS)]
-    assert changed == [False, False, True, False, True, False]
-    for trace in ranks:
-        moved = [snap["moved"] for snap in trace]
-        assert [b > a for a, b in zip([0, *moved], moved)] == changed, moved
+    assert_moves_only_when_a_round_begins(ranks, MASK, SEED, [False, False, True, False, True, False])
 
 
 def test_a_permute_run_equals_the_single_process_reference_of_the_same_schedule(ranks):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from masklab import Mask, Schedule
+from tests.distributed.schedule_moves import assert_moves_only_when_a_round_begins
 
 pytestmark = pytest.mark.slow
 K, STEPS, LR, STOP = 3, 6, 1e-2, 3  # STOP: the resumed run saves after step 3, at the end of round 1
@@ -212,12 +213,7 @@ def test_new_holders_get_the_block_and_its_adamw_state_bit_for_bit_and_others_fr
 def test_blocks_move_when_a_step_begins_a_new_round_and_never_after_the_last_step(ranks):
     """Bytes move in steps 2 and 4, whose rounds differ from the step before, and not after the last
     step (5), which ends round 2: round 3 never trains (its move was 1/3 of all bytes moved)."""
-    rounds = [MASK.round_matrix(step, seed=SEED) for step in range(STEPS)]
-    changed = [step > 0 and not np.array_equal(rounds[step], rounds[step - 1]) for step in range(STEPS)]
-    assert changed == [False, False, True, False, True, False]
-    for trace in ranks:
-        moved = [snap["moved"] for snap in trace]
-        assert [b > a for a, b in zip([0, *moved], moved)] == changed, moved
+    assert_moves_only_when_a_round_begins(ranks, MASK, SEED, [False, False, True, False, True, False])
 
 
 def test_a_dropped_block_is_freed(ranks):

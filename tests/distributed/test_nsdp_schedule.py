@@ -19,6 +19,7 @@ import torch
 
 from masklab import Mask, Schedule
 from tests.distributed.mlp_net import HIDDEN, batch, make_net
+from tests.distributed.schedule_moves import assert_moves_only_when_a_round_begins
 
 pytestmark = pytest.mark.slow
 K, STEPS, LR, STOP, GROUPS = 3, 6, 1e-2, 3, 3  # the run ends with round 2; STOP ends round 1
@@ -151,12 +152,7 @@ def test_the_slices_and_their_adamw_state_equal_the_single_process_reference(ran
 
 def test_groups_move_when_a_step_begins_a_new_round_and_never_after_the_last_step(ranks):
     """Steps 2 and 4 begin new rounds; after the last step (5), which ends round 2, nothing moves."""
-    rounds = [MASK.round_matrix(step, seed=SEED) for step in range(STEPS)]
-    changed = [step > 0 and not np.array_equal(rounds[step], rounds[step - 1]) for step in range(STEPS)]
-    assert changed == [False, False, True, False, True, False]
-    for trace in ranks:
-        moved = [snap["moved"] for snap in trace]
-        assert [b > a for a, b in zip([0, *moved], moved)] == changed, moved
+    assert_moves_only_when_a_round_begins(ranks, MASK, SEED, [False, False, True, False, True, False])
 
 
 def test_holders_of_a_group_agree_bit_for_bit(ranks):
