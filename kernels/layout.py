@@ -8,12 +8,21 @@ every segment starts 16-byte aligned; the few padding elements between segments 
 (`kernels.worklist`) plus the per-segment scale 1/c_j. Packing and unpacking every step then
 allocate nothing.
 
+Nothing here blocks the host on the device. All host-to-device copies go through `upload` (pinned
+memory, ``non_blocking``): a layout's metadata is one copy, shared by every live layout with the
+same description (an engine rebuilt while the old one lives copies nothing), and the table of
+tensor addresses the kernels read is cached per address set, a few sets per layout, so gradients
+that alternate among a few addresses (``zero_grad()`` with set_to_none and the caching allocator)
+copy nothing in a steady state.
+
 This module only describes placements; moving data is `kernels.reference` / `kernels.triton_ops`.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +38,21 @@ DEFAULT_BLOCK_SIZE = 1024
 # A program has at most 1024 threads: past 16384 elements each thread would hold more than 16
 # and the compiled kernels spill registers (tests/kernels/test_gpu_codegen.py).
 MAX_BLOCK_SIZE = 2**14
+# Address sets whose pointer table a layout keeps: set_to_none and the caching allocator give one to
+# three in a steady state; more than that reuploads (a small copy that does not block).
+POINTER_TABLES_PER_LAYOUT = 8
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`, without blocking the host: the package's one host-to-device copy.
+
+    On CUDA the values go through pinned memory with ``non_blocking=True``; torch's pinned-memory
+    allocator keeps the staging memory until the copy has run, so `host` may be freed at once.
+    Elsewhere a plain ``to``.
+    """
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 @dataclass(frozen=True)
@@ -228,19 +252,19 @@ class BucketLayout:
         self.gaps = tuple(gaps)
         self.total_numel = offset
         self._build_metadata()
-        self._pointer_key: tuple[int, ...] | None = None
-        self._pointer_table = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._pointer_tables: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     def _build_metadata(self) -> None:
-        work = build_work_list(self.segments, self.gaps, self.block_size)
-        index_values = [i for seg in self.segments if seg.kind != "whole" for i in seg.index]
-        self.descriptors = torch.from_numpy(work.descriptors).to(self.device)
-        # Never empty: the kernels take its address even when no tile gathers.
-        self.column_offsets = torch.from_numpy(work.columns if len(work.columns) else np.zeros(1, dtype=np.int32)).to(self.device)
-        self.run_cols, self.gather_cols, self.num_data_tiles = work.run_cols, work.gather_cols, work.num_data_tiles
-        self.index_values = torch.tensor(index_values, dtype=torch.int64).to(self.device)
-        coverage = torch.tensor([float(s.coverage) for s in self.segments], dtype=torch.float32)
-        self.inverse_coverage = (1.0 / coverage).to(self.device)
+        key = (self.device, self.block_size, self.shapes, self.gaps,
+               tuple((s.tensor_index, s.kind, s.index, s.coverage, s.offset) for s in self.segments))
+        metadata = _METADATA.get(key)
+        if metadata is None:
+            metadata = _DeviceMetadata(build_work_list(self.segments, self.gaps, self.block_size), self.segments, self.device)
+            _METADATA[key] = metadata
+        self._metadata = metadata  # keeps the shared entry alive as long as this layout
+        self.descriptors, self.column_offsets = metadata.descriptors, metadata.column_offsets
+        self.index_values, self.inverse_coverage = metadata.index_values, metadata.inverse_coverage
+        self.run_cols, self.gather_cols, self.num_data_tiles = metadata.run_cols, metadata.gather_cols, metadata.num_data_tiles
         starts = np.cumsum([0] + [len(s.index) if s.kind != "whole" else 0 for s in self.segments])
         self.index_tensors = tuple(
             None if seg.kind == "whole" else self.index_values.narrow(0, int(starts[j]), len(seg.index))
@@ -255,15 +279,20 @@ class BucketLayout:
     def pointer_table(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """(n_tensors,) int64 on `device`: each tensor's data_ptr(), as the Triton kernels read them.
 
-        Cached by address: gradients that keep their storage across steps (``zero_grad(
-        set_to_none=False)``, or views into one flat gradient buffer) cost nothing per step;
-        otherwise one small host-to-device copy of len(tensors) int64.
+        Cached per address set (the last `POINTER_TABLES_PER_LAYOUT`): gradients that keep their
+        storage, or come back at one of a few addresses, cost nothing per step; a new set costs one
+        small `upload` of len(tensors) int64, which does not block the host.
         """
         key = tuple(t.data_ptr() for t in tensors)
-        if key != self._pointer_key:
-            self._pointer_table = torch.tensor(key, dtype=torch.int64).to(self.device)
-            self._pointer_key = key
-        return self._pointer_table
+        table = self._pointer_tables.get(key)
+        if table is not None:
+            self._pointer_tables.move_to_end(key)
+            return table
+        table = upload(torch.from_numpy(np.array(key, dtype=np.int64)), self.device)
+        self._pointer_tables[key] = table
+        if len(self._pointer_tables) > POINTER_TABLES_PER_LAYOUT:
+            self._pointer_tables.popitem(last=False)
+        return table
 
     def __repr__(self) -> str:
         kinds = {k: sum(s.kind == k for s in self.segments) for k in SEGMENT_KINDS}
@@ -278,3 +307,37 @@ def _normalize_device(device: Any) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _words(values: np.ndarray) -> np.ndarray:
+    """`values` (4- or 8-byte items) as int64 words, padded to an even count: 16-byte aligned sections."""
+    raw = np.ascontiguousarray(values).view(np.uint8)
+    words = np.zeros(-(-len(raw) // 16) * 2, dtype=np.int64)
+    words.view(np.uint8)[: len(raw)] = raw
+    return words
+
+
+class _DeviceMetadata:
+    """A layout's launch metadata on its device: one `upload`, then views of it by dtype.
+
+    Shared by the live layouts of one description through `_METADATA`, which holds it weakly: it
+    is freed with the last layout that uses it.
+    """
+
+    def __init__(self, work, segments: Sequence[Segment], device: torch.device) -> None:
+        self.run_cols, self.gather_cols, self.num_data_tiles = work.run_cols, work.gather_cols, work.num_data_tiles
+        # Never empty: the kernels take its address even when no tile gathers.
+        columns = work.columns if len(work.columns) else np.zeros(1, dtype=np.int32)
+        index_values = np.array([i for seg in segments if seg.kind != "whole" for i in seg.index], dtype=np.int64)
+        inverse_coverage = np.float32(1.0) / np.array([s.coverage for s in segments], dtype=np.float32)
+        sections = [_words(work.descriptors.ravel()), _words(index_values), _words(columns), _words(inverse_coverage)]
+        starts = np.cumsum([0] + [len(w) for w in sections])
+        blob = upload(torch.from_numpy(np.concatenate(sections)), device)
+        descriptors, index, cols, scale = (blob[a:b] for a, b in zip(starts[:-1], starts[1:]))
+        self.descriptors = descriptors[: work.descriptors.size].view(work.descriptors.shape)
+        self.index_values = index[: len(index_values)]
+        self.column_offsets = cols.view(torch.int32)[: len(columns)]
+        self.inverse_coverage = scale.view(torch.float32)[: len(inverse_coverage)]
+
+
+_METADATA: weakref.WeakValueDictionary[tuple, _DeviceMetadata] = weakref.WeakValueDictionary()
