@@ -165,9 +165,9 @@ def consensus_deviation_bound(
         Each round, every worker takes `local_steps` steps of size `eta` on its held blocks before
         the averaging. With ``eta = 0``: sum_j (1 - g_j)^floor(r/P) Xi_j(0).
     grad_sq : ndarray of shape (B,), optional
-        G_j^2 (Assumption A6), required when eta > 0. Then at r = nP + s, with
-        delta_j^2 = eta^2 H^2 c_j G_j^2 and X_j = (1 - g_j/2)^n Xi_j(0) + 6 P^2 delta_j^2 / g_j^2,
-        E Xi_j(r) <= (sqrt(X_j) + s delta_j)^2 (inf where g_j = 0 and delta_j > 0).
+        G_j^2 (Assumption A6), required when eta > 0. Then, with q_j = sqrt(1 - g_j), n = floor(r/P),
+        d_j^2 = eta^2 H^2 c_j (1 - c_j/K) G_j^2 and S_j(r) = P (1 - q_j^n)/(1 - q_j) + r - nP,
+        E Xi_j(r) <= (q_j^n sqrt(Xi_j(0)) + d_j S_j(r))^2 (Theorem 4.4).
 
     >>> from masklab.mask import Schedule
     >>> m = Mask([[1, 0], [1, 1], [0, 1]], schedule=Schedule("permute", 1))
@@ -185,20 +185,38 @@ def consensus_deviation_bound(
         raise TheoryError(f"eta={eta!r} must be a finite number >= 0")
     gap = consensus_rates(mask, local_steps=local_steps)
     period = consensus_period(mask, local_steps=local_steps)
-    r = np.arange(rounds + 1)[:, None]
-    n, s = r // period, r % period
     if eta == 0.0:
+        n = np.arange(rounds + 1)[:, None] // period
         return ((1.0 - gap) ** n * initial).sum(axis=1)
+    drift = deviation_increments(mask, eta=eta, local_steps=local_steps, grad_sq=grad_sq)
+    start, injected = _deviation_factors(gap, period, rounds)
+    return ((start * np.sqrt(initial) + injected * np.sqrt(drift)) ** 2).sum(axis=1)
+
+
+def deviation_increments(mask: Mask, *, eta: float, local_steps: int, grad_sq: np.ndarray | None) -> np.ndarray:
+    """d_j^2 = eta^2 H^2 c_j (1 - c_j/K) G_j^2: what one round's local steps can add to Xi_j (Theorem 4.4).
+
+    >>> deviation_increments(Mask([[1, 1], [1, 0]]), eta=0.5, local_steps=2, grad_sq=np.ones(2)).tolist()
+    [0.0, 0.5]
+    """
     if grad_sq is None:
         raise AssumptionError("a deviation bound with local steps (eta > 0) needs grad_sq (G_j^2, A6)")
     grad_sq = np.asarray(grad_sq, dtype=float)
     if grad_sq.shape != (mask.blocks,):
         raise TheoryError(f"grad_sq has shape {grad_sq.shape}, expected ({mask.blocks},)")
-    delta_sq = eta**2 * local_steps**2 * mask.coverage * grad_sq
+    c = mask.coverage.astype(float)
+    return eta**2 * local_steps**2 * c * (1.0 - c / mask.workers) * grad_sq
+
+
+def _deviation_factors(gap: np.ndarray, period: int, rounds: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q^n, S(r)) of Theorem 4.4 for r = 0..rounds, each of shape (rounds + 1, B)."""
+    q = np.sqrt(np.clip(1.0 - gap, 0.0, 1.0))
+    r = np.arange(rounds + 1)[:, None]
+    n = r // period
+    start = q**n
     with np.errstate(divide="ignore", invalid="ignore"):
-        floor = np.where(delta_sq == 0.0, 0.0, 6.0 * period**2 * delta_sq / gap**2)
-    at_period = (1.0 - gap / 2.0) ** n * initial + floor
-    return ((np.sqrt(at_period) + s * np.sqrt(delta_sq)) ** 2).sum(axis=1)
+        full = np.where(q < 1.0, period * (1.0 - start) / (1.0 - q), period * n)
+    return start, full + (r - n * period)
 
 
 def overlap_bound(
@@ -213,24 +231,55 @@ def overlap_bound(
     """Theorem 6: bound on (1/R) sum_r E||grad f(xbar_r)||^2 for overlap averaging, term by term.
 
     xbar_r is the mean of the K copies at the start of round r; `initial` is Xi_j(0) (default 0:
-    every copy starts equal). Needs grad_sq (A6). Proved only for 0 < eta <= 1/(12 L H); the
-    consensus term is infinite where the schedule has no positive gap and copies drift.
+    every copy starts equal). Needs grad_sq (A6). Proved for 0 < eta < K/(2 L H c_max) (`eta_max`,
+    where the bound becomes infinite); the free constants of the proof (alpha, beta) are chosen to
+    minimise the total. The consensus term is reported infinite where a block with no positive
+    mixing gap drifts: Theorem 4.4 then grows with the horizon and certifies nothing useful.
     """
     _check_mask_constants(mask, constants)
     _check_eta_steps(eta, steps, local_steps)
     if constants.grad_sq is None:
         raise AssumptionError("overlap averaging needs a bound on the per-worker gradient second moment "
                               "(grad_sq, `--grad-bound`): Theorem 6 bounds the copies' drift with it")
+    return _overlap_terms(mask, constants, eta=eta, steps=steps, local_steps=local_steps,
+                          xi_bar=mean_deviation_bound(mask, constants, eta=eta, steps=steps,
+                                                      local_steps=local_steps, initial=initial))
+
+
+def mean_deviation_bound(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int, local_steps: int = 1,
+                         initial: np.ndarray | None = None, per_block_weight: np.ndarray | None = None) -> float:
+    """(1/R) sum_{r<R} sum_j w_j E Xi_j(r) by Theorem 4.4 (w = 1 unless given); inf where a block with no
+    mixing gap drifts."""
     rounds = steps // local_steps
     xi0 = np.zeros(mask.blocks) if initial is None else np.asarray(initial, dtype=float)
-    xi_bar = float(consensus_deviation_bound(mask, xi0, rounds=rounds - 1, eta=eta, local_steps=local_steps,
-                                             grad_sq=constants.grad_sq).mean())
-    return _overlap_terms(mask, constants, eta=eta, steps=steps, local_steps=local_steps, xi_bar=xi_bar)
+    weight = np.ones(mask.blocks) if per_block_weight is None else per_block_weight
+    drift = deviation_increments(mask, eta=eta, local_steps=local_steps, grad_sq=constants.grad_sq)
+    gap = consensus_rates(mask, local_steps=local_steps)
+    if np.any((gap <= 0.0) & (drift > 0.0)):
+        return math.inf
+    start, injected = _deviation_factors(gap, consensus_period(mask, local_steps=local_steps), rounds - 1)
+    per_round = (start * np.sqrt(xi0) + injected * np.sqrt(drift)) ** 2
+    return float((per_round * weight).sum(axis=1).mean())
+
+
+def exported_overlap_bound(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int,
+                           local_steps: int = 1, initial: np.ndarray | None = None) -> float:
+    """Corollary 6.1: bound on (1/R) sum_r E||grad f(z_r)||^2 for the exported model z_r (each block its
+    holders' mean): (sqrt(Theorem 6) + L sqrt((1/R) sum_r sum_j E Xi_j(r) / c_j))^2."""
+    total = overlap_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps, initial=initial).total
+    spread = mean_deviation_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps, initial=initial,
+                                  per_block_weight=1.0 / mask.coverage.astype(float))
+    return (math.sqrt(total) + constants.smoothness * math.sqrt(spread)) ** 2
+
+
+def overlap_max_step_size(mask: Mask, constants: ProblemConstants, *, local_steps: int = 1) -> float:
+    """K / (2 L H c_max): Theorem 6 holds for every eta below it (its total is infinite there)."""
+    return mask.workers / (2.0 * constants.smoothness * local_steps * float(mask.coverage.max()))
 
 
 def optimal_overlap_step_size(mask: Mask, constants: ProblemConstants, *, steps: int, local_steps: int = 1) -> float:
-    """The eta in (0, 1/(12 L H)] that minimises Theorem 6's bound for horizon `steps` (copies start equal)."""
-    eta_max = 1.0 / (12.0 * constants.smoothness * local_steps)
+    """The eta in (0, K/(2 L H c_max)) that minimises Theorem 6's bound for horizon `steps` (copies start equal)."""
+    eta_max = overlap_max_step_size(mask, constants, local_steps=local_steps) * (1.0 - 1e-9)
 
     def total(eta: float) -> float:
         value = overlap_bound(mask, constants, eta=eta, steps=steps, local_steps=local_steps).total
@@ -250,38 +299,58 @@ def overlap_flop_matched_steps(
 ) -> FlopMatch:
     """Local steps T that make Theorem 6's bound (copies start equal) reach stepwise DDP's after `ddp_steps`.
 
-    The consensus term uses the largest deviation bound over a period, which holds at every horizon,
-    so T = (K/c_min) 4 D / (eta (DDP - floor)) suffices; ``inf`` when that floor is at or above
-    DDP's bound. Each local step is a backward-masked step: compute fraction (2 + C)/3.
+    The consensus term uses the supremum over all horizons of Theorem 4.4's deviation bound,
+    (d_j (P/(1 - q_j) + P - 1))^2 per block, so T = optimization * T' / (DDP - floor) suffices
+    (T' the probe's horizon); ``inf`` when that floor is at or above DDP's bound. Each local step is a
+    backward-masked step: compute fraction (2 + C)/3.
     """
     ddp = ddp_bound(mask, constants, eta=eta, steps=ddp_steps).total
     period = consensus_period(mask, local_steps=local_steps)
-    xi_sup = float(consensus_deviation_bound(mask, np.zeros(mask.blocks), rounds=period, eta=eta,
-                                             local_steps=local_steps, grad_sq=constants.grad_sq).max())
+    drift = deviation_increments(mask, eta=eta, local_steps=local_steps, grad_sq=constants.grad_sq)
+    gap = consensus_rates(mask, local_steps=local_steps)
+    with np.errstate(divide="ignore"):
+        reach = period / (1.0 - np.sqrt(np.clip(1.0 - gap, 0.0, 1.0))) + period - 1.0
+    xi_sup = math.inf if np.any((gap <= 0.0) & (drift > 0.0)) else float(np.sum(np.where(drift > 0, reach**2 * drift, 0.0)))
     probe = _overlap_terms(mask, constants, eta=eta, steps=local_steps, local_steps=local_steps, xi_bar=xi_sup)
     floor = probe.bias + probe.variance + probe.consensus
-    gap = ddp - floor
-    needed = math.inf if not gap > 0 else probe.optimization * local_steps / gap
+    gap_to_ddp = ddp - floor
+    needed = math.inf if not gap_to_ddp > 0 else probe.optimization * local_steps / gap_to_ddp
     return FlopMatch(ddp_steps, ddp, needed, backward_masking_compute_fraction(mask))
 
 
 def _overlap_terms(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int, local_steps: int,
                    xi_bar: float) -> BoundTerms:
+    """Theorem 6's terms at the alpha, beta that minimise the total (docs/theory.md §4)."""
     h, k, lip, lw = local_steps, mask.workers, constants.smoothness, constants.local_smoothness
     c = mask.coverage.astype(float)
-    lam = c / k  # the step each block's mean takes, relative to DDP's
+    lam, lam_max = c / k, float(c.max()) / k  # the step each block's mean takes, relative to DDP's
     eps_sq, _, kappa = update_statistics(mask, local_steps=h)
     s_h = (h - 1) * h * (2 * h - 1) / 6.0
-    scale = k / c.min()  # ||a||^2 <= (K / c_min) ||a||^2_Lambda
-    zeta = constants.zeta_sq
-    bias = scale * 4.0 * float(np.sum(lam * eps_sq * zeta))
-    variance = scale * (12.0 * lip * eta * h * lam.max() * float(np.sum(lam * (eps_sq + kappa) * zeta))
-                        + 6.0 * lip * eta * float(np.sum(c * constants.sigma_sq)) / k**2)
-    drift = (2.0 * h * c.max() * lw**2 / k**2) * (h * xi_bar + eta**2 * s_h * float(np.sum(c * constants.grad_sq)))
-    consensus = scale * (4.0 * k / (h**2 * c.min()) + 6.0 * lip * eta / h) * drift if math.isfinite(xi_bar) \
-        else math.inf
-    return BoundTerms(scale * 4.0 * constants.suboptimality / (eta * steps), bias, variance, consensus, eta,
-                      1.0 / (12.0 * lip * h))
+    zeta, eta_max = constants.zeta_sq, overlap_max_step_size(mask, constants, local_steps=h)
+    room = 1.0 - 2.0 * lip * eta * h * lam_max  # 1 - theta before alpha/2 + beta/2
+    if room <= 0.0 or not math.isfinite(xi_bar):
+        return BoundTerms(math.inf, math.inf, math.inf, math.inf, eta, eta_max)
+    bias_sum = float(np.sum(lam * eps_sq * zeta))
+    drift = lw**2 / k * (math.sqrt(h * xi_bar) + eta * math.sqrt(s_h * float(np.sum(c * constants.grad_sq)))) ** 2
+    optimization = constants.suboptimality / (eta * steps)
+    bias_rest = 2.0 * lip * eta * h * lam_max * bias_sum
+    variance = lip * eta * h * lam_max * float(np.sum(lam * kappa * zeta)) \
+        + lip * eta * float(np.sum(c * constants.sigma_sq)) / k**2
+    consensus_rest = lip * eta * lam_max * drift
+    x, y = bias_sum / 2.0, drift / (2.0 * h)  # the alpha- and beta-terms are x/alpha and y/beta
+    a = optimization + bias_rest + variance + consensus_rest
+    s = math.sqrt(x) + math.sqrt(y)
+    if s == 0.0:
+        t = 0.0
+    elif a == 0.0:
+        t = room / s
+    else:  # t minimises (a + s/t) / (room - t s/2); alpha = sqrt(x) t, beta = sqrt(y) t
+        t = (math.sqrt(s * s + 2.0 * a * room) - s) / a
+    alpha, beta = math.sqrt(x) * t, math.sqrt(y) * t
+    scale = k / (c.min() * (room - (alpha + beta) / 2.0))
+    bias = scale * ((x / alpha if x > 0 else 0.0) + bias_rest)
+    consensus = scale * ((y / beta if y > 0 else 0.0) + consensus_rest)
+    return BoundTerms(scale * optimization, bias, scale * variance, consensus, eta, eta_max)
 
 
 def _projection(holders: np.ndarray, k: int) -> np.ndarray:

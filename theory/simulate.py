@@ -147,6 +147,9 @@ class ConsensusResult:
         ||grad f(xbar_r)||^2 at the mean of the copies at the start of each round (Theorem 6).
     zeta_sq_seen : ndarray of shape (B,)
         Largest heterogeneity (A3) at any visited mean xbar_r.
+    exported_grad_norm_sq : ndarray of shape (S, rounds)
+        ||grad f(z_r)||^2 at the exported model z_r: each block its last holders' mean (Corollary 6.1;
+        round 0 uses its own holders).
     """
 
     deviation: np.ndarray
@@ -154,6 +157,7 @@ class ConsensusResult:
     grad_sq_seen: np.ndarray
     mean_grad_norm_sq: np.ndarray
     zeta_sq_seen: np.ndarray
+    exported_grad_norm_sq: np.ndarray
 
     @property
     def measured(self) -> float:
@@ -210,16 +214,21 @@ def simulate_consensus(
     initial = per_block_deviation(copies)
     deviation[:, 0] = initial.sum(axis=1)
     mean_grad = np.empty((seeds, rounds))
+    exported_grad = np.empty((seeds, rounds))
     zeta_seen = np.zeros(mask.blocks)
+    last_held = None
     for r in range(rounds):
+        held_blocks = _round_masks(mask, r * h, schedule_seeds)
+        held = np.repeat(held_blocks, sizes, axis=2)
+        exported = np.einsum("skd,skd->sd", held if last_held is None else last_held, copies) * inv_c
+        at_export = problem.worker_grads(np.broadcast_to(exported[:, None, :], copies.shape)).mean(axis=1)
+        exported_grad[:, r] = np.einsum("sd,sd->s", at_export, at_export)
         at_mean = problem.worker_grads(np.broadcast_to(copies.mean(axis=1, keepdims=True), copies.shape))
         full = at_mean.mean(axis=1)
         mean_grad[:, r] = np.einsum("sd,sd->s", full, full)
         spread = at_mean - full[:, None, :]
         het = np.add.reduceat(np.einsum("skd,skd->sd", spread, spread) / k, starts, axis=1)
         zeta_seen = np.maximum(zeta_seen, het.max(axis=0))
-        held_blocks = _round_masks(mask, r * h, schedule_seeds)
-        held = np.repeat(held_blocks, sizes, axis=2)
         for _ in range(h if eta > 0 else 0):
             grads = problem.worker_grads(copies)
             sq = np.add.reduceat(grads * grads, starts, axis=2) + problem.constants.sigma_sq
@@ -229,7 +238,8 @@ def simulate_consensus(
         holder_mean = np.einsum("skd,skd->sd", held, copies) * inv_c
         copies = np.where(held > 0, holder_mean[:, None, :], copies)
         deviation[:, r + 1] = per_block_deviation(copies).sum(axis=1)
-    return ConsensusResult(deviation, initial, grad_seen, mean_grad, zeta_seen)
+        last_held = held
+    return ConsensusResult(deviation, initial, grad_seen, mean_grad, zeta_seen, exported_grad)
 
 
 def _round_masks(mask: Mask, step: int, schedule_seeds: list[int]) -> np.ndarray:

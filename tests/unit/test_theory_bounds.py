@@ -160,9 +160,12 @@ def test_fano_plane_attains_the_gap_cap():
     assert spectral_gap(Mask(m)) == pytest.approx(spectral_gap_bound(Mask(m)), rel=1e-12)
 
 
-def test_consensus_bound_with_drift_is_infinite_without_a_rate():
-    mask = Mask([[1, 1], [0, 1]])  # static: block 0's non-holder never sees the average
-    bound = consensus_deviation_bound(mask, np.ones(2), rounds=2, eta=0.1, grad_sq=np.ones(2))
-    assert np.all(np.isinf(bound[1:]))
+def test_consensus_bound_without_a_rate_grows_by_one_increment_per_round():
+    """Static mask: block 0's non-holder never sees the average, so sqrt(E Xi_0) grows by at most
+    d_0 = eta H sqrt(c (1 - c/K)) G per round (Theorem 4.4); block 1 is held by both and averaged away."""
+    mask = Mask([[1, 1], [0, 1]])
+    bound = consensus_deviation_bound(mask, np.ones(2), rounds=3, eta=0.1, grad_sq=np.ones(2))
+    d = 0.1 * np.sqrt(0.5)
+    assert bound == pytest.approx([2.0] + [(1 + d * r) ** 2 for r in (1, 2, 3)], rel=1e-12)
     with pytest.raises(AssumptionError):
         consensus_deviation_bound(mask, np.ones(2), rounds=2, eta=0.1)
