@@ -21,10 +21,14 @@ USED_BY: dict[str, str] = {
     "masking_error": "bias floor of Theorems 1 and 3, backward masking; 0 only when the mask is redrawn every step "
                      "(Theorem 2); static, cyclic, sequence and held masks use the mask in force",
     "variance_inflation": "noise term of Theorems 1-3 (K E[1/c_j]), backward masking",
-    "spectral_gap": "overlap averaging only (Theorems 4 and 6, copies kept, holders average): the consensus rate "
-                    "of a balanced mask redrawn every round; no stepwise theorem (1-3) uses it",
+    "spectral_gap": "overlap averaging only (copies kept, holders average): the per-round consensus rate of a "
+                    "balanced mask under a permute schedule redrawn every round (Theorem 4.2); it does not govern a "
+                    "static mask's consensus (non-holders never receive the average: no contraction unless "
+                    "c_j = K) nor a cyclic or held schedule's (Theorem 4.1: the period's gap g_j); a design figure "
+                    "elsewhere; no stepwise theorem (1-3) uses it",
     "spectral_gap_bound": "Theorem 5: the cap (mean coverage - 1)/(K - 1) on gamma; overlap averaging only",
-    "optimality_ratio": "Theorem 5: gamma / cap, how well the design mixes under overlap averaging",
+    "optimality_ratio": "Theorem 5: gamma / cap, how close the design is to the best gamma for its coverage; a rate "
+                        "only where gamma is one (Theorem 4.2)",
     "cotraining_gap": "diagnostic, used by no theorem: whether the blocks were ever trained together",
     "connected": "overlap averaging only (Theorem 4): necessary, not sufficient, for copies of a static mask to agree; "
                  "not a condition of Theorems 1-3",
