@@ -3,12 +3,15 @@
 Build a `BucketLayout` once per bucket and mask, then every step `pack` the held slices of the
 bucket's gradients into one flat buffer (scaled by 1/c_j, optionally cast to bfloat16), let a
 collective sum it among the holders, and `unpack` it back — or do all three with
-`overlap_average`; `squared_norm` reads the held slices' share of a clipping norm in place. Each operation has a fused Triton implementation (`kernels.triton_ops`, one
-launch per bucket) and a pure-PyTorch reference (`kernels.reference`) with the same semantics;
+`overlap_average`; `squared_norm` reads the held slices' share of a clipping norm in place, or
+`pack` / `unpack` fill it into ``partials`` in the same launch, and `clip_coefficient` turns a
+norm into the clipping factor on the device. Each operation has a fused Triton implementation
+(`kernels.triton_ops`, one launch per bucket) and a pure-PyTorch reference (`kernels.reference`) with the same semantics;
 `kernels.dispatch` picks one. This package does not group blocks into buckets or create process
 groups: that is the sync engine in `sdp_train`.
 """
 
+from kernels.clipping import clip_coefficient
 from kernels.dispatch import BACKENDS, select_backend
 from kernels.errors import BackendUnavailableError, KernelInputError, KernelLimitError, LayoutError
 from kernels.layout import SEGMENT_KINDS, BucketLayout, Segment, SegmentSpec
@@ -26,6 +29,7 @@ __all__ = [
     "LayoutError",
     "Segment",
     "SegmentSpec",
+    "clip_coefficient",
     "overlap_average",
     "pack",
     "select_backend",

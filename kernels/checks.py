@@ -56,15 +56,16 @@ def check_buffer(buffer: torch.Tensor, layout: BucketLayout, name: str) -> None:
         raise KernelInputError(f"{name} holds {buffer.numel()} elements, the layout needs {layout.total_numel}")
 
 
-def check_no_aliasing(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], name: str) -> None:
-    """Reject a buffer that shares memory with a tensor, and tensors that share memory with each other.
+def check_no_aliasing(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], name: str, partials: torch.Tensor | None = None) -> None:
+    """Reject a buffer (or `partials`) that shares memory with a tensor, and tensors that share memory with each other.
 
     The fused kernels read and write in no fixed order, so overlapping memory would give
     order-dependent results.
     """
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"tensor {i}") for i, t in enumerate(tensors) if t.numel()]
-    if buffer.numel():
-        spans.append((buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size(), name))
+    for who, extra in ((name, buffer), ("partials", partials)):
+        if extra is not None and extra.numel():
+            spans.append((extra.data_ptr(), extra.data_ptr() + extra.numel() * extra.element_size(), who))
     spans.sort()
     for (start_a, end_a, who_a), (start_b, end_b, who_b) in zip(spans, spans[1:]):
         if start_b < end_a:
@@ -87,24 +88,43 @@ def check_scale(scale: torch.Tensor | None, layout: BucketLayout) -> None:
         raise KernelInputError(f"scale must be contiguous, got strides {scale.stride()}")
 
 
+def check_partials(partials: torch.Tensor | None, layout: BucketLayout) -> None:
+    """`partials` is None or a 1-D contiguous float32 tensor of ``layout.num_norm_partials`` on the layout's device."""
+    if partials is None:
+        return
+    expected = (layout.num_norm_partials,)
+    if not isinstance(partials, torch.Tensor) or tuple(partials.shape) != expected or partials.dtype != torch.float32:
+        got = f"{partials.dtype} of shape {tuple(partials.shape)}" if isinstance(partials, torch.Tensor) else type(partials).__name__
+        raise KernelInputError(f"partials must be a float32 tensor of shape {expected} (layout.num_norm_partials), got {got}")
+    if partials.device != layout.device:
+        raise KernelInputError(f"partials is on {partials.device}, the layout is on {layout.device}")
+    if not partials.is_contiguous():
+        raise KernelInputError(f"partials must be contiguous, got strides {partials.stride()}")
+
+
 def prepare_pack_out(
     out: torch.Tensor | None,
     tensors: Sequence[torch.Tensor],
     layout: BucketLayout,
     scale: torch.Tensor | None,
     out_dtype: torch.dtype | None,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run every check of `pack`; return `out`, allocated when None."""
     dtype = check_tensors(tensors, layout)
     check_scale(scale, layout)
+    check_partials(partials, layout)
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
         raise KernelInputError(f"out_dtype={out_dtype} is not supported: {SUPPORTED_DTYPES}")
     if out is None:
-        return torch.empty(layout.total_numel, dtype=out_dtype or dtype, device=layout.device)
+        out = torch.empty(layout.total_numel, dtype=out_dtype or dtype, device=layout.device)
+        if partials is not None:
+            check_no_aliasing(out, tensors, "out", partials)
+        return out
     check_buffer(out, layout, "out")
     if out_dtype is not None and out.dtype != out_dtype:
         raise KernelInputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-    check_no_aliasing(out, tensors, "out")
+    check_no_aliasing(out, tensors, "out", partials)
     return out
 
 
@@ -114,14 +134,16 @@ def check_unpack(
     layout: BucketLayout,
     mode: str,
     scale: torch.Tensor | None,
+    partials: torch.Tensor | None = None,
 ) -> None:
     """Run every check of `unpack`."""
     if mode not in UNPACK_MODES:
         raise KernelInputError(f"mode={mode!r} is not one of {UNPACK_MODES}")
     check_tensors(tensors, layout)
     check_scale(scale, layout)
+    check_partials(partials, layout)
     check_buffer(buffer, layout, "buffer")
-    check_no_aliasing(buffer, tensors, "buffer")
+    check_no_aliasing(buffer, tensors, "buffer", partials)
 
 
 def average_scales(layout: BucketLayout, divide: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:

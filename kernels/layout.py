@@ -276,6 +276,12 @@ class BucketLayout:
         """Programs of one fused pack launch (unpack runs the first `num_data_tiles` of them)."""
         return self.descriptors.shape[0]
 
+    @property
+    def num_norm_partials(self) -> int:
+        """Length of the float32 ``partials`` that `pack`, `unpack` and `squared_norm` fill: their sum is the
+        squared norm of the held slices (one partial per data tile; 0 when nothing is held)."""
+        return self.num_data_tiles
+
     def pointer_table(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """(n_tensors,) int64 on `device`: each tensor's data_ptr(), as the Triton kernels read them.
 

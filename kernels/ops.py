@@ -1,9 +1,9 @@
 """Public entry points: `pack`, `unpack`, `overlap_average`, `squared_norm`, each dispatched to a backend.
 
 The sync engine builds one `BucketLayout` per bucket and mask, then calls these every step. With a
-preallocated buffer and gradients that keep their storage, that per-step path allocates no device
-memory. This module holds no arithmetic: see `kernels.reference` for the semantics and
-`kernels.triton_ops` for the fused kernels.
+preallocated buffer (and preallocated ``partials`` for a norm), that per-step path allocates no
+device memory and never waits for the device. This module holds no arithmetic: see
+`kernels.reference` for the semantics and `kernels.triton_ops` for the fused kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def pack(
     *,
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partials: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Gather the held slices of a bucket's tensors into one flat buffer, scaled and cast, in one pass.
@@ -46,6 +47,10 @@ def pack(
     out_dtype : torch.dtype, optional
         dtype of the allocated `out` (e.g. torch.bfloat16 to halve the bytes sent); default the
         tensors' dtype. Must equal ``out.dtype`` if both are given.
+    partials : torch.Tensor, optional
+        (layout.num_norm_partials,) float32 on ``layout.device``, overwritten so that its sum is
+        the squared norm of the held slices as read (unscaled): `squared_norm` fused into the
+        same launch. Sum the partials of many buckets with one ``sum()``.
     backend : {"auto", "triton", "reference"}
         See `kernels.dispatch`.
 
@@ -64,7 +69,7 @@ def pack(
     tensor([2.0000, 2.5000, 0.0000, 0.5000])
     """
     impl = select_backend(backend, layout.device)
-    return impl.pack(tensors, layout, out, scale=scale, out_dtype=out_dtype)
+    return impl.pack(tensors, layout, out, scale=scale, out_dtype=out_dtype, partials=partials)
 
 
 def unpack(
@@ -74,6 +79,7 @@ def unpack(
     *,
     mode: str = "copy",
     scale: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Scatter a packed buffer back into the held slices of the bucket's tensors, in one pass.
@@ -93,31 +99,42 @@ def unpack(
         computed in float32 and rounded once (no atomics: each element has one writer).
     scale : torch.Tensor, optional
         (n_segments,) float32 per-segment factor, as in `pack`; None for 1.
+    partials : torch.Tensor, optional
+        (layout.num_norm_partials,) float32 on ``layout.device``, overwritten so that its sum is
+        the squared norm of the held slices as written: `squared_norm` of the result, fused into
+        the same launch (after an averaging all-reduce, the averaged gradient's share of a
+        clipping norm).
     backend : {"auto", "triton", "reference"}
     """
     impl = select_backend(backend, layout.device)
-    impl.unpack(buffer, tensors, layout, mode=mode, scale=scale)
+    impl.unpack(buffer, tensors, layout, mode=mode, scale=scale, partials=partials)
 
 
-def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, backend: str = "auto") -> torch.Tensor:
+def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, partials: torch.Tensor | None = None,
+                 backend: str = "auto") -> torch.Tensor:
     """Sum of squares, in float32, of every held slice of the bucket's tensors, read in place.
 
     What a gradient-clipping norm needs from a bucket, without packing it first (a single-holder
     bucket) or reading its buffer again (after `unpack` the held slices are the averages). The
     Triton backend sums one partial per tile and then the partials, so the result is
     deterministic; it may differ from the reference's order of summation by float32 rounding.
+    Nothing waits for the device: the result stays there (see `clip_coefficient`).
 
     Parameters
     ----------
     tensors : sequence of torch.Tensor
         The bucket's tensors, checked as in `pack`.
     layout : BucketLayout
+    partials : torch.Tensor, optional
+        (layout.num_norm_partials,) float32 on ``layout.device``: write the per-tile partial
+        sums there (their sum is the result) and return it, with no separate sum launched, so
+        that the partials of every bucket, slices of one tensor, are summed once per step.
     backend : {"auto", "triton", "reference"}
 
     Returns
     -------
     torch.Tensor
-        0-d float32 on ``layout.device``.
+        0-d float32 on ``layout.device``; `partials` when given.
 
     Examples
     --------
@@ -129,7 +146,7 @@ def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, backe
     tensor(42.)
     """
     impl = select_backend(backend, layout.device)
-    return impl.squared_norm(tensors, layout)
+    return impl.squared_norm(tensors, layout, partials=partials)
 
 
 def overlap_average(

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.checks import average_scales, check_tensors, check_unpack, prepare_pack_out
+from kernels.checks import average_scales, check_no_aliasing, check_partials, check_tensors, check_unpack, prepare_pack_out
 from kernels.layout import BucketLayout, Segment
 
 
@@ -29,12 +29,15 @@ def pack(
     *,
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather the held slices of `tensors` into ``out[:layout.total_numel]``, times ``scale[j]``; zero its gaps.
 
     See `kernels.pack` for the parameters.
     """
-    out = prepare_pack_out(out, tensors, layout, scale, out_dtype)
+    out = prepare_pack_out(out, tensors, layout, scale, out_dtype, partials)
+    if partials is not None:
+        _fill_partials(partials, tensors, layout)
     for start, length in layout.gaps:
         out.narrow(0, start, length).zero_()
     for j, seg in enumerate(layout.segments):
@@ -68,12 +71,20 @@ def unpack(
     *,
     mode: str = "copy",
     scale: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
 ) -> None:
     """Scatter ``buffer[:layout.total_numel]`` (times ``scale[j]``) back into the held slices of `tensors`.
 
     See `kernels.unpack` for the parameters.
     """
-    check_unpack(buffer, tensors, layout, mode, scale)
+    check_unpack(buffer, tensors, layout, mode, scale, partials)
+    _unpack(buffer, tensors, layout, mode, scale)
+    if partials is not None:
+        _fill_partials(partials, tensors, layout)
+
+
+def _unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], layout: BucketLayout, mode: str,
+            scale: torch.Tensor | None) -> None:
     for j, seg in enumerate(layout.segments):
         if seg.numel == 0:
             continue
@@ -93,9 +104,25 @@ def unpack(
         view.index_copy_(1, index, values.to(dst.dtype))
 
 
-def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout) -> torch.Tensor:
+def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, partials: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 sum of squares of every held slice of `tensors`. See `kernels.squared_norm`."""
     check_tensors(tensors, layout)
+    check_partials(partials, layout)
+    if partials is None:
+        return _squared_norm(tensors, layout)
+    check_no_aliasing(partials, tensors, "partials")
+    _fill_partials(partials, tensors, layout)
+    return partials
+
+
+def _fill_partials(partials: torch.Tensor, tensors: Sequence[torch.Tensor], layout: BucketLayout) -> None:
+    # The whole sum in the first entry: only the sum of `partials` is specified, not its split.
+    partials.zero_()
+    if layout.num_norm_partials:
+        partials[0] = _squared_norm(tensors, layout)
+
+
+def _squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=layout.device)
     for j, seg in enumerate(layout.segments):
         if seg.numel:

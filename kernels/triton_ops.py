@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import average_scales, check_tensors, check_unpack, prepare_pack_out
+from kernels.checks import average_scales, check_no_aliasing, check_partials, check_tensors, check_unpack, prepare_pack_out
 from kernels.layout import BucketLayout
 from kernels.worklist import DESC_WIDTH, KIND_GATHER, KIND_RUN_ALIGNED, KIND_ZERO
 
@@ -42,6 +42,13 @@ _RUN_ALIGNED: tl.constexpr = tl.constexpr(KIND_RUN_ALIGNED)
 _GATHER: tl.constexpr = tl.constexpr(KIND_GATHER)
 _ZERO: tl.constexpr = tl.constexpr(KIND_ZERO)
 _ALIGN: tl.constexpr = tl.constexpr(8)  # kernels.worklist.ALIGN_ELEMENTS
+# What a tile does (`_direction`): move tensor -> buffer or back, read only, or move and also sum the squares.
+OP_PACK, OP_UNPACK, OP_NORM, OP_PACK_NORM, OP_UNPACK_NORM = 0, 1, 2, 3, 4
+_PACK: tl.constexpr = tl.constexpr(OP_PACK)
+_UNPACK: tl.constexpr = tl.constexpr(OP_UNPACK)
+_NORM: tl.constexpr = tl.constexpr(OP_NORM)
+_PACK_NORM: tl.constexpr = tl.constexpr(OP_PACK_NORM)
+_UNPACK_NORM: tl.constexpr = tl.constexpr(OP_UNPACK_NORM)
 
 
 def num_warps_for(block_size: int) -> int:
@@ -83,25 +90,47 @@ def _cast(x, DTYPE: tl.constexpr, HW_BF16: tl.constexpr):
 
 
 @triton.jit
-def _move(src, dst, mask, factor, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr):
-    """dst = cast(src * factor), or cast(dst + src * factor); float32 arithmetic when scaled or accumulated."""
-    x = tl.load(src, mask=mask)
+def _move(src, dst, mask, factor, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+          NORM: tl.constexpr, NORM_OF_SRC: tl.constexpr):
+    """dst = cast(src * factor), or cast(dst + src * factor); float32 arithmetic when scaled or accumulated.
+
+    Returns the float32 sum of squares of what was loaded from src (NORM_OF_SRC) or stored to dst
+    when NORM, else 0: the same values and the same reduction as `_direction`'s OP_NORM.
+    """
+    loaded = tl.load(src, mask=mask)
+    x = loaded
     if HAS_SCALE:
         x = x.to(tl.float32) * factor
     if ACCUMULATE:
         x = tl.load(dst, mask=mask).to(tl.float32) + x.to(tl.float32)
-    tl.store(dst, _cast(x, dst.dtype.element_ty, HW_BF16), mask=mask)
+    stored = _cast(x, dst.dtype.element_ty, HW_BF16)
+    tl.store(dst, stored, mask=mask)
+    total = tl.zeros((), tl.float32)
+    if NORM:
+        if NORM_OF_SRC:
+            v = tl.where(mask, loaded.to(tl.float32), 0.0)
+        else:
+            v = tl.where(mask, stored.to(tl.float32), 0.0)
+        total = tl.sum(v * v)
+    return total
 
 
 @triton.jit
 def _direction(t, b, mask, factor, OP: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr):
-    """OP 0: pack (tensor -> buffer), 1: unpack, 2: no move. Returns the tile's float32 sum of squares
-    of the tensor side for OP 2, else 0."""
+    """OP_PACK (tensor -> buffer), OP_UNPACK, OP_NORM (no move), OP_PACK_NORM, OP_UNPACK_NORM.
+
+    Returns the tile's float32 sum of squares of the tensor side (as read by a pack, as written by
+    an unpack) for the three OPs with a norm, else 0.
+    """
     total = tl.zeros((), tl.float32)
-    if OP == 0:
-        _move(t, b, mask, factor, HAS_SCALE, False, HW_BF16)
-    elif OP == 1:
-        _move(b, t, mask, factor, HAS_SCALE, ACCUMULATE, HW_BF16)
+    if OP == _PACK:
+        total = _move(t, b, mask, factor, HAS_SCALE, False, HW_BF16, False, True)
+    elif OP == _PACK_NORM:
+        total = _move(t, b, mask, factor, HAS_SCALE, False, HW_BF16, True, True)
+    elif OP == _UNPACK:
+        total = _move(b, t, mask, factor, HAS_SCALE, ACCUMULATE, HW_BF16, False, False)
+    elif OP == _UNPACK_NORM:
+        total = _move(b, t, mask, factor, HAS_SCALE, ACCUMULATE, HW_BF16, True, False)
     else:
         x = tl.load(t, mask=mask, other=0.0).to(tl.float32)
         total = tl.sum(x * x)
@@ -175,12 +204,14 @@ def _tensor_pointer(pointers, tensor_index, DTYPE: tl.constexpr, ALIGNED: tl.con
 
 @triton.jit
 def _pack_kernel(
-    pointers, descriptors, columns, scale, out,
-    SRC_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HW_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+    pointers, descriptors, columns, scale, out, partials,
+    SRC_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, OP: tl.constexpr, HW_BF16: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
+    """OP is OP_PACK, or OP_PACK_NORM: each data tile also stores its sum of squares in partials[tile]."""
+    tile = tl.program_id(0)
     (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
-     col_start) = tile_descriptor(descriptors, tl.program_id(0))
+     col_start) = tile_descriptor(descriptors, tile)
     if kind == _ZERO:
         k = tl.arange(0, BLOCK)
         tl.store(out + buffer_start + k, tl.zeros((BLOCK,), out.dtype.element_ty), mask=k < ncols)
@@ -189,24 +220,30 @@ def _pack_kernel(
         factor = 1.0
         if HAS_SCALE:
             factor = tl.load(scale + segment)
-        _tile(tensor, out, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
-              0, HAS_SCALE, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+        total = _tile(tensor, out, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start,
+                      factor, OP, HAS_SCALE, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+        if OP == _PACK_NORM:
+            tl.store(partials + tile, total)
 
 
 @triton.jit
 def _unpack_kernel(
-    pointers, descriptors, columns, scale, buffer,
-    DST_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, HW_BF16: tl.constexpr,
+    pointers, descriptors, columns, scale, buffer, partials,
+    DST_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, OP: tl.constexpr, HW_BF16: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
+    """OP is OP_UNPACK, or OP_UNPACK_NORM: each tile also stores the sum of squares it wrote in partials[tile]."""
+    tile = tl.program_id(0)
     (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
-     col_start) = tile_descriptor(descriptors, tl.program_id(0))
+     col_start) = tile_descriptor(descriptors, tile)
     tensor = _tensor_pointer(pointers, tensor_index, DST_DTYPE, ALIGNED)
     factor = 1.0
     if HAS_SCALE:
         factor = tl.load(scale + segment)
-    _tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, factor,
-          1, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+    total = _tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start,
+                  factor, OP, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+    if OP == _UNPACK_NORM:
+        tl.store(partials + tile, total)
 
 
 @triton.jit
@@ -220,7 +257,7 @@ def _squared_norm_kernel(
      col_start) = tile_descriptor(descriptors, tile)
     tensor = _tensor_pointer(pointers, tensor_index, DTYPE, ALIGNED)
     total = _tile(tensor, tensor, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, 1.0,
-                  2, False, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
+                  _NORM, False, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
     tl.store(partials + tile, total)  # one partial per tile, summed on the host side: deterministic
 
 
@@ -245,14 +282,17 @@ def pack(
     *,
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused gather of every segment of the bucket into ``out``; one launch. See `kernels.pack`."""
-    out = prepare_pack_out(out, tensors, layout, scale, out_dtype)
+    """Fused gather of every segment of the bucket into ``out``, and the held slices' squared norm
+    into `partials` if given; one launch. See `kernels.pack`."""
+    out = prepare_pack_out(out, tensors, layout, scale, out_dtype, partials)
     if layout.num_tiles:
         _pack_kernel[(layout.num_tiles,)](
             layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
-            layout.inverse_coverage if scale is None else scale, out,
+            layout.inverse_coverage if scale is None else scale, out, partials,
             SRC_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None,
+            OP=OP_PACK if partials is None else OP_PACK_NORM,
             **kernel_constexprs(tensors, layout, out), **_options(layout),
         )
     return out
@@ -265,28 +305,35 @@ def unpack(
     *,
     mode: str = "copy",
     scale: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
 ) -> None:
-    """Fused scatter of ``buffer`` into every segment of the bucket; one launch. See `kernels.unpack`."""
-    check_unpack(buffer, tensors, layout, mode, scale)
+    """Fused scatter of ``buffer`` into every segment of the bucket, and the squared norm of what it
+    wrote into `partials` if given; one launch. See `kernels.unpack`."""
+    check_unpack(buffer, tensors, layout, mode, scale, partials)
     if layout.num_data_tiles:
         _unpack_kernel[(layout.num_data_tiles,)](
             layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
-            layout.inverse_coverage if scale is None else scale, buffer,
+            layout.inverse_coverage if scale is None else scale, buffer, partials,
             DST_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None, ACCUMULATE=mode == "accumulate",
+            OP=OP_UNPACK if partials is None else OP_UNPACK_NORM,
             **kernel_constexprs(tensors, layout, buffer), **_options(layout),
         )
 
 
-def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout) -> torch.Tensor:
-    """Fused float32 sum of squares of every held slice, without packing; one launch. See `kernels.squared_norm`."""
+def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, partials: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused float32 sum of squares of every held slice, without packing; one launch (and, without
+    `partials`, one sum). See `kernels.squared_norm`."""
     check_tensors(tensors, layout)
-    partials = torch.empty(layout.num_data_tiles, dtype=torch.float32, device=layout.device)
+    check_partials(partials, layout)
+    if partials is not None:
+        check_no_aliasing(partials, tensors, "partials")
+    out = torch.empty(layout.num_data_tiles, dtype=torch.float32, device=layout.device) if partials is None else partials
     if layout.num_data_tiles:
         _squared_norm_kernel[(layout.num_data_tiles,)](
-            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets, partials,
-            DTYPE=_TL_DTYPES[tensors[0].dtype], **kernel_constexprs(tensors, layout, partials), **_options(layout),
+            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets, out,
+            DTYPE=_TL_DTYPES[tensors[0].dtype], **kernel_constexprs(tensors, layout, out), **_options(layout),
         )
-    return partials.sum()
+    return out.sum() if partials is None else partials
 
 
 def overlap_average(

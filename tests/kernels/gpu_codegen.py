@@ -74,6 +74,7 @@ def record_launches() -> list[dict]:
             layout = BucketLayout(shapes, specs)
             grads = [torch.empty(s) for s in shapes]
             scale = layout.inverse_coverage
+            partials = torch.empty(layout.num_norm_partials)
             paths = {
                 "pack fp32->fp32 scaled (sync engine, benchmark)": lambda b: triton_ops.pack(grads, layout, b(torch.float32), scale=scale),
                 "pack fp32->bf16 scaled (benchmark)": lambda b: triton_ops.pack(grads, layout, b(torch.bfloat16), scale=scale),
@@ -83,6 +84,12 @@ def record_launches() -> list[dict]:
                 "unpack fp32->fp32 scaled (overlap_average divide='after')": lambda b: triton_ops.unpack(b(torch.float32), grads, layout, scale=scale),
                 "unpack bf16->fp32 accumulate scaled": lambda b: triton_ops.unpack(b(torch.bfloat16), grads, layout, mode="accumulate", scale=scale),
                 "squared_norm fp32 (clipping norm of held slices)": lambda b: triton_ops.squared_norm(grads, layout),
+                "pack fp32->fp32 scaled, norm partials (clipping norm of the local gradient)":
+                    lambda b: triton_ops.pack(grads, layout, b(torch.float32), scale=scale, partials=partials),
+                "unpack fp32->fp32 copy, norm partials (sync engine with clipping)":
+                    lambda b: triton_ops.unpack(b(torch.float32), grads, layout, partials=partials),
+                "unpack bf16->fp32 copy, norm partials (bf16 buffer with clipping)":
+                    lambda b: triton_ops.unpack(b(torch.bfloat16), grads, layout, partials=partials),
             }
             for path, call in paths.items():
                 label[0] = f"{name} | {path}"

@@ -31,7 +31,7 @@ HARNESS = Path(gpu_codegen.__file__)
 # sm_80/sm_90 SM holds), each with 8 elements a thread in flight: enough to cover HBM latency.
 # The kernels before this contract used 92 (5 programs per SM); today's use 30-40.
 REGISTER_BUDGET = 64
-PATHS = 8  # per benchmark bucket, see gpu_codegen.record_launches
+PATHS = 11  # per benchmark bucket, see gpu_codegen.record_launches
 
 
 def _harness(*flags: str) -> dict:

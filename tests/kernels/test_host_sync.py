@@ -16,13 +16,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import DEVICE, make_tensors
 from torch.overrides import TorchFunctionMode
 
-from kernels import BucketLayout, SegmentSpec, pack, squared_norm, unpack
+from kernels import BucketLayout, SegmentSpec, clip_coefficient, pack, squared_norm, triton_ops, unpack
 
 # What synchronises with the device (reads a device value on the host) or builds a tensor from host
 # data (a host-to-device copy on a GPU).
@@ -58,38 +57,47 @@ class HostSyncDetector(TorchFunctionMode):
 def recorded_launches() -> Iterator[list]:
     """Triton launches recorded, not run: the host side of a launch is what is checked."""
     launches: list = []
-    original = triton.runtime.jit.JITFunction.run
+    kind = type(triton_ops._pack_kernel)  # JITFunction, or InterpretedFunction under TRITON_INTERPRET=1
+    original = kind.run
 
     def recorder(self, *args, grid, warmup, **kwargs):
         launches.append(self.fn.__name__)
 
-    triton.runtime.jit.JITFunction.run = recorder
+    kind.run = recorder
     try:
         yield launches
     finally:
-        triton.runtime.jit.JITFunction.run = original
+        kind.run = original
 
 
-def _step(grads: list[torch.Tensor], layout: BucketLayout, buffer: torch.Tensor, backend: str) -> None:
+def _step(grads: list[torch.Tensor], alone: list[torch.Tensor], layout: BucketLayout, buffer: torch.Tensor,
+          partials: torch.Tensor, backend: str) -> None:
+    """The sync engine's step with clipping: a bucket averaged (pack, all-reduce, unpack with its norm
+    fused), a single holder's bucket (its norm only), one sum, the clipping factor applied on the device."""
+    shared, own = partials.split(layout.num_norm_partials)
     pack(grads, layout, buffer, scale=layout.inverse_coverage, backend=backend)
-    unpack(buffer, grads, layout, backend=backend)
-    squared_norm(grads, layout, backend=backend)
+    unpack(buffer, grads, layout, partials=shared, backend=backend)
+    squared_norm(alone, layout, partials=own, backend=backend)
+    torch._foreach_mul_(grads + alone, clip_coefficient(partials.sum(), 1.0))
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_steady_state_steps_with_alternating_gradient_addresses_never_sync_or_upload(backend):
     layout = BucketLayout(SHAPES, SPECS, device=DEVICE)
     buffer = torch.empty(layout.total_numel, device=DEVICE)
+    partials = torch.zeros(2 * layout.num_norm_partials, device=DEVICE)
     # zero_grad(set_to_none=True) frees the gradients; backward allocates new ones, which the
     # caching allocator places at one of a few addresses: three sets, in turn.
-    sets = [make_tensors(SHAPES, torch.float32, seed) for seed in range(3)]
-    with recorded_launches() if backend == "triton" else contextlib.nullcontext():
+    sets = [make_tensors(SHAPES, torch.float32, seed) for seed in range(6)]
+    with recorded_launches() if backend == "triton" else contextlib.nullcontext() as launches:
         for step in range(3):
-            _step(sets[step % 3], layout, buffer, backend)
+            _step(sets[step % 3], sets[3 + step % 3], layout, buffer, partials, backend)
         with HostSyncDetector() as detector:
             for step in range(3, 6):
-                _step(sets[step % 3], layout, buffer, backend)
+                _step(sets[step % 3], sets[3 + step % 3], layout, buffer, partials, backend)
     assert detector.copies == 0
+    if backend == "triton":  # per step and bucket one pack and one unpack launch, the norm fused in
+        assert launches == ["_pack_kernel", "_unpack_kernel", "_squared_norm_kernel"] * 6
 
 
 def test_a_layout_uploads_its_metadata_in_one_copy_and_an_identical_live_one_in_none():
@@ -120,13 +128,14 @@ def test_pointer_table_always_holds_the_addresses_of_the_tensors_passed(order):
 def test_steady_state_steps_on_the_gpu_pass_torch_sync_debug_mode_error():
     layout = BucketLayout(SHAPES, SPECS, device=DEVICE)
     buffer = torch.empty(layout.total_numel, device=DEVICE)
-    sets = [make_tensors(SHAPES, torch.float32, seed) for seed in range(3)]
+    partials = torch.zeros(2 * layout.num_norm_partials, device=DEVICE)
+    sets = [make_tensors(SHAPES, torch.float32, seed) for seed in range(6)]
     for step in range(3):
-        _step(sets[step % 3], layout, buffer, "triton")
+        _step(sets[step % 3], sets[3 + step % 3], layout, buffer, partials, "triton")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for step in range(3, 6):
-            _step(sets[step % 3], layout, buffer, "triton")
+            _step(sets[step % 3], sets[3 + step % 3], layout, buffer, partials, "triton")
     finally:
         torch.cuda.set_sync_debug_mode("default")
