@@ -1,6 +1,6 @@
 """What does holding each maskable block cost a B-SDP worker? A masklab costs file from sdp plan's model.
 
-The numbers are `sdp_train.plan_costs.block_costs` (its docstring says what they count); ``sdp
+The numbers are `sdp_train.planning.costs.block_costs` (its docstring says what they count); ``sdp
 plan --budgets SIZES --costs-out FILE`` writes the same file while it designs a mask for devices.
 Backward's temporaries and the optimizer's foreach buffer are left out: they come on top at the
 peak. Feed the file to ``sdp design --costs`` for a mask that balances bytes instead of block counts.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from masklab import save_costs
-from sdp_train.plan_costs import block_costs
+from sdp_train.planning.costs import block_costs
 
 
 def main() -> None:

@@ -55,10 +55,10 @@ def block_parts(block_map: Any, level: str) -> tuple[tuple[Part, ...], ...]:
 def from_sdp_train(config: Any, level: str, *, seed: int = 0) -> tuple[Any, tuple[tuple[Part, ...], ...], SubnetworkFn]:
     """``(model, blocks, subnetwork)`` for one of sdp_train's models (e.g. ``llama-debug``) at ``level``.
 
-    The subnetwork is `sdp_train.subnet.build_worker_model` sliced from the model's current state.
+    The subnetwork is `sdp_train.models.subnet.build_worker_model` sliced from the model's current state.
     """
     from sdp_train.models import block_map, build_model
-    from sdp_train.subnet import build_worker_model
+    from sdp_train.models.subnet import build_worker_model
 
     def subnetwork(model: Any, held: np.ndarray) -> Any:
         return build_worker_model(config, held, level, init_state=model.state_dict())

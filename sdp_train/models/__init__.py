@@ -8,7 +8,7 @@
 Every module of this package that defines ``FAMILY`` (a `ModelFamily`: ``llama``, ``resnet``,
 ``vit``, ``swin``) is registered on import, and the functions here look the family up by the
 config's type; `register_family` adds one defined elsewhere. Building a worker's subnetwork from a
-mask row is `sdp_train.subnet`.
+mask row is `sdp_train.models.subnet`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import LEVELS, Block, BlockMap, SliceSpec, SubnetModule
 from sdp_train.models.family import (
     DATA_KINDS,
     ActivationModel,
@@ -39,6 +38,7 @@ from sdp_train.models.llama import Llama, LlamaConfig
 from sdp_train.models.resnet import ResNet, ResNetConfig
 from sdp_train.models.swin import Swin, SwinConfig
 from sdp_train.models.vit import ViT, ViTConfig
+from sdp_train.parallel.blockmap import LEVELS, Block, BlockMap, SliceSpec, SubnetModule
 
 
 class ModelConfig(Protocol):
@@ -47,8 +47,13 @@ class ModelConfig(Protocol):
     name: str
 
 
+_NOT_FAMILIES = {"family", "subnet"}  # the contract and the built-in families' subnetwork cut
+
+
 def _register_package_families() -> None:
     for info in pkgutil.iter_modules(__path__):
+        if info.name in _NOT_FAMILIES:
+            continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         if isinstance(getattr(module, "FAMILY", None), ModelFamily):
             register_family(module.FAMILY)
@@ -84,7 +89,7 @@ def get_model_config(name: str, /, **overrides: Any) -> ModelConfig:
     """
     configs = _named_configs()
     if name not in configs:
-        if name.rpartition(":")[0].endswith(".py") or name.endswith(".py"):  # sdp_train.user_model's syntax
+        if name.rpartition(":")[0].endswith(".py") or name.endswith(".py"):  # sdp_train.trainer.user_model's syntax
             raise ConfigError(f"model {name!r} is your own (FILE.py:FACTORY): sdp train takes it, but this command "
                               f"needs a built-in model's declared shapes; built-in models: {', '.join(sorted(configs))}")
         raise ConfigError(f"unknown model {name!r}; known models: {', '.join(sorted(configs))}")
@@ -130,7 +135,7 @@ _BLOCK_MAPS: dict[tuple[type, str], BlockMap] = {}
 def subnet_kwargs(config: ModelConfig, held: np.ndarray, level: str) -> dict[str, object]:
     """Constructor arguments of the worker model holding the blocks where ``held`` is True.
 
-    ``held`` must already have length ``block_map(config).num_blocks(level)``; `sdp_train.subnet`
+    ``held`` must already have length ``block_map(config).num_blocks(level)``; `sdp_train.models.subnet`
     validates it.
     """
     return family_of(config).subnet_kwargs(config, held, level)

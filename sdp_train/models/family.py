@@ -7,8 +7,8 @@ block map, subnetwork constructor arguments, data kind and activation-memory mod
 one new file; a family defined elsewhere (a test, a user's package) joins with `register_family`.
 docs/design.md ("Adding a model family") lists what the model class itself must provide.
 
-Not here: the block-map machinery (`sdp_train.models.blocks`), building worker models from a mask
-row (`sdp_train.subnet`), how `sdp plan` combines activations into peaks (`sdp_train.plan`).
+Not here: the block-map machinery (`sdp_train.parallel.blockmap`), building worker models from a mask
+row (`sdp_train.models.subnet`), how `sdp plan` combines activations into peaks (`sdp_train.planning.memory`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import numpy as np
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import BlockMap
+from sdp_train.parallel.blockmap import BlockMap
 
 DATA_KINDS: tuple[str, ...] = ("text", "images")
 
 
 @dataclass(frozen=True)
 class BlockActivations:
-    """One residual block's activation bytes (see `sdp_train.plan_activations`)."""
+    """One residual block's activation bytes (see `sdp_train.planning.activations`)."""
 
     name: str
     saved: int

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import (
+from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
+from sdp_train.parallel.blockmap import (
     WHOLE,
     Block,
     BlockMap,
@@ -37,7 +38,6 @@ from sdp_train.models.blocks import (
     names_by_prefix,
     state_shapes,
 )
-from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
 
 BASE_CHANNELS: tuple[int, ...] = (64, 128, 256, 512)
 STAGE_STRIDES: tuple[int, ...] = (1, 2, 2, 2)

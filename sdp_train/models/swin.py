@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import (
+from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
+from sdp_train.models.vit import MLP, MLP_COLS, MLP_ROWS
+from sdp_train.parallel.blockmap import (
     WHOLE,
     Block,
     BlockMap,
@@ -38,8 +40,6 @@ from sdp_train.models.blocks import (
     names_by_prefix,
     state_shapes,
 )
-from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
-from sdp_train.models.vit import MLP, MLP_COLS, MLP_ROWS
 
 
 @dataclass(kw_only=True)

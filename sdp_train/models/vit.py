@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdp_train.errors import ConfigError
-from sdp_train.models.blocks import (
+from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
+from sdp_train.parallel.blockmap import (
     WHOLE,
     Block,
     BlockMap,
@@ -31,7 +32,6 @@ from sdp_train.models.blocks import (
     names_by_prefix,
     state_shapes,
 )
-from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
 
 MLP_ROWS: tuple[str, ...] = ("mlp.fc1.weight", "mlp.fc1.bias")
 MLP_COLS: tuple[str, ...] = ("mlp.fc2.weight",)

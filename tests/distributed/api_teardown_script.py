@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 api_teardown_script.py OUTDIR ORDER
 
-ORDER is ``import-first`` (``sdp_train.api`` imported before ``init_process_group``, as a script
+ORDER is ``import-first`` (``sdp_train.parallel.wrapper`` imported before ``init_process_group``, as a script
 importing at its top does) or ``init-first`` (the group exists before the API is imported). The
 loop drops half of the model's blocks (their pass-throughs probe the block's output on the meta
 device, whose first operation imports ``torch._dynamo``), trains two steps, clips, saves the full
@@ -77,7 +77,7 @@ def train(out: str) -> None:
 
 def main(out: str, order: str) -> None:
     if order == "import-first":
-        import sdp_train.api  # noqa: F401
+        import sdp_train.parallel.wrapper  # noqa: F401
     elif order != "init-first":
         raise SystemExit(f"ORDER must be import-first or init-first, not {order!r}")
     dist.init_process_group("gloo")

@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
-from sdp_train.dist import default_device, destroy_distributed, init_distributed
-from sdp_train.train import train_prepared
-from sdp_train.prepare import prepare
-from sdp_train.run import Run, loss_fn
+from sdp_train.parallel.dist import default_device
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.launch import destroy_distributed, init_distributed
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import Run, loss_fn
+from sdp_train.trainer.train import train_prepared
 
 
 def grads_case(spec: dict, info, device, out: Path) -> None:
@@ -56,7 +57,7 @@ def grads_case(spec: dict, info, device, out: Path) -> None:
 def steps_case(spec: dict, info, device, out: Path) -> None:
     """`spec["steps"]` optimizer steps of each case; every rank saves its state dict before and after
     them, and per step its buffer and wire bytes and the ops FSDP's byte counter intercepted."""
-    import sdp_train.modes as modes_module
+    import sdp_train.trainer.modes as modes_module
 
     calls = [0]
     original = modes_module.FSDPCollectiveBytes.__torch_dispatch__
@@ -118,7 +119,7 @@ class LiveBytes(TorchDispatchMode):
 
 def eval_memory_case(spec: dict, info, device, out: Path) -> None:
     """One step of each config, then `evaluate` tracking the bytes it allocates; saves them and the val loss."""
-    from sdp_train.train import evaluate
+    from sdp_train.trainer.train import evaluate
 
     for i, cfg_dict in enumerate(spec["configs"]):
         prep = prepare(TrainConfig(**cfg_dict))
@@ -134,7 +135,7 @@ def eval_memory_case(spec: dict, info, device, out: Path) -> None:
 
 def overlap_case(spec: dict, info, device, out: Path) -> None:
     """One backward of each case, logging in order every gradient the engine sees and every all_reduce it launches."""
-    from sdp_train import sync
+    from sdp_train.parallel import sync
 
     events: list[str] = []
     on_grad, all_reduce = sync.SyncEngine._on_grad, sync.dist.all_reduce

@@ -8,11 +8,12 @@ from __future__ import annotations
 import sys
 import time
 
-from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
-from sdp_train.dist import default_device, destroy_distributed, init_distributed
-from sdp_train.prepare import prepare
-from sdp_train.run import Run, loss_fn
+from sdp_train.parallel.dist import default_device
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.launch import destroy_distributed, init_distributed
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import Run, loss_fn
 
 
 def main() -> None:

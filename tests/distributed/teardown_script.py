@@ -1,4 +1,4 @@
-"""Run under torchrun by test_teardown.py: `sdp_train.train.train` for each config, then list native threads.
+"""Run under torchrun by test_teardown.py: `sdp_train.trainer.train.train` for each config, then list native threads.
 
     python -m torch.distributed.run --standalone --nproc-per-node K teardown_script.py SPEC.json OUTDIR
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from sdp_train.config import TrainConfig
-from sdp_train.train import train
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.train import train
 
 
 def native_threads() -> list[str]:

@@ -116,7 +116,7 @@ def rank_main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        from sdp_train.memory import MemoryMeter
+        from sdp_train.trainer.memory import MemoryMeter
 
         model, opt = _wrapped()
         meter = MemoryMeter(model.module, opt, torch.device("cpu"))

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from masklab import Mask, save_mask
-from sdp_train.checkpoint import MANIFEST
-from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
-from sdp_train.prepare import prepare
+from sdp_train.trainer.checkpoint import MANIFEST
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
 from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow
@@ -157,7 +157,7 @@ def test_resume_picks_the_latest_checkpoint_and_refuses_one_with_nothing_left_or
 
 
 def test_resuming_into_the_same_directory_keeps_only_the_metrics_before_the_checkpoint(tmp_path):
-    from sdp_train.train import open_metrics
+    from sdp_train.trainer.train import open_metrics
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(4)))
     (tmp_path / "summary.json").write_text("{}")

@@ -4,7 +4,7 @@ checkpoint, and the run ends with bit-identical parameters, optimizer state and 
 an uninterrupted run with the same seed.
 
 The fault is injected by the test-only ``SDP_TEST_KILL_AT_STEP=STEP:RANK`` (read in one place,
-`sdp_train.faults.InjectedFaults`, first attempt only): the rank kills itself after its backward pass
+`sdp_train.trainer.faults.InjectedFaults`, first attempt only): the rank kills itself after its backward pass
 and the step's all-reduces, before its optimizer step. The step and rank are drawn
 from a seeded generator (SDP_TEST_SEED, default 0) and printed in any failure message.
 """

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from masklab import Mask, save_mask
-from sdp_train.config import TrainConfig
-from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, get_model_config
-from sdp_train.prepare import prepare
-from sdp_train.run import Run
+from sdp_train.parallel.dist import DistInfo
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import Run
 from tests.distributed.conftest import run_rank_script
 
 LLAMA = get_model_config("llama-debug")
@@ -102,7 +102,7 @@ def test_fsdp_comm_bytes_count_every_all_gather_and_reduce_scatter(runs):
 
 @pytest.mark.slow
 def test_sdp_fsdp_comm_bytes_are_the_plans_each_shared_block_gathered_in_forward_and_backward(runs):
-    from sdp_train.plan import predict
+    from sdp_train.planning.memory import predict
 
     # blocks 1, 2 (two holders) gathered twice and reduced, 0 and 3 (one holder) send nothing
     expected = predict("llama-debug", mode="bsdp", fsdp=True, workers=2, mask=Mask(MASK), batch_size=2, seq_len=32)
@@ -133,7 +133,7 @@ def test_fsdp_without_a_process_group_is_refused(tmp_path):
 
 def test_parallelism_memory_and_checkpoint_flags_reach_the_config_and_the_launched_ranks():
     from sdp_train.cli import build_parser
-    from sdp_train.train_cli import argv_of, config_from_args
+    from sdp_train.cli.train import argv_of, config_from_args
 
     argv = ["--mode", "bsdp", "--fsdp", "--ac", "--memory-steps", "1", "--checkpoint-every", "3", "--resume", "d"]
     args = build_parser().parse_args(["train", *argv])

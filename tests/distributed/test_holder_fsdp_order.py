@@ -51,7 +51,7 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _config(name: str, mask_file: Path, out: Path, **kw):
-    from sdp_train.config import TrainConfig
+    from sdp_train.trainer.config import TrainConfig
 
     return TrainConfig(model="llama-debug", model_overrides={"n_layers": MASKS[name].shape[1]}, mode="bsdp",
                        workers=K, active=None, mask=str(mask_file), batch_size=2, seq_len=16, seed=1,
@@ -61,9 +61,9 @@ def _config(name: str, mask_file: Path, out: Path, **kw):
 def rank_main(out: Path) -> None:
     from masklab import Mask, save_mask
     from sdp_train.data import build_batches
-    from sdp_train.dist import destroy_distributed, init_distributed
-    from sdp_train.prepare import prepare
-    from sdp_train.run import Run
+    from sdp_train.trainer.launch import destroy_distributed, init_distributed
+    from sdp_train.trainer.prepare import prepare
+    from sdp_train.trainer.run import Run
 
     device = torch.device("cpu")
     info = init_distributed(device)

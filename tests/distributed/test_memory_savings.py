@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from masklab import Mask, save_mask
-from sdp_train.config import TrainConfig
 from sdp_train.models import block_map, model_class
-from sdp_train.prepare import prepare
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
 from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow

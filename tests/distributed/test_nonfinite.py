@@ -4,7 +4,7 @@ error line and no summary.json, and ``--nonfinite skip`` drops that step's updat
 finishes. Neither hangs (the subprocess timeout would fail the test).
 
 The fault is the test-only ``SDP_TEST_INJECT_NAN=STEP:RANK``, which multiplies that rank's loss by
-NaN (so its gradients are NaN too) in `sdp_train.run.Run.step`.
+NaN (so its gradients are NaN too) in `sdp_train.trainer.run.Run.step`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 One torchrun launch trains every configuration for 2 steps (the second has AdamW's state, as every
 later step does) with the memory tracker on; each summary.json's ``peak_memory_bytes`` is compared
-with `sdp_train.plan.predict`: the total within 10% on every rank and for the largest one (and within
+with `sdp_train.planning.memory.predict`: the total within 10% on every rank and for the largest one (and within
 1%, so that a forgotten buffer shows), the persistent state (parameters, gradients, optimizer)
 exactly. On CPU the tracker's figures are deterministic but for one race: gloo's worker thread
 holds a collective's output until it takes its queue lock again, after the caller has been woken,
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdp_train.compare import PRESETS, run_specs
+from sdp_train.compare.runner import PRESETS, run_specs
 from sdp_train.models import get_model_config, model_class
-from sdp_train.plan import predict
+from sdp_train.planning.memory import predict
 from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow

@@ -45,13 +45,13 @@ def optimizer(params) -> torch.optim.SGD:
 
 
 def _wrapped(kind: str):
-    """The worker's model as `sdp_train.modes.build_sync` builds it for a static mask or a schedule."""
+    """The worker's model as `sdp_train.trainer.modes.build_sync` builds it for a static mask or a schedule."""
     import torch.distributed as dist
 
     from sdp_train import SubnetworkDataParallel
     from sdp_train.models import model_class
-    from sdp_train.modes import family_layout
-    from sdp_train.subnet import build_worker_model, held_tensors
+    from sdp_train.models.subnet import build_worker_model, held_tensors
+    from sdp_train.trainer.modes import family_layout
 
     mask = MASKS[kind]
     if kind == "static":
@@ -118,7 +118,7 @@ def _holders(kind: str, step: int, name: str) -> list[int]:
 def reference(kind: str) -> list[dict[str, torch.Tensor]]:
     """One full model and one optimizer; worker k's gradient is its round's subnetwork's on its batch
     (built from the full model's current values), every tensor takes the mean over its holders."""
-    from sdp_train.subnet import build_worker_model, load_from_full
+    from sdp_train.models.subnet import build_worker_model, load_from_full
 
     model = build_model(RESNET, seed=SEED)
     opt = optimizer(model.parameters())

@@ -17,8 +17,8 @@ import torch
 from masklab import Mask, save_mask
 from masklab.constructions import complete
 from sdp_train.models import block_map, build_model, get_model_config
-from sdp_train.subnet import build_worker_model, held_tensors
-from sdp_train.run import loss_fn
+from sdp_train.models.subnet import build_worker_model, held_tensors
+from sdp_train.trainer.run import loss_fn
 from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from masklab import Mask, Schedule, save_mask
-from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
-from sdp_train.prepare import prepare
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
 from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow

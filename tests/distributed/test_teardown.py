@@ -57,7 +57,7 @@ def test_no_process_group_or_gloo_thread_outlives_a_finished_run_in_any_mode(tmp
 @pytest.mark.parametrize("order", ["import-first", "init-first"])
 def test_no_gloo_thread_outlives_destroy_process_group_in_a_users_own_loop(tmp_path, order):
     """The examples' shape: the user's loop ends with ``dist.destroy_process_group()``; after it no
-    gloo thread may run, whether ``sdp_train.api`` was imported before the group existed or after.
+    gloo thread may run, whether ``sdp_train.parallel.wrapper`` was imported before the group existed or after.
 
     The first meta-device operation imports ``torch._dynamo``, which imports
     ``torch.distributed.nn.functional``, whose default arguments are ``group.WORLD`` read at

@@ -34,7 +34,7 @@ def test_stuck_rank_gives_a_timeout_error_naming_rank_and_bucket_not_a_hang(tmp_
 
 
 def test_collective_timeout_is_read_from_the_environment(monkeypatch):
-    from sdp_train.dist import collective_timeout
+    from sdp_train.parallel.dist import collective_timeout
 
     monkeypatch.setenv("SDP_COLLECTIVE_TIMEOUT_S", "12.5")
     assert collective_timeout().total_seconds() == 12.5

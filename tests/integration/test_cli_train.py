@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 from masklab import Mask, Schedule, analyze, load_mask, save_mask
 from masklab.io import mask_to_dict
 from sdp_train.cli import main
-from sdp_train.config import TrainConfig
+from sdp_train.cli.train import config_from_args
 from sdp_train.errors import ConfigError
-from sdp_train.train import validation_sums
 from sdp_train.models import model_class
-from sdp_train.prepare import prepare
-from sdp_train.train_cli import config_from_args
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.train import validation_sums
 from tests.child_env import child_env
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes"}

@@ -10,11 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from sdp_train import compare as compare_mod
 from sdp_train.cli import main
-from sdp_train.compare import Preset, RunSpec, compare, flops_per_step, plan_runs
-from sdp_train.compare_stats import LARGER, WITHIN
-from sdp_train.config import TrainConfig
+from sdp_train.compare.runner import Preset, RunSpec, compare, flops_per_step, plan_runs
+from sdp_train.compare import runner as compare_mod
+from sdp_train.compare.stats import LARGER, WITHIN
+from sdp_train.trainer.config import TrainConfig
 
 TINY = Preset(model="llama-debug", workers=3, steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1,
               sweep=(0.375,), eval_every=2, eval_batches=1, max_data_bytes=100_000, memory_steps=1)

@@ -21,15 +21,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import sdp_train.dist
-import sdp_train.train
+import sdp_train.trainer.launch
+import sdp_train.trainer.train
 from masklab import Mask, save_mask
 from sdp_train.cli import main
-from sdp_train.config import MODES, TrainConfig
-from sdp_train.train import train
-from sdp_train.prepare import prepare
-from sdp_train.run import Run
-from sdp_train.train_cli import _FLAGS, _SWITCHES
+from sdp_train.cli.train import _FLAGS, _SWITCHES
+from sdp_train.trainer.config import MODES, TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import Run
+from sdp_train.trainer.train import train
 from tests.child_env import child_env
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -67,8 +67,8 @@ def no_training(monkeypatch, tmp_path):
     def fake_launch(*args, **kwargs):
         raise _WouldStart
 
-    monkeypatch.setattr(sdp_train.train, "train", fake_train)
-    monkeypatch.setattr(sdp_train.dist, "launch_local", fake_launch)
+    monkeypatch.setattr(sdp_train.trainer.train, "train", fake_train)
+    monkeypatch.setattr(sdp_train.trainer.launch, "launch_local", fake_launch)
 
 
 def _exit_code_and_stderr(capsys, argv: list[str]) -> tuple[int | None, str]:

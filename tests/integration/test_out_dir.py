@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from sdp_train.cli import main
-from sdp_train.config import TrainConfig
-from sdp_train.rundir import LOCK_NAME
-from sdp_train.prepare import prepare
-from sdp_train.train_cli import report_mask
+from sdp_train.cli.train import report_mask
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.rundir import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "llama-debug", "--mode", "bsdp", "--active", "0.5", "--batch-size", "2", "--seq-len", "16",

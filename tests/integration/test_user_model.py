@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from sdp_train.cli import main
-from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
-from sdp_train.train import validation_sums
-from sdp_train.prepare import prepare
-from sdp_train.user_model import UserModel, logits_of
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.train import validation_sums
+from sdp_train.trainer.user_model import UserModel, logits_of
 from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]

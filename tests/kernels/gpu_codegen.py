@@ -5,7 +5,7 @@ Run as a script WITHOUT TRITON_INTERPRET (the kernels must be JIT-compilable, no
     TRITON_INTERPRET=0 python tests/kernels/gpu_codegen.py [--ptxas-demo]
 
 It records the launches `kernels.triton_ops.pack` / `unpack` make (JITFunction.run is replaced by a
-recorder, so no GPU is needed) for every path the runtime (`sdp_train.sync`) and the kernel
+recorder, so no GPU is needed) for every path the runtime (`sdp_train.parallel.sync`) and the kernel
 benchmark (`benchmarks/bench_kernels.py`) take, on the benchmark's own buckets. Each distinct
 launch is specialised exactly as Triton's JIT would (its binder, for the target) and compiled with
 the ptxas shipped in the triton wheel; cuobjdump reads registers, stack and local memory (where
@@ -55,7 +55,6 @@ def record_launches() -> list[dict]:
     """Every launch the package makes on the benchmark's buckets, as (label, kernel, args, kwargs)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_kernels import llama_block, resnet50_stage3
-
     from kernels import BucketLayout, triton_ops
     from kernels.layout import MAX_BLOCK_SIZE
 

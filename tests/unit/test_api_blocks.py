@@ -12,9 +12,9 @@ from torch import nn
 from masklab import Mask, Schedule
 from sdp_train import MLPSpec, SubnetworkDataParallel, find_blocks
 from sdp_train.errors import ConfigError
-from sdp_train.sdp_blocks import find_mlp
-from sdp_train.sdp_masking import PassThrough, describe, drop_blocks, slice_neurons
-from sdp_train.sdp_parts import resolve_mask
+from sdp_train.parallel.discovery import find_mlp
+from sdp_train.parallel.masking import PassThrough, describe, drop_blocks, slice_neurons
+from sdp_train.parallel.parts import resolve_mask
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from sdp_train.checkpoint import find_checkpoint, latest_valid_checkpoint, save_checkpoint
 from sdp_train.cli import build_parser
-from sdp_train.config import TrainConfig
-from sdp_train.dist import collective_timeout
 from sdp_train.errors import ConfigError
-from sdp_train.faults import KILL_VARIABLE, InjectedFaults
-from sdp_train.prepare import prepare
+from sdp_train.parallel.dist import collective_timeout
+from sdp_train.trainer.checkpoint import find_checkpoint, latest_valid_checkpoint, save_checkpoint
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.faults import KILL_VARIABLE, InjectedFaults
+from sdp_train.trainer.prepare import prepare
 from tests.unit.test_checkpoint_integrity import TINY, _run, _train_steps
 
 NOT_ASCII = ["²", "٣", "３", "1٣"]

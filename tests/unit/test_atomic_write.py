@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from masklab import Mask
 from masklab.io import atomic_write, atomic_write_bytes, atomic_write_text, save_mask
-from sdp_train.sdp_export import save_safetensors
+from sdp_train.parallel.export import save_safetensors
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

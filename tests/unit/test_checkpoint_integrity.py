@@ -11,15 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdp_train.checkpoint import (MANIFEST, checkpoint_problem, find_checkpoint, latest_valid_checkpoint,
-                                  load_checkpoint, save_checkpoint)
-from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
-from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError, NonFiniteError
-from sdp_train.train import resume_after_restart
-from sdp_train.prepare import prepare
-from sdp_train.run import Run
+from sdp_train.parallel.dist import DistInfo
+from sdp_train.trainer.checkpoint import (
+    MANIFEST,
+    checkpoint_problem,
+    find_checkpoint,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import Run
+from sdp_train.trainer.train import resume_after_restart
 
 TINY = {"model": "llama-debug", "model_overrides": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},
         "mode": "ddp", "workers": 1, "steps": 8, "batch_size": 2, "seq_len": 16, "max_data_bytes": 20_000,

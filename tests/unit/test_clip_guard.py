@@ -1,4 +1,4 @@
-"""torch's clip_grad_norm_ on an SDP model's parameters warns (`sdp_train.clip_guard`); on other
+"""torch's clip_grad_norm_ on an SDP model's parameters warns (`sdp_train.parallel.clip_guard`); on other
 parameters, or through the library's own clipping, it does not. (Multi-rank: test_api_training.py.)"""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from masklab import Mask
-from sdp_train import SubnetworkDataParallel, clip_guard
+from sdp_train import SubnetworkDataParallel
+from sdp_train.parallel import clip_guard
 
 
 def _clip(params) -> list[str]:

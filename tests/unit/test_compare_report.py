@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sdp_train.compare_report import markdown_table
+from sdp_train.compare.report import markdown_table
 
 
 def _row(mode: str, buffer: float, wire: float | None, **ratios) -> dict:
@@ -43,9 +43,9 @@ def _summary(loss: float, memory: float, step_time: float, steps: int = 2) -> di
 
 
 def test_two_seeds_add_a_seed_table_and_say_which_differences_exceed_the_spread(tmp_path):
-    from sdp_train.compare import Planned, Preset, RunSpec, build_report
-    from sdp_train.compare_stats import LARGER, WITHIN
-    from sdp_train.config import TrainConfig
+    from sdp_train.compare.runner import Planned, Preset, RunSpec, build_report
+    from sdp_train.compare.stats import LARGER, WITHIN
+    from sdp_train.trainer.config import TrainConfig
 
     preset = Preset(model="llama-debug", workers=2, steps=2, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=0)
     planned = [Planned(RunSpec(name, mode), TrainConfig(mode=mode, steps=2), None, 1.0, None)
@@ -85,7 +85,7 @@ def test_two_seeds_add_a_seed_table_and_say_which_differences_exceed_the_spread(
 
 
 def test_a_failed_runslog_tail_shows_the_ranks_error_not_the_launchers_lines():
-    from sdp_train.compare import log_tail
+    from sdp_train.compare.runner import log_tail
 
     log = ("step 1 loss 5.0\n"
            "sdp train: error: config.json: no such file\n"

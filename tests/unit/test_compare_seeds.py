@@ -11,9 +11,9 @@ import pytest
 
 from masklab import Mask
 from masklab.io import mask_to_dict
-from sdp_train.compare import Planned, RunSpec, compare, finished_summary, run_dir, seed_runs
-from sdp_train.config import TrainConfig
+from sdp_train.compare.runner import Planned, RunSpec, compare, finished_summary, run_dir, seed_runs
 from sdp_train.errors import ConfigError
+from sdp_train.trainer.config import TrainConfig
 
 
 def _planned(out: Path) -> list[Planned]:

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdp_train.compare_stats import (LARGER, WITHIN, paired_difference, seed_statistics, summarize,
-                                     t_quantile)
+from sdp_train.compare.stats import LARGER, WITHIN, paired_difference, seed_statistics, summarize, t_quantile
 from sdp_train.errors import ConfigError
 
 VALUES = st.lists(st.floats(-10.0, 10.0, allow_nan=False, allow_subnormal=False), min_size=2, max_size=12)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
-from sdp_train.prepare import prepare
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
 
 USER_LM = """
 import torch

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from masklab.io import load_mask
 from sdp_train.cli import main
 from sdp_train.errors import ConfigError
-from sdp_train.estimate import gradient_constants, hessian_norm
+from sdp_train.planning.constants import gradient_constants, hessian_norm
 from theory.constants import load_constants
 
 SIZES = (20, 50, 30)  # coordinates of the three blocks

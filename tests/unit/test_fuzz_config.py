@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from masklab.errors import DesignError, MaskError
-from sdp_train.config import MODES, TrainConfig, load_config_file
 from sdp_train.errors import ConfigError
 from sdp_train.models import get_model_config, model_names, num_params
-from sdp_train.models.blocks import MAX_LAYERS, MAX_PARAMS
-from sdp_train.prepare import prepare
+from sdp_train.parallel.blockmap import MAX_LAYERS, MAX_PARAMS
+from sdp_train.trainer.config import MODES, TrainConfig, load_config_file
+from sdp_train.trainer.prepare import prepare
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -20,10 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sdp_train.config import TrainConfig
 from sdp_train.data import DataConfig, build_batches, load_cifar_batches
 from sdp_train.errors import ConfigError, DataError, DataFileError
-from sdp_train.prepare import prepare
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SHARD_NAMES = ["a.bin", "b.bin", "c.bin", "val.bin", "val_2.bin", "notes.txt"]

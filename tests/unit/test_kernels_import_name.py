@@ -8,16 +8,16 @@ import pytest
 
 
 def test_a_foreign_kernels_package_is_named_instead_of_failing_later(monkeypatch):
-    import sdp_train.sync as ours
+    import sdp_train.parallel.sync as ours
 
     foreign = types.ModuleType("kernels")
     foreign.__file__ = "/site-packages/kernels/__init__.py"
     monkeypatch.setitem(sys.modules, "kernels", foreign)
-    monkeypatch.delitem(sys.modules, "sdp_train.sync", raising=False)
+    monkeypatch.delitem(sys.modules, "sdp_train.parallel.sync", raising=False)
     with pytest.raises(ImportError, match=r"/site-packages/kernels/__init__.py.*not this project's"):
-        importlib.import_module("sdp_train.sync")
+        importlib.import_module("sdp_train.parallel.sync")
     monkeypatch.undo()  # puts back the module the rest of the session imported
-    assert importlib.import_module("sdp_train.sync") is ours
+    assert importlib.import_module("sdp_train.parallel.sync") is ours
 
 
 def test_the_dev_extra_keeps_transformers_below_the_release_that_brings_the_other_kernels():

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdp_train.config import TrainConfig
-from sdp_train.run import lr_at
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.run import lr_at
 
 
 def test_warmup_is_linear_and_reaches_lr_at_its_last_step():

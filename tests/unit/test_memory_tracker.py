@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sdp_train.memory import MemoryMeter, analytic_bytes, format_bytes
+from sdp_train.trainer.memory import MemoryMeter, analytic_bytes, format_bytes
 
 BATCH, DIM, HIDDEN, CLASSES = 8, 16, 64, 10
 

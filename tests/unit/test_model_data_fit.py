@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from sdp_train.config import TrainConfig
 from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError
 from sdp_train.models import build_model
-from sdp_train.prepare import prepare
-from sdp_train.run import loss_fn
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import loss_fn
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import torch
 
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, build_model, get_model_config, model_names, num_params
-from sdp_train.models.blocks import SliceSpec
+from sdp_train.parallel.blockmap import SliceSpec
 
 
 def tiny_llama(**overrides):

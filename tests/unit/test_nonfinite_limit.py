@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError, NonFiniteError
-from sdp_train.train import train
-from sdp_train.run import Run
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.run import Run
+from sdp_train.trainer.train import train
 
 TINY = {"model": "llama-debug", "model_overrides": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},
         "mode": "ddp", "workers": 1, "steps": 8, "batch_size": 2, "seq_len": 16, "max_data_bytes": 100_000,

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from masklab import Mask, save_mask
 from sdp_train.cli import main
-from sdp_train.config import TrainConfig
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, build_model, get_model_config, model_class, num_params
-from sdp_train.plan import NCCL_COMMUNICATOR_BYTES, meaningful_actives, parse_bytes, plan_systems, predict
-from sdp_train.plan_activations import activation_model
-from sdp_train.subnet import apply_backward_mask, build_worker_model
-from sdp_train.prepare import design_for_model
+from sdp_train.models.subnet import apply_backward_mask, build_worker_model
+from sdp_train.planning.activations import activation_model
+from sdp_train.planning.memory import NCCL_COMMUNICATOR_BYTES, meaningful_actives, parse_bytes, plan_systems, predict
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import design_for_model
 
 LLAMA = dict(batch_size=8, seq_len=64)
 TINY_VIT = {"dim": 32, "n_heads": 2, "hidden_dim": 64, "n_layers": 4, "patch_size": 2, "in_channels": 1}

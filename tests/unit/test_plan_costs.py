@@ -1,5 +1,5 @@
 """`sdp plan --budgets`: block costs from the memory model, and a mask whose predicted peak fits
-each worker's device (`sdp_train.plan_costs`)."""
+each worker's device (`sdp_train.planning.costs`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from masklab import DesignError, design_for_costs, load_costs, load_mask
 from masklab.costs import worker_bytes
 from sdp_train.cli import main
-from sdp_train.plan import predict
-from sdp_train.plan_costs import block_costs, plan_for_budgets
+from sdp_train.planning.costs import block_costs, plan_for_budgets
+from sdp_train.planning.memory import predict
 
 TINY_RESNET = {"width_multiplier": 0.125, "in_channels": 1}
 CONFIGS = {

@@ -1,7 +1,7 @@
 """The process groups a mask needs, counted three ways that must agree.
 
 `masklab.analysis.process_group_holder_sets` counts them from the mask alone (one per distinct
-holder set of 2 to K-1 workers; single holders too with FSDP); `sdp_train.plan_comm`'s function of
+holder set of 2 to K-1 workers; single holders too with FSDP); `sdp_train.planning.comm`'s function of
 the same name counts what the runtime plans from each rank's held tensors, for every mode (`sdp
 plan` shows it); and a run built in one process on torch's fake backend, with
 ``torch.distributed.new_group`` recorded, shows the groups the runtime really creates. On NCCL
@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 from masklab import Mask
 from masklab.analysis import process_group_holder_sets as mask_holder_sets
 from masklab.testing import masks
-from sdp_train.prepare import prepare
-from sdp_train.run import Run
-from sdp_train.config import TrainConfig
-from sdp_train.dist import DistInfo
 from sdp_train.errors import ConfigError
 from sdp_train.models import get_model_config
-from sdp_train.plan_comm import process_group_holder_sets as planned_holder_sets
-from sdp_train.subnet import held_tensors
+from sdp_train.models.subnet import held_tensors
+from sdp_train.parallel.dist import DistInfo
+from sdp_train.planning.comm import process_group_holder_sets as planned_holder_sets
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import Run
 
 SMALL_RESNET = {"width_multiplier": 0.125}
 EXAMPLES = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])

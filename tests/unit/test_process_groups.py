@@ -18,8 +18,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from sdp_train import sync
-from sdp_train.models.blocks import SliceSpec
+from sdp_train.parallel import sync
+from sdp_train.parallel.blockmap import SliceSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = np.array([[1, 1, 0, 1],
@@ -77,4 +77,4 @@ def test_one_function_in_the_project_creates_process_groups():
                     if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                             and call.func.attr == "new_group"):
                         callers.append(f"{path.relative_to(ROOT)}:{node.name}")
-    assert sorted(set(callers)) == ["sdp_train/sync.py:holder_set_groups"]
+    assert sorted(set(callers)) == ["sdp_train/parallel/sync.py:holder_set_groups"]

@@ -16,8 +16,8 @@ import torch.distributed.run
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from sdp_train.cli import main
-from sdp_train.dist import launch_local
-from sdp_train.rundir import LOCKED_ENV
+from sdp_train.trainer.launch import launch_local
+from sdp_train.trainer.rundir import LOCKED_ENV
 
 RANK_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 AGENT = logging.getLogger("torch.distributed.elastic.multiprocessing.api")

@@ -21,12 +21,12 @@ import pytest
 import torch.distributed as dist
 import torch.distributed.run
 
-import sdp_train.train_cli
-from sdp_train.checkpoint import check_out_shared, find_checkpoint
+import sdp_train.cli.train
 from sdp_train.cli import main
-from sdp_train.dist import agree_attempt, launch_local, restart_attempt
 from sdp_train.errors import ConfigError
-from sdp_train.rundir import LOCK_NAME, LOCKED_ENV
+from sdp_train.trainer.checkpoint import check_out_shared, find_checkpoint
+from sdp_train.trainer.launch import agree_attempt, launch_local, restart_attempt
+from sdp_train.trainer.rundir import LOCK_NAME, LOCKED_ENV
 
 TIMEOUT = timedelta(seconds=10)
 
@@ -123,7 +123,7 @@ def test_a_failed_launch_names_the_ranks_that_failed_apart_from_those_the_agent_
 def test_interrupted_is_said_once_per_job_not_once_per_rank(monkeypatch, capsys, env, says):
     def interrupted(args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(sdp_train.train_cli, "run", interrupted)
+    monkeypatch.setattr(sdp_train.cli.train, "run", interrupted)
     for name in ("RANK", LOCKED_ENV):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():

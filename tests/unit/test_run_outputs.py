@@ -14,14 +14,14 @@ import types
 import numpy as np
 import pytest
 
-import sdp_train.dist
+import sdp_train.trainer.launch
 from masklab import Mask, analyze, load_mask
 from sdp_train.cli import main
-from sdp_train.config import TrainConfig
+from sdp_train.cli.train import config_from_args
 from sdp_train.errors import ConfigError
-from sdp_train.run_log import RunLog
-from sdp_train.run_outputs import save_mask_and_certificate
-from sdp_train.train_cli import config_from_args
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.log import RunLog
+from sdp_train.trainer.outputs import save_mask_and_certificate
 
 
 def _record(step, loss=2.0, **extra):
@@ -117,7 +117,7 @@ def test_output_flags_set_the_config_and_reach_the_ranks(tmp_path, monkeypatch):
         launched.append(argv)
         return 0
 
-    monkeypatch.setattr(sdp_train.dist, "launch_local", fake_launch)
+    monkeypatch.setattr(sdp_train.trainer.launch, "launch_local", fake_launch)
     out = tmp_path / "run"
     assert main(["train", "--workers", "2", "--steps", "1", "--no-save", "--log-every", "3", "--out", str(out)]) == 0
     ranks_cfg = config_from_args(_parse(launched[0][1:]))

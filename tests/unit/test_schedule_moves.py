@@ -1,4 +1,4 @@
-"""What moves at a mask change under backward masking (`sdp_train.sdp_schedule.plan_moves`): every
+"""What moves at a mask change under backward masking (`sdp_train.parallel.schedule.plan_moves`): every
 tensor a worker starts to hold comes from exactly one old holder, the lowest-ranked, in one order."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdp_train.models.blocks import WHOLE
-from sdp_train.sdp_schedule import plan_moves
+from sdp_train.parallel.blockmap import WHOLE
+from sdp_train.parallel.schedule import plan_moves
 
 
 @st.composite

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, build_model, get_model_config
-from sdp_train.models.blocks import PassThrough
-from sdp_train.subnet import (
+from sdp_train.models.subnet import (
     apply_backward_mask,
     backward_mask,
     build_worker_model,
@@ -19,6 +18,7 @@ from sdp_train.subnet import (
     load_from_full,
     scatter_to_full,
 )
+from sdp_train.parallel.blockmap import PassThrough
 
 LLAMA = get_model_config(
     "llama-debug", dim=16, n_layers=3, n_heads=2, hidden_dim=32, neuron_groups=4, vocab_size=32, max_seq_len=16
@@ -222,8 +222,8 @@ def test_backward_mask_freezes_exactly_the_non_held_blocks():
 def test_a_dropped_downsampling_block_keeps_its_live_shortcut_and_gaining_it_takes_the_shortcut_back():
     """The library's cut (`drop_blocks`, a schedule's `gain_block`) of a full ResNet: the shortcut is
     never moved to the meta device, keeps its full-model names and values, and is the gained block's."""
-    from sdp_train.sdp_masking import describe, drop_blocks
-    from sdp_train.sdp_schedule import gain_block
+    from sdp_train.parallel.masking import describe, drop_blocks
+    from sdp_train.parallel.schedule import gain_block
 
     model = build_model(RESNET, seed=4)
     shortcut = model.layer3["0"].downsample

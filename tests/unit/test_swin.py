@@ -9,8 +9,8 @@ import torch
 
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, build_model, get_model_config, num_params
+from sdp_train.models.subnet import build_worker_model
 from sdp_train.models.swin import BlockShape, PatchMerging, SwinBlock, block_shapes, shift_mask
-from sdp_train.subnet import build_worker_model
 
 DIGITS = get_model_config("swin-tiny", in_channels=1)
 CIFAR = get_model_config("swin-tiny", in_channels=3, image_size=32)

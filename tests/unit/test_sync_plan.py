@@ -15,16 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from sdp_train import sync
-from sdp_train.config import TrainConfig
 from sdp_train.models import block_map, get_model_config
-from sdp_train.models.blocks import SliceSpec
-from sdp_train.subnet import build_worker_model, held_tensors
-from sdp_train.sync import SyncEngine, layer_of, plan_buckets
-from sdp_train.sdp_export import assemble, owned_positions
-from sdp_train.modes import family_layout
-from sdp_train.prepare import design_for_model
-from sdp_train.run import loss_fn
+from sdp_train.models.subnet import build_worker_model, held_tensors
+from sdp_train.parallel import sync
+from sdp_train.parallel.blockmap import SliceSpec
+from sdp_train.parallel.export import assemble, owned_positions
+from sdp_train.parallel.sync import SyncEngine, layer_of, plan_buckets
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.modes import family_layout
+from sdp_train.trainer.prepare import design_for_model
+from sdp_train.trainer.run import loss_fn
 
 LLAMA = get_model_config("llama-debug")
 GROUPS = LLAMA.neuron_groups

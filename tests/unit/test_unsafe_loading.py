@@ -10,9 +10,9 @@ import pytest
 
 from masklab.errors import MaskFileError
 from masklab.io import load_mask
-from sdp_train.config import load_config_file
 from sdp_train.data import load_cifar_batches
 from sdp_train.errors import ConfigError, DataFileError
+from sdp_train.trainer.config import load_config_file
 
 
 class _Exploit:

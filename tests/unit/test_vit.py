@@ -8,7 +8,7 @@ import torch
 
 from sdp_train.errors import ConfigError
 from sdp_train.models import block_map, build_model, get_model_config, num_params
-from sdp_train.subnet import build_worker_model
+from sdp_train.models.subnet import build_worker_model
 
 TINY = get_model_config("vit-tiny", in_channels=1, dim=32, n_heads=2, hidden_dim=64, n_layers=3, patch_size=2,
                         neuron_groups=4)

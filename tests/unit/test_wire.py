@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdp_train.wire import WIRE_MODEL, ByteCount, wire_bytes
+from sdp_train.parallel.wire import WIRE_MODEL, ByteCount, wire_bytes
 
 
 @pytest.mark.parametrize(("collective", "ranks", "expected"), [

@@ -1,0 +1,213 @@
+"""``sdp train``: parse flags over an optional JSON config, validate, then run or launch ranks.
+
+Outside torchrun, ``--workers N`` starts N local ranks through torch's elastic launcher, which
+restarts the group up to ``--max-restarts`` times after a worker fails; under torchrun the
+launcher's environment (and its own ``--max-restarts``) decides. The config and mask are
+validated in the launching process first, so a bad input fails before any process or process
+group starts. A run stopped by a non-finite loss (``--nonfinite stop``) exits 1 with one error
+line from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+
+from sdp_train.errors import ConfigError
+from sdp_train.trainer.config import BASELINES, MODES, NONFINITE_POLICIES, SCHEDULE_KINDS, TrainConfig, load_config_file
+from sdp_train.trainer.rundir import LOCKED_ENV, OutLock, check_out_dir, clear_previous_run, die_with_parent
+
+_FLAGS = {  # flag -> (TrainConfig field, type)
+    "--model": ("model", str), "--mode": ("mode", str), "--active": ("active", float), "--mask": ("mask", str),
+    "--construction": ("construction", str), "--workers": ("workers", int), "--steps": ("steps", int),
+    "--batch-size": ("batch_size", int), "--seq-len": ("seq_len", int), "--lr": ("lr", float),
+    "--warmup-steps": ("warmup_steps", int), "--weight-decay": ("weight_decay", float),
+    "--grad-clip": ("grad_clip", float), "--seed": ("seed", int), "--data": ("data", str),
+    "--eval-batches": ("eval_batches", int), "--eval-every": ("eval_every", int), "--out": ("out", str),
+    "--max-data-bytes": ("max_data_bytes", int), "--memory-steps": ("memory_steps", int),
+    "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
+    "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
+    "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
+    "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--schedule": ("schedule", str),
+    "--every": ("every", int), "--local-steps": ("local_steps", int),
+}
+_CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS}
+_SWITCHES = {  # flag -> (TrainConfig field, help)
+    "--heterogeneous": ("heterogeneous", "give each worker a different part of the data (by file / class)"),
+    "--ac": ("activation_checkpointing", "recompute each residual block's activations in backward"),
+    "--fsdp": ("fsdp", "with --mode bsdp: shard each held block among its holders (FSDP2)"),
+    "--tensorboard": ("tensorboard", "also write the metrics for TensorBoard into --out/tensorboard "
+                                     "(needs the tensorboard package)"),
+}
+_OFF_SWITCHES = {  # flag -> (TrainConfig field that it sets to False, help)
+    "--no-save": ("save_model", "do not write the final full model (--out/model.safetensors)"),
+}
+_OVERWRITE_HELP = ("replace the results of an earlier run in --out (summary, metrics, checkpoints, model, mask, "
+                   "certificate, tensorboard)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="train with SDP (or the DDP baseline) on torch.distributed",
+                              description="Train a model with DDP, FSDP, B-SDP, N-SDP, Bb-SDP or overlap averaging.")
+    p.add_argument("--config", metavar="FILE", help="JSON file of TrainConfig fields; flags override it")
+    docs = {f.name: f for f in fields(TrainConfig)}
+    for flag, (name, typ) in _FLAGS.items():
+        kwargs = {"choices": _CHOICES[name]} if name in _CHOICES else {}
+        p.add_argument(flag, dest=name, type=typ, default=None, metavar=name.upper(),
+                       help=f"(default {docs[name].default!r})", **kwargs)
+    for flag, (name, text) in _SWITCHES.items():
+        p.add_argument(flag, dest=name, action="store_true", default=None, help=text)
+    for flag, (name, text) in _OFF_SWITCHES.items():
+        p.add_argument(flag, dest=name, action="store_const", const=False, default=None, help=text)
+    p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = load_config_file(args.config) if args.config else {}
+    names = [name for name, _ in (*_FLAGS.values(), *_SWITCHES.values(), *_OFF_SWITCHES.values())]
+    values.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    if values.get("mode") in BASELINES and any(values.get(k) is not None for k in ("active", "mask")):
+        given = ", ".join(f"{k}={values[k]!r}" for k in ("active", "mask") if values.get(k) is not None)
+        raise ConfigError(f"mode={values['mode']!r} trains the full model on every worker: {given} would be "
+                          f"ignored; drop it, or choose an SDP mode (bsdp, nsdp, bbsdp)")
+    if "mask" in values and "active" not in values:
+        values["active"] = None
+    return TrainConfig.from_dict(values, source=args.config or "command line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sdp_train.errors import NonFiniteError
+    from sdp_train.parallel.dist import get_dist_info, under_torchrun
+    from sdp_train.trainer.checkpoint import MANIFEST
+    from sdp_train.trainer.launch import launch_local, restart_attempt
+    from sdp_train.trainer.prepare import prepare
+    from sdp_train.trainer.train import metrics_history, train
+
+    cfg = config_from_args(args)
+    if under_torchrun():
+        die_with_parent()  # a SIGKILLed launcher takes its ranks with it
+    owner = not (under_torchrun() and (os.environ.get(LOCKED_ENV) or not get_dist_info().is_main))
+    lock = None
+    if owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
+        prep = prepare(cfg)  # refuse bad configs and masks before starting any process
+        check_data(prep)
+        check_outputs(cfg)
+        if prep.resume_from is not None:  # its history must be readable before anything is replaced
+            manifest = json.loads((prep.resume_from / MANIFEST).read_text(encoding="utf-8"))
+            metrics_history(cfg.out, manifest["step"], report=False)
+        lock = _claim_out_dir(cfg, args.overwrite, first_attempt=restart_attempt() == 0,
+                              keep=(args.config,) if args.config else ())
+        if restart_attempt() == 0:
+            report_mask(prep)
+    try:
+        if under_torchrun() or cfg.workers == 1:
+            try:
+                train(cfg)
+            except NonFiniteError:  # raised on every rank in the same step; `train` reported it once
+                return 1
+            return 0
+        os.environ[LOCKED_ENV] = str(os.getpid())  # the ranks' launcher (this process) holds --out
+        try:
+            return launch_local(["train", *argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
+        finally:
+            del os.environ[LOCKED_ENV]
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool, keep: tuple[str, ...] = ()) -> OutLock:
+    """Check ``--out``, lock it for this run, and (with --overwrite) clear an earlier run's results
+    except the files in `keep` (this run's ``--config``).
+
+    A restarted attempt of a torchrun group (rank 0 died, so its lock went with it) takes the lock
+    again without the checks: the results there are its own run's.
+    """
+    check_out_dir(cfg.out, resume=cfg.resume is not None or not first_attempt, overwrite=True)
+    lock = OutLock(cfg.out)
+    stale = lock.acquire()
+    try:
+        if first_attempt:
+            check_out_dir(cfg.out, resume=cfg.resume is not None, overwrite=overwrite)
+            if overwrite and cfg.resume is None:
+                removed = clear_previous_run(cfg.out, keep=keep)
+                if removed:
+                    print(f"sdp train: --overwrite: removed {', '.join(removed)} of an earlier run in {cfg.out}",
+                          file=sys.stderr, flush=True)
+    except BaseException:
+        lock.release()
+        raise
+    if stale and first_attempt:
+        print(f"sdp train: {cfg.out}: took over the lock of a run that no longer runs ({stale})",
+              file=sys.stderr, flush=True)
+    return lock
+
+
+def check_data(prep) -> None:
+    """Open the data as the first and the last rank will, both splits, so a shard too small or
+    unreadable for some rank is refused here in one line instead of by every rank after launch.
+
+    The last rank gets the fewest items (items are dealt out in rank order). Token shards are
+    scanned for ids beyond the model's vocabulary here, once, not by every rank.
+    """
+    from sdp_train.data import build_batches
+    from sdp_train.trainer.prepare import check_token_ids
+
+    check_token_ids(prep)
+
+    workers = prep.config.workers
+    for split in ("train", "val"):
+        for rank in sorted({0, workers - 1}):
+            build_batches(prep.data, split=split, seed=prep.config.seed, rank=rank, world_size=workers)
+
+
+def report_mask(prep) -> None:
+    """Print the mask a run trains with and its certificate, save both in --out (`sdp_train.trainer.outputs`),
+    and warn where the mask is not what was asked for or certifies nothing."""
+    mask, cfg = prep.mask, prep.config
+    if mask is None:
+        return
+    from sdp_train.trainer.outputs import mask_lines, save_mask_and_certificate
+
+    mask_path, cert_path, report = save_mask_and_certificate(cfg.out, mask)
+    source = cfg.mask or f"designed for --active {cfg.active}"
+    print(f"sdp train: mask {mask.workers} workers x {mask.blocks} blocks ({source}): C = {mask.active_fraction:.4g}, "
+          f"coverage {report.coverage_min}..{report.coverage_max}, spectral gap {report.spectral_gap:.4g}"
+          f"{'' if report.connected else ', mixing graph disconnected'}", flush=True)
+    print("\n".join(mask_lines(mask, report)), flush=True)
+    print(f"sdp train: saved the mask to {mask_path} (--mask reuses it) and its certificate to {cert_path}",
+          flush=True)
+    if cfg.mask is None and cfg.active is not None and abs(mask.active_fraction - cfg.active) > 1e-9:
+        print(f"sdp train: warning: --active {cfg.active} became C = {mask.active_fraction:.4g}: with "
+              f"{mask.workers} workers every block has a whole number of holders", file=sys.stderr, flush=True)
+    if not report.connected:
+        print("sdp train: warning: the mask's mixing graph is disconnected (spectral gap 0): some groups of "
+              "workers share no block", file=sys.stderr, flush=True)
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Refuse, before launching, a run whose final model or TensorBoard log could not be written."""
+    import importlib.util
+
+    if cfg.save_model:
+        from sdp_train.trainer.outputs import check_can_save_model
+
+        check_can_save_model()
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'sdp-toolkit[tensorboard]' "
+                          "(or pip install tensorboard), or drop --tensorboard")
+
+
+def argv_of(args: argparse.Namespace) -> list[str]:
+    """The flags that reproduce ``args`` (what the launcher passes its ranks)."""
+    argv = ["--config", args.config] if args.config else []
+    for flag, (name, _) in _FLAGS.items():
+        if getattr(args, name) is not None:
+            argv += [flag, str(getattr(args, name))]
+    argv += [flag for flag, (name, _) in _SWITCHES.items() if getattr(args, name)]
+    argv += [flag for flag, (name, _) in _OFF_SWITCHES.items() if getattr(args, name) is False]
+    return argv

@@ -1,0 +1,73 @@
+"""Distributed plumbing shared by the library and the trainer: the same code runs as one process or under torchrun.
+
+Tiny helpers in the style of nanochat's ``common.py``: `get_dist_info` reads torchrun's
+environment, `default_device` picks the rank's device, `collective_timeout` is every collective's
+and group's timeout, `print0` prints on rank 0. Creating the default group, launching ranks and
+agreeing on restarts is the trainer's (`sdp_train.trainer.launch`). This module decides nothing
+about SDP itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) has set the rendezvous environment."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def get_dist_info() -> DistInfo:
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    if under_torchrun():
+        return DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return DistInfo(0, 1, 0)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_dist_info().local_rank)
+    return torch.device("cpu")
+
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def collective_timeout() -> timedelta:
+    """How long any collective may wait for a peer before it fails (``SDP_COLLECTIVE_TIMEOUT_S``).
+
+    Set deliberately (default 600 s) so that a stuck or dead rank ends the job with an error
+    instead of an endless hang.
+    """
+    raw = os.environ.get("SDP_COLLECTIVE_TIMEOUT_S", str(DEFAULT_COLLECTIVE_TIMEOUT_S))
+    try:
+        seconds = float(raw) if raw.isascii() else float("nan")  # float() also reads '٣٠٠'
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"SDP_COLLECTIVE_TIMEOUT_S={raw!r} must be a positive number of seconds")
+    return timedelta(seconds=seconds)
+
+
+def print0(*args, **kwargs) -> None:
+    if get_dist_info().is_main:
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,298 @@
+"""Overlap averaging: each worker keeps its own copy of the model, trains the blocks it holds for
+H local steps, then every block is averaged among its current holders; non-holders keep theirs.
+
+This is the regime in which the mask graph's spectral gap governs agreement (docs/design.md,
+"Where the spectral gap matters"): with a schedule (``permute`` or ``cyclic``, mask changes every
+R steps, R a multiple of H) a block's copies mix over rounds, as in decentralized SGD, and their
+disagreement, the *consensus distance* (`OverlapAveraging.consensus_distance`), contracts at a
+rate set by the gap of the expected mixing operator. With a static mask a non-holder's copy of a
+block never changes. Bytes sent per step fall like 1/H: one holder average per block per round,
+nothing during backward.
+
+>>> # under torchrun, one process per worker
+>>> # model = OverlapAveraging(MyModel(), active=0.5, local_steps=4)
+>>> # optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+>>> # model.register_optimizer(optimizer)       # counts steps, averages after every 4th
+>>> # loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+
+Masking is backward masking at block level: every worker runs the whole model forward, and only
+the blocks it holds in the current round take gradients (the others' ``requires_grad`` is off and
+the optimizer skips them; their optimizer state, like everything else here, stays the worker's
+own). Parameters outside the blocks (embeddings, head) are held by every worker and so averaged
+over all of them each round, as in local SGD. Floating-point buffers (BatchNorm statistics) are
+averaged with their block. Gradient clipping is local (``torch.nn.utils.clip_grad_norm_`` on this
+worker's model is the right call here: no worker's gradient is averaged with another's).
+
+Not here: stepwise SDP, in which holders agree at every step (`sdp_train.parallel.wrapper`), and overlap
+averaging with forward masking, where a worker keeps a copy only of what it holds
+(``SubnetworkDataParallel(..., local_steps=H)``, which moves blocks at a mask change).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import kernels
+from masklab import Mask, Schedule
+from sdp_train.errors import ConfigError
+from sdp_train.parallel.blockmap import WHOLE
+from sdp_train.parallel.discovery import find_blocks
+from sdp_train.parallel.export import save_safetensors
+from sdp_train.parallel.masking import describe
+from sdp_train.parallel.parts import resolve_mask
+from sdp_train.parallel.sync import _Bucket, holder_set_groups, plan_buckets, unpin_default_group
+from sdp_train.parallel.wire import ByteCount
+
+unpin_default_group()  # as sdp_train.parallel.wrapper does: no default group pinned to interpreter shutdown
+
+
+class OverlapAveraging(nn.Module):
+    """Wrap ``module`` for overlap averaging among each block's holders every ``local_steps`` steps.
+
+    Every rank constructs it with the same arguments (row ``rank`` of the round's mask is this
+    worker's). All copies start from rank 0's values.
+
+    Parameters
+    ----------
+    module : nn.Module
+        The full model, on the device it trains on.
+    mask : masklab.Mask, str or os.PathLike, optional
+        The K x B mask (K = world size) or a mask file; its schedule (static, ``permute`` or
+        ``cyclic`` every R steps) says which mask is in force at each step
+        (``Mask.round_matrix(step, seed=seed)``). Exactly one of ``mask`` / ``active``.
+    active : float, optional
+        Active fraction C: design the mask with ``masklab.design``.
+    schedule : masklab.Schedule, optional
+        Replaces the mask's schedule (e.g. ``Schedule("permute", every=4)`` with ``active=``).
+    blocks : str or sequence, optional
+        The maskable residual blocks (pattern, names or submodules); found automatically when omitted.
+    local_steps : int
+        H: optimizer steps between averages. A schedule's R must be a multiple of H, so that each
+        round of H steps trains under one mask and is averaged among that mask's holders.
+    seed : int
+        Seed of the mask design and of a ``permute`` schedule's draws.
+    """
+
+    def __init__(self, module: nn.Module, *, mask: Mask | str | None = None, active: float | None = None,
+                 schedule: Schedule | None = None, blocks: str | Sequence[str | nn.Module] | None = None,
+                 local_steps: int = 1, seed: int = 0) -> None:
+        super().__init__()
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ConfigError(f"local_steps must be a positive integer, got {local_steps!r}")
+        self.rank, self.world_size = ((dist.get_rank(), dist.get_world_size())
+                                      if dist.is_available() and dist.is_initialized() else (0, 1))
+        block_names = find_blocks(module, blocks)
+        self.layout = describe(module, block_names, "block")
+        self.mask = resolve_mask(mask, active, self.world_size, self.layout, seed=seed, schedules=True)
+        if schedule is not None:
+            if not isinstance(schedule, Schedule):
+                raise ConfigError(f"schedule must be a masklab.Schedule, got {type(schedule).__name__}")
+            self.mask = self.mask.replace(schedule=schedule)
+        every = self.mask.schedule.every
+        if not self.mask.schedule.is_static and every % local_steps:
+            raise ConfigError(f"the mask's {self.mask.schedule.kind!r} schedule changes it every {every} steps, "
+                              f"not a multiple of local_steps={local_steps}: each round of {local_steps} steps "
+                              "must train under one mask")
+        self.module, self.local_steps, self.seed = module, local_steps, seed
+        self.steps = 0  # optimizer steps taken
+        self.bytes = ByteCount()
+        self.optimizers_registered = 0
+        tensors = dict(module.state_dict(keep_vars=True))
+        params = set(self.layout.parameter_names)
+        self._tensors = {n: tensors[n] for n in [*self.layout.parameter_names,
+                                                 *(n for n, t in tensors.items()
+                                                   if n not in params and t.dtype.is_floating_point
+                                                   and not isinstance(t, nn.Parameter))]}
+        """Every tensor averaged: the parameters (tied ones once) and the floating-point buffers."""
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._round_key: bytes | None = None
+        self._buckets: list[_Bucket] = []
+        self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
+        if self.world_size > 1:
+            with torch.no_grad():
+                for t in tensors.values():  # one starting point for every copy
+                    dist.broadcast(t.data, src=0)
+        self._set_trainable(self.round_matrix(0))
+
+    # -- the mask in force -----------------------------------------------------------------------
+    def round_matrix(self, step: int) -> np.ndarray:
+        """The (K, B) mask in force at optimizer step `step` (0-based)."""
+        return self.mask.round_matrix(step, seed=self.seed)
+
+    @property
+    def held_blocks(self) -> tuple[str, ...]:
+        """The blocks this worker trains in the current round."""
+        row = self.round_matrix(self.steps)[self.rank].astype(bool)
+        return tuple(b for b, keep in zip(self.layout.blocks, row) if keep)
+
+    def _set_trainable(self, matrix: np.ndarray) -> None:
+        held = self.layout.held(matrix[self.rank])
+        for name, p in self.module.named_parameters():
+            p.requires_grad_(name in held)
+            if name not in held:
+                p.grad = None  # the optimizer skips a parameter without a gradient
+
+    # -- the training step -----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.training and self.world_size > 1 and not self.optimizers_registered:
+            raise ConfigError("overlap averaging counts optimizer steps: call model.register_optimizer(optimizer) "
+                              "before training")
+        return self.module(*args, **kwargs)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s steps: after every ``local_steps``-th, average each block among its
+        holders and switch to the next round's mask. The hooks hold this wrapper weakly."""
+        optimizer.register_step_post_hook(_weak(weakref.ref(self), "step_done"))
+        self.optimizers_registered += 1
+
+    def step_done(self) -> None:
+        """One optimizer step has been taken (the registered hook calls this; every rank must).
+
+        After the last step of a round, each tensor is replaced by its average over the round's
+        holders, and the next round's blocks become trainable.
+        """
+        matrix = self.round_matrix(self.steps)
+        self.steps += 1
+        if self.steps % self.local_steps == 0:
+            self.average(matrix)
+            self._set_trainable(self.round_matrix(self.steps))
+
+    def schedule_state(self) -> dict[str, int]:
+        """Where training is in the schedule: ``{"steps": optimizer steps taken}``, which fixes the
+        round, its mask and the next average. Save it with the model and optimizer state."""
+        return {"steps": self.steps}
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        """Continue from `schedule_state` (after loading this worker's own copy and optimizer state)."""
+        steps = state.get("steps") if isinstance(state, dict) else None
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"schedule state {state!r}: expected {{'steps': n}} with an integer n >= 0")
+        self.steps = steps
+        self._set_trainable(self.round_matrix(steps))
+
+    @torch.no_grad()
+    def average(self, matrix: np.ndarray | None = None) -> None:
+        """Replace every tensor by its average over its holders in `matrix` (default: the mask in
+        force now); non-holders keep their copies. A collective: every rank must call it."""
+        if self.world_size == 1:
+            return
+        matrix = self.round_matrix(self.steps) if matrix is None else np.asarray(matrix)
+        for bucket in self._round_buckets(matrix):
+            if self.rank in bucket.plan.holders:
+                group = self._groups[bucket.plan.holders]
+                values = [t.data for t in bucket.params]
+                kernels.overlap_average(values, bucket.layout, lambda b, g=group: dist.all_reduce(b, group=g),
+                                        buffer=bucket.buffer)
+                self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(),
+                               len(bucket.plan.holders))
+
+    def _round_buckets(self, matrix: np.ndarray) -> list[_Bucket]:
+        key = np.ascontiguousarray(matrix, dtype=np.int8).tobytes()
+        if key == self._round_key:
+            return self._buckets
+        held_by_rank = [self.layout.held(matrix[k]) for k in range(self.world_size)]
+        shapes = {n: self.layout.tensors[n][0] for n in self._tensors}
+        plans = [p for p in plan_buckets(held_by_rank, list(self._tensors), shapes=shapes) if len(p.holders) > 1]
+        missing = sorted({p.holders for p in plans} - set(self._groups))
+        if missing:  # every rank reaches this with the same sets (the schedule is computed, not sent)
+            self._groups.update(holder_set_groups(missing, self.world_size, singletons=False))
+        local = {n: WHOLE for n in self._tensors}
+        self._buckets = [_Bucket(p, self._tensors, local, self._groups[p.holders], self._device)
+                         if self.rank in p.holders else _Placeholder(p) for p in plans]
+        self._round_key = key
+        return self._buckets
+
+    @property
+    def comm_bytes(self) -> int:
+        """Buffer bytes this rank passed to averaging all-reduces so far (``bytes.wire``: on the wire)."""
+        return self.bytes.buffer
+
+    # -- agreement and the model -----------------------------------------------------------------
+    @torch.no_grad()
+    def consensus_distance(self) -> dict[str, float]:
+        """How far the workers' copies are apart: for every block j, (1/K) sum_k ||x_j^k - xbar_j||^2
+        over the K workers' copies (xbar_j their mean), ``"other"`` for the tensors outside the
+        blocks, and ``"total"`` their sum. A collective: every rank must call it; all get the result."""
+        parts = self._parts()
+        squares = []
+        for names in parts.values():
+            flat = torch.cat([self._tensors[n].detach().reshape(-1).double() for n in names]) if names else \
+                torch.zeros(0, dtype=torch.float64, device=self._device)
+            total = flat.clone()
+            if self.world_size > 1:
+                dist.all_reduce(total)
+            squares.append((flat - total / self.world_size).pow(2).sum())
+        deviation = torch.stack(squares) if squares else torch.zeros(0, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(deviation)
+        out = {part: float(d) / self.world_size for part, d in zip(parts, deviation.tolist())}
+        out["total"] = sum(out.values())
+        return out
+
+    def _parts(self) -> dict[str, list[str]]:
+        parts: dict[str, list[str]] = {b: [] for b in self.layout.blocks}
+        parts["other"] = []
+        for name in self._tensors:
+            parts[self.layout.owning_block(name) or "other"].append(name)
+        return parts
+
+    @torch.no_grad()
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model the holders agree on: every tensor averaged over its holders in the mask in
+        force now (right after a round, each holder's own value), as CPU tensors. Integer buffers
+        are rank 0's. Every rank must call it; with ``rank0_only`` the others get ``{}``."""
+        matrix = self.round_matrix(max(self.steps - 1, 0))  # the last round trained
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.module.state_dict().items():
+            value = t.detach()
+            if self.world_size > 1:
+                holders = self._holders_of(name, matrix)
+                if value.dtype.is_floating_point:
+                    value = (value if self.rank in holders else torch.zeros_like(value)).double()
+                    dist.all_reduce(value)
+                    value = (value / len(holders)).to(t.dtype)
+                else:
+                    value = value.clone()
+                    dist.broadcast(value, src=0)
+            if not rank0_only or self.rank == 0:
+                out[name] = value.cpu().clone()
+        return out
+
+    def _holders_of(self, name: str, matrix: np.ndarray) -> tuple[int, ...]:
+        block = self.layout.owning_block(name)
+        if block is not None:
+            return tuple(int(k) for k in np.flatnonzero(matrix[:, self.layout.blocks.index(block)]))
+        return tuple(range(self.world_size))
+
+    def save_full(self, path) -> None:
+        """Write `full_state_dict` as safetensors (rank 0 writes; every rank must call it)."""
+        state = self.full_state_dict(rank0_only=True)
+        if self.rank == 0:
+            save_safetensors(state, path, config=getattr(self.module, "config", None))
+        if self.world_size > 1:
+            dist.barrier()
+
+
+class _Placeholder:
+    """A bucket this rank does not hold: it only keeps the plan (and so the global order)."""
+
+    def __init__(self, plan) -> None:
+        self.plan = plan
+
+
+def _weak(ref: weakref.ref, method: str) -> Callable[..., None]:
+    def hook(*_) -> None:
+        alive = ref()
+        if alive is not None:
+            getattr(alive, method)()
+
+    return hook
+
+
+__all__ = ["OverlapAveraging"]

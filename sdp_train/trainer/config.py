@@ -1,0 +1,260 @@
+"""The training configuration: one keyword-only dataclass, checked on construction.
+
+`TrainConfig` is what ``sdp train`` runs and what every checkpoint and ``summary.json`` records.
+A config file is JSON with the same keys (unknown keys are refused); command-line flags override
+it. Validation happens here, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from sdp_train.errors import ConfigError
+from sdp_train.trainer.user_model import is_user_model
+
+MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp", "overlap")
+BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
+LEVEL_OF_MODE = {"bsdp": "block", "bbsdp": "block", "nsdp": "neuron", "overlap": "block"}
+LOCAL_STEP_MODES = ("overlap", "bsdp", "nsdp")  # modes that may average every local_steps steps
+SCHEDULED_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")  # modes that train a mask schedule
+SCHEDULE_KINDS = ("static", "permute", "cyclic")  # masklab.mask.ROW_SCHEDULE_KINDS (a sequence: a mask file)
+MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
+NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One training run."""
+
+    model: str = "llama-debug"
+    """Named model (see ``sdp_train.models``), or ``FILE.py:FACTORY``: a function in that file that
+    returns your ``nn.Module`` (`sdp_train.trainer.user_model`; trained through `SubnetworkDataParallel`)."""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields of the named model config to change, e.g. ``{"width_multiplier": 0.125}``; for
+    ``FILE.py:FACTORY``, the factory's keyword arguments."""
+    blocks: str | None = None
+    """``FILE.py:FACTORY`` models only: the maskable residual blocks, as a pattern whose ``*``
+    matches one name component (``"model.layers.*"``) or comma-separated names; found when omitted."""
+    mode: str = "bsdp"
+    """``ddp`` (torch DDP baseline), ``fsdp`` (FSDP2 ``fully_shard`` baseline), ``bsdp`` (block,
+    forward masking), ``nsdp`` (neurons, forward masking), ``bbsdp`` (blocks, backward masking) or
+    ``overlap`` (overlap averaging: every worker keeps its own copy of the model, trains the blocks
+    it holds for `local_steps` steps, then each block becomes its holders' average;
+    `sdp_train.parallel.overlap`)."""
+    active: float | None = 0.5
+    """Active fraction C for a designed mask; ignored when `mask` is given or mode is ddp/fsdp."""
+    mask: str | None = None
+    """Path of a mask JSON file (``sdp design --out``); overrides `active`."""
+    construction: str = "auto"
+    """Construction passed to ``masklab.design`` when the mask is designed from `active`."""
+    schedule: str | None = None
+    """How the mask changes over training: ``static``, ``permute`` (rows reassigned to workers by a
+    fresh random permutation every `every` steps) or ``cyclic`` (rows rotate by one worker every
+    `every` steps); replaces a mask file's schedule. None: the mask file's (static when designed;
+    a file may also hold a ``sequence`` of masks). Schedules other than static train in modes
+    ``bsdp``, ``nsdp``, ``bbsdp`` (what a worker stops holding moves to its new holders at a change)
+    and ``overlap``, not with `fsdp`."""
+    every: int = 1
+    """Steps between schedule changes (R), with `schedule`; a multiple of `local_steps`."""
+    local_steps: int = 1
+    """Optimizer steps between holder averages (H): mode ``overlap`` (every worker keeps a full
+    copy), or ``bsdp`` / ``nsdp`` without `fsdp` (forward masking: each worker trains its own
+    subnetwork H steps, nothing is sent during backward, then every held tensor becomes its
+    holders' average). 1: stepwise averaging (``bsdp`` / ``nsdp``)."""
+    workers: int = 2
+    """Number of ranks (K). Under torchrun it must equal WORLD_SIZE."""
+    steps: int = 50
+    """Optimizer steps."""
+    batch_size: int = 8
+    """Sequences (or images) per worker per step."""
+    seq_len: int = 64
+    """Tokens per sequence for language models."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` at the end of the cosine decay."""
+    warmup_steps: int = 5
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the norm of the whole averaged gradient (each block counted once); 0 disables."""
+    seed: int = 0
+    """Seed of the model initialization, the data order and the mask design."""
+    data: str = "auto"
+    """``auto`` (stdlib bytes for LMs, digits for images), ``stdlib``, ``digits``,
+    ``bin:DIR`` (uint16 token shards) or ``cifar:DIR`` (CIFAR python batches)."""
+    heterogeneous: bool = False
+    """Give each worker a different part of the data (by file / by class)."""
+    max_data_bytes: int = 2_000_000
+    """Cap on stdlib source bytes read (keeps start-up fast)."""
+    eval_batches: int = 4
+    """Validation batches per rank for the final (and periodic) validation loss."""
+    eval_every: int = 0
+    """Validate every N steps (0: only at the end)."""
+    activation_checkpointing: bool = False
+    """Recompute each residual block's activations in backward (torch.utils.checkpoint), any mode."""
+    fsdp: bool = False
+    """B-SDP only: shard each held block among its holders with FSDP2 (SDP and FSDP savings multiply)."""
+    memory_steps: int = 2
+    """Steps (the first of this run, or after resuming) whose peak memory is measured and reported in
+    summary.json; 0 disables. On CPU the tracker slows these steps ~10x."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps and at the end (0: none), under ``out/checkpoints/step_N``."""
+    resume: str | None = None
+    """Checkpoint directory to continue from (a ``step_N`` directory, or ``checkpoints`` for the latest)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N complete checkpoints, deleting older ``step_N`` after each save (0: keep all)."""
+    max_restarts: int = 0
+    """Restarts of the whole worker group after a worker fails (``sdp train --workers N`` passes it to
+    torch's elastic agent). A restarted group resumes from the latest valid checkpoint under
+    ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
+    nonfinite: str = "stop"
+    """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
+    summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
+    `max_restarts`, a stop is a worker failure like any other and uses up a restart."""
+    max_consecutive_skips: int = 10
+    """With ``nonfinite='skip'``: this many non-finite steps in a row end the run as ``stop`` would
+    (a diverged run does not come back by skipping)."""
+    log_every: int = 0
+    """Print a plain metrics line to stdout every N steps and at the last step, flushed (for logs
+    and pipes; replaces the progress bar). 0: a progress bar on a terminal, else a line every ~10%."""
+    tensorboard: bool = False
+    """Also write every metric for TensorBoard (torch's ``SummaryWriter``) into ``out/tensorboard``;
+    needs the ``tensorboard`` package (``pip install 'sdp-toolkit[tensorboard]'``)."""
+    save_model: bool = True
+    """Write the final full model to ``out/model.safetensors`` (``--no-save``: don't)."""
+    out: str = "runs/latest"
+    """Output directory (metrics.jsonl, summary.json, mask.json, certificate.json, model.safetensors,
+    checkpoints/, tensorboard/)."""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "construction", "data", "out"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
+        for name in ("mask", "resume", "blocks", "schedule"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a string or null")
+        for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        if not isinstance(self.model_overrides, dict) or not all(isinstance(k, str) for k in self.model_overrides):
+            raise ConfigError(f"model_overrides must be a mapping of config fields, got {self.model_overrides!r}")
+        if self.blocks is not None and not is_user_model(self.model):
+            raise ConfigError(f"blocks={self.blocks!r} (--blocks) names the blocks of your own model "
+                              f"(--model FILE.py:FACTORY); the blocks of model {self.model!r} are fixed by its family")
+        if self.blocks is not None and not self.blocks.strip(" ,"):
+            raise ConfigError(f"blocks={self.blocks!r} (--blocks) names no block")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
+        _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
+        _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
+                          "keep_checkpoints", "max_restarts", "log_every")
+        _positive_int(self, "max_consecutive_skips", "every", "local_steps")
+        if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
+            raise ConfigError(f"schedule={self.schedule!r} is not one of {SCHEDULE_KINDS}")
+        if self.every != 1 and self.schedule in (None, "static"):
+            raise ConfigError(f"every={self.every} (--every) needs schedule (--schedule permute|cyclic), got "
+                              f"schedule={self.schedule!r}")
+        if self.local_steps != 1 and (self.mode not in LOCAL_STEP_MODES or self.fsdp):
+            raise ConfigError(f"local_steps={self.local_steps} (--local-steps) is the averaging period of modes "
+                              f"'overlap', 'bsdp' and 'nsdp' (without --fsdp), got mode {self.mode!r}"
+                              + (" with fsdp" if self.fsdp else "")
+                              + ("; backward masking with local steps is --mode overlap"
+                                 if self.mode == "bbsdp" else ""))
+        if self.schedule is not None and self.mode in BASELINES:
+            raise ConfigError(f"schedule={self.schedule!r} (--schedule) changes a mask; mode {self.mode!r} has none")
+        if self.schedule not in (None, "static") and self.mode not in SCHEDULED_MODES:
+            raise ConfigError(f"schedule={self.schedule!r} (--schedule): mode {self.mode!r} trains a static mask; "
+                              "schedules train with --mode bsdp, nsdp, bbsdp or overlap")
+        if self.schedule not in (None, "static") and self.fsdp:
+            raise ConfigError(f"schedule={self.schedule!r} (--schedule) with fsdp (--fsdp): FSDP's holder meshes are "
+                              "fixed when the run starts; schedules train without --fsdp")
+        if self.schedule not in (None, "static") and self.every % self.local_steps:
+            raise ConfigError(f"every={self.every} (--every) must be a multiple of local_steps={self.local_steps} "
+                              f"(--local-steps): each round of {self.local_steps} steps trains under one mask")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
+        if self.active is not None and (isinstance(self.active, bool) or not (
+                isinstance(self.active, (int, float)) and 0.0 < self.active <= 1.0)):
+            raise ConfigError(f"active={self.active!r} must be in (0, 1]")
+        for name in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"):
+            value = getattr(self, name)
+            # compared, not converted: an integer beyond float range (JSON allows one) is refused, no OverflowError
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= sys.float_info.max:
+                raise ConfigError(f"{name}={value!r} must be a finite number >= 0")
+        if self.lr == 0:
+            raise ConfigError("lr=0 would not train; give a positive learning rate")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be <= 1")
+        if self.fsdp and self.mode != "bsdp":
+            raise ConfigError(f"fsdp=True (--fsdp) composes with mode 'bsdp' only, got mode {self.mode!r}: "
+                              "nsdp slices tensors differently on every worker, bbsdp keeps full frozen copies, "
+                              "and ddp/fsdp are the baselines (use --mode fsdp)")
+        if self.mode not in BASELINES and self.mask is None and self.active is None:
+            raise ConfigError(f"mode {self.mode!r} needs --active C or --mask FILE")
+        if self.max_data_bytes < 10_000:
+            raise ConfigError(f"max_data_bytes={self.max_data_bytes} must be >= 10000")
+        if self.workers > MAX_WORKERS:
+            raise ConfigError(f"workers={self.workers} exceeds the supported maximum of {MAX_WORKERS} "
+                              "(mask design and its certificate use dense workers x workers matrices)")
+        if self.seed >= 2**63:
+            raise ConfigError(f"seed={self.seed} must be < 2**63 (torch seeds are 64-bit integers)")
+
+    @property
+    def level(self) -> str | None:
+        """Mask level of the mode (``block``/``neuron``), None for the DDP and FSDP baselines."""
+        return LEVEL_OF_MODE.get(self.mode)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON config file into a dict of TrainConfig fields (validated when merged)."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist or is not a file")
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:  # unreadable, name too long, ...
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # bad JSON, NaN/Infinity, 4300+ digit ints, deep nesting
+        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name} is not allowed")
+
+
+def _positive_int(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+
+def _non_negative_int(cfg: TrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name}={value!r} must be an integer >= 0")

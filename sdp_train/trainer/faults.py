@@ -1,0 +1,66 @@
+"""Faults a test injects into a real run through the environment, read once when the run starts.
+
+``SDP_TEST_INJECT_NAN=S:R`` makes rank R's loss (and so its gradients) NaN at step S;
+``SDP_TEST_KILL_AT_STEP=S:R`` makes rank R SIGKILL itself at step S, after its gradient
+collectives and before the optimizer step. Both act on the first attempt of a job only: a
+restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
+the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
+lists the tests that use them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sdp_train.trainer.launch import restart_attempt
+
+NAN_VARIABLE = "SDP_TEST_INJECT_NAN"
+KILL_VARIABLE = "SDP_TEST_KILL_AT_STEP"
+
+
+@dataclass(frozen=True)
+class InjectedFaults:
+    """Where a test wants a fault: ``(step, rank)`` pairs, or None for none.
+
+    >>> faults = InjectedFaults.from_environment({"SDP_TEST_INJECT_NAN": "3:1"}, attempt=0)
+    >>> faults.nan(3, 1), faults.nan(3, 0), faults.kill(3, 1)
+    (True, False, False)
+    """
+
+    nan_at: tuple[int, int] | None = None
+    kill_at: tuple[int, int] | None = None
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
+                         ) -> InjectedFaults:
+        """The faults ``environ`` (default ``os.environ``) asks for; none on a restarted attempt.
+
+        Raises
+        ------
+        ValueError
+            A variable is set but not ``STEP:RANK`` (two integers >= 0).
+        """
+        environ = os.environ if environ is None else environ
+        if (restart_attempt() if attempt is None else attempt) != 0:
+            return cls()
+        return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE))
+
+    def nan(self, step: int, rank: int) -> bool:
+        """True where this step's loss on this rank is to be NaN."""
+        return self.nan_at == (step, rank)
+
+    def kill(self, step: int, rank: int) -> bool:
+        """True where this rank is to SIGKILL itself at this step."""
+        return self.kill_at == (step, rank)
+
+
+def _spec(environ: Mapping[str, str], variable: str) -> tuple[int, int] | None:
+    text = environ.get(variable)
+    if text is None:
+        return None
+    step, _, rank = text.partition(":")
+    if not (step.isascii() and rank.isascii() and step.isdigit() and rank.isdigit()):
+        raise ValueError(f"{variable}={text!r} must be STEP:RANK, two integers >= 0")
+    return int(step), int(rank)

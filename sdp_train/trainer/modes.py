@@ -1,0 +1,475 @@
+"""How each mode of ``sdp train`` synchronises a rank's model: one object per mode behind one small
+interface (`ModeSync`), built by `build_sync` in one numbered order.
+
+`sdp_train.trainer.run.Run` drives every mode the same way, with no mode tests in its step: the forward
+pass through `ModeSync.train_model` inside `ModeSync.step_context`, backward, this rank's share of
+the squared gradient norm (`ModeSync.grad_sq_norm`, summed over ranks with the loss), the norm to
+report and the norm to clip by (`ModeSync.norms`), the optimizer step, then `ModeSync.after_step` and,
+when another step follows, `ModeSync.enter_next_round`.
+Bytes sent (`ModeSync.bytes`), long-lived communication buffers (`ModeSync.buffers`), the full
+model (`ModeSync.full_state`) and the overlap-averaging extras (consensus distance, schedule
+position) have one name in every mode.
+
+| mode | object | what it wraps |
+|---|---|---|
+| ``ddp`` | `DataParallelSync` | torch ``DistributedDataParallel`` (the plain model on one rank) |
+| ``fsdp`` | `FullyShardedSync` | FSDP2 ``fully_shard`` over the world (`sdp_train.parallel.parallelize`) |
+| ``bsdp``, ``nsdp``, ``bbsdp`` | `SubnetworkSync` | `SubnetworkDataParallel`, the library API a user's loop uses |
+| ``overlap`` | `OverlapSync` | `OverlapAveraging`, the library API of overlap averaging |
+
+Not here: the optimizer, the learning-rate schedule, clipping and the loop (`sdp_train.trainer.run.Run`,
+`sdp_train.trainer.train`), and the checks of a config (`sdp_train.trainer.prepare.prepare`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sdp_train.errors import ConfigError
+from sdp_train.models import ModelConfig, block_map, build_model, model_class
+from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
+from sdp_train.parallel.discovery import MLPSpec, find_blocks
+from sdp_train.parallel.dist import DistInfo
+from sdp_train.parallel.masking import ModelLayout, shared_inside
+from sdp_train.parallel.overlap import OverlapAveraging
+from sdp_train.parallel.parallelize import parallelize
+from sdp_train.parallel.wire import ByteCount
+from sdp_train.parallel.wrapper import SubnetworkDataParallel
+from sdp_train.trainer.config import BASELINES
+from sdp_train.trainer.user_model import NEURON_GROUPS as USER_NEURON_GROUPS
+from sdp_train.trainer.user_model import UserModel, user_blocks
+
+
+class ModeSync:
+    """What a run needs of its mode; the defaults are those of a mode whose workers agree after every step.
+
+    Attributes
+    ----------
+    model : nn.Module
+        This rank's model: what checkpoints save and the memory meter measures.
+    train_model : nn.Module
+        What the forward pass goes through: `model`, or the mode's wrapper of it.
+    """
+
+    model: nn.Module
+    train_model: nn.Module
+
+    def __init__(self, info: DistInfo) -> None:
+        self.info = info
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The parameters the optimizer gets."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Register whatever the mode does at optimizer steps."""
+
+    def step_context(self) -> ContextManager[None]:
+        """Around the forward and backward pass of one step."""
+        return nullcontext()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the squared gradient norm: the shares of all ranks sum to it."""
+        raise NotImplementedError
+
+    def norms(self, summed_sq: float, own_sq: torch.Tensor) -> tuple[float, float]:
+        """(the gradient norm to report, the norm to clip by) from the summed shares and this rank's own."""
+        norm = math.sqrt(summed_sq)
+        return norm, norm
+
+    def after_step(self) -> None:
+        """After the optimizer step (not after a skipped one)."""
+
+    def enter_next_round(self) -> None:
+        """Make the mask change a schedule's round that ended made due (a collective); call it only when
+        another step follows, so that nothing moves for a round that never trains."""
+
+    @property
+    def bytes(self) -> ByteCount:
+        """Buffer and wire bytes of the mode's collectives so far (`sdp_train.parallel.wire`)."""
+        return ByteCount()
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Long-lived communication buffers (the memory meter counts them as "other")."""
+        return []
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The full model on rank 0 (None on the other ranks); every rank must call it."""
+        raise NotImplementedError
+
+    def consensus_distance(self) -> dict[str, float] | None:
+        """How far the workers' copies are apart (a collective); None where they agree."""
+        return None
+
+    @property
+    def mask_change_bytes(self) -> ByteCount | None:
+        """Bytes moved at mask changes (a schedule under stepwise averaging), apart from `bytes`; None
+        where nothing moves."""
+        return None
+
+    def schedule_state(self) -> dict[str, int]:
+        """What a checkpoint keeps of the position in a mask schedule; ``{}`` where there is none."""
+        return {}
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        """Continue from `schedule_state`."""
+
+    def close(self) -> None:
+        """Release hooks and process-group references (after the last collective)."""
+
+
+class DataParallelSync(ModeSync):
+    """``ddp``: torch DDP over the world; every rank holds the same averaged gradient."""
+
+    def __init__(self, model: nn.Module, info: DistInfo, device: torch.device) -> None:
+        super().__init__(info)
+        self.model = model
+        self._bytes = ByteCount()
+        self.train_model = _wrap_ddp(model, device, self._bytes, info.world_size) if info.world_size > 1 else model
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        if self.info.rank != 0:  # rank 0 contributes the norm of the gradient every rank holds
+            return torch.zeros((), device=_device(self.model))
+        return _sq_norm(self.model)
+
+    @property
+    def bytes(self) -> ByteCount:
+        return self._bytes
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0's own tensors, not copied (read them, do not write them)."""
+        return {n: v.detach() for n, v in self.model.state_dict().items()} if self.info.is_main else None
+
+
+class FullyShardedSync(ModeSync):
+    """``fsdp``: the model sharded with FSDP2 over the world; every gradient entry lives in one rank's shard."""
+
+    def __init__(self, model: nn.Module, info: DistInfo) -> None:
+        super().__init__(info)
+        self.model = self.train_model = model
+        self._fsdp = FSDPStepBytes()
+
+    def step_context(self) -> ContextManager[None]:
+        return self._fsdp.counting()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return _sq_norm(self.model)
+
+    @property
+    def bytes(self) -> ByteCount:
+        return self._fsdp.bytes
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """Each tensor gathered over the world mesh, in one order on every rank."""
+        state = {}
+        for name, value in self.model.state_dict().items():
+            value = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
+            if self.info.is_main:
+                state[name] = value.detach()
+        return state if self.info.is_main else None
+
+
+class SubnetworkSync(ModeSync):
+    """``bsdp``, ``nsdp``, ``bbsdp``: `SubnetworkDataParallel` averages each block among its holders
+    during backward (with ``local_steps`` H > 1: its values after every H-th step), (backward
+    masking) sends the holders' new values after the step and, under a schedule, moves what a
+    worker gains (blocks, neuron slices, optimizer state) to it at a mask change."""
+
+    def __init__(self, sdp: SubnetworkDataParallel, model: nn.Module, info: DistInfo, *, fsdp: bool) -> None:
+        super().__init__(info)
+        self.sdp, self.model, self.train_model = sdp, model, sdp
+        self._fsdp = FSDPStepBytes() if fsdp else None
+
+    def trainable(self) -> list[nn.Parameter]:
+        if self.sdp.mask.schedule.is_static:
+            return super().trainable()
+        return list(self.model.parameters())  # another set of blocks trains each round
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.sdp.register_optimizer(optimizer, hook=False)  # `after_step` calls step_done
+
+    def step_context(self) -> ContextManager[None]:
+        return self._fsdp.counting() if self._fsdp is not None else nullcontext()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return self.sdp.local_grad_sq_norm()  # the holder averages finished when backward returned
+
+    def norms(self, summed_sq: float, own_sq: torch.Tensor) -> tuple[float, float]:
+        """Stepwise: the averaged gradient's norm. Local steps: each worker trains its own subnetwork,
+        so the root mean square of the workers' own norms, clipped by this worker's own."""
+        if self.sdp.local_steps == 1:
+            return super().norms(summed_sq, own_sq)
+        return math.sqrt(summed_sq / self.info.world_size), math.sqrt(own_sq.item())
+
+    def after_step(self) -> None:
+        # here, not in an optimizer hook: the memory meter would file its buffers as optimizer state
+        self.sdp.step_done()
+
+    def enter_next_round(self) -> None:
+        # outside the forward pass, where the memory meter would file what moves as activations
+        self.sdp.enter_next_round()
+
+    @property
+    def engine(self):
+        """The gradient sync engine (`sdp_train.parallel.sync.SyncEngine`); None where no block has two holders."""
+        return self.sdp.engine
+
+    @property
+    def bytes(self) -> ByteCount:
+        total = self.sdp.bytes
+        if self._fsdp is not None:
+            total += self._fsdp.bytes
+        return total
+
+    @property
+    def mask_change_bytes(self) -> ByteCount | None:
+        return None if self.sdp.mask.schedule.is_static else self.sdp.mask_change_bytes
+
+    def schedule_state(self) -> dict[str, int]:
+        return self.sdp.schedule_state()
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        self.sdp.load_schedule_state(state)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.engine.buckets] if self.engine is not None else []
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """Each tensor slice from its lowest-ranked holder, one tensor at a time, summed onto rank 0."""
+        state = self.sdp.full_state_dict(rank0_only=True)
+        return state if self.info.is_main else None
+
+    def close(self) -> None:
+        self.sdp.close()  # its gradient hooks live in C++ and hold the engine and its groups
+
+
+class OverlapSync(ModeSync):
+    """``overlap``: `OverlapAveraging` averages each block among its holders every H steps; each
+    worker trains its own copy, so its gradient norm and clipping are its own."""
+
+    def __init__(self, overlap: OverlapAveraging, info: DistInfo) -> None:
+        super().__init__(info)
+        self.overlap, self.model, self.train_model = overlap, overlap.module, overlap
+
+    def trainable(self) -> list[nn.Parameter]:
+        if self.overlap.mask.schedule.is_static:  # the held blocks and shared parameters, as in B-SDP
+            return super().trainable()
+        return list(self.model.parameters())  # another set of blocks trains each round
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.overlap.register_optimizer(optimizer)  # averages after every local_steps-th step
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return _sq_norm(self.model)
+
+    def norms(self, summed_sq: float, own_sq: torch.Tensor) -> tuple[float, float]:
+        """The root mean square of the workers' own norms; clipped by this worker's own."""
+        return math.sqrt(summed_sq / self.info.world_size), math.sqrt(own_sq.item())
+
+    @property
+    def bytes(self) -> ByteCount:
+        return self.overlap.bytes
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every tensor averaged over its holders of the last round."""
+        state = self.overlap.full_state_dict(rank0_only=True)
+        return state if self.info.is_main else None
+
+    def consensus_distance(self) -> dict[str, float] | None:
+        return self.overlap.consensus_distance()
+
+    def schedule_state(self) -> dict[str, int]:
+        return self.overlap.schedule_state()
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        self.overlap.load_schedule_state(state)
+
+
+def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
+    """This rank's model, made and wrapped for ``prep.config.mode`` (`sdp_train.trainer.prepare.Prepared`).
+
+    In this order: 1. the model: every rank builds the full model from the run's seed, except
+    that a built-in family in B-/N-SDP builds only its worker's part and Bb-SDP freezes the
+    blocks it does not hold; 2. activation checkpointing inside each block (and for ``fsdp`` the
+    world's FSDP2 shards), by `sdp_train.parallel.parallelize`, where the mode's wrapper does not do it
+    itself; 3. the mode's wrapper.
+    """
+    cfg, mc = prep.config, prep.model_config
+    user = isinstance(mc, UserModel)
+    if (cfg.mode == "fsdp" or cfg.fsdp) and not dist.is_initialized():
+        raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
+                          f"or with --workers >= 2 (got workers={cfg.workers})")
+    # 1. the model
+    if user:
+        torch.manual_seed(cfg.seed)
+        model = mc.build(device).to(device)
+    elif cfg.mode in ("bsdp", "nsdp") and not prep.mask.schedule.is_static:
+        # blocks move between workers: the full model on meta, cut by the wrapper (below), each dropped
+        # block a pass-through that keeps its meta copy for the worker that gains it later
+        with torch.device("meta"):
+            model = model_class(mc)(mc)
+    elif cfg.mode in ("bsdp", "nsdp"):
+        model = build_worker_model(mc, prep.mask.matrix[info.rank].astype(bool), cfg.level, seed=cfg.seed,
+                                   device=device)
+    else:
+        model = build_model(mc, seed=cfg.seed, device=device)
+        if cfg.mode == "bbsdp":  # a schedule starts in its first round
+            apply_backward_mask(model, mc, prep.mask.round_matrix(0, seed=cfg.seed)[info.rank].astype(bool))
+    # 2. activation checkpointing (and FSDP) where the wrapper does not apply them, 3. the wrapper
+    if cfg.mode in BASELINES:
+        world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if cfg.mode == "fsdp" else None
+        if cfg.activation_checkpointing or world_mesh is not None:
+            blocks = ([(n, model.get_submodule(n)) for n in _blocks(model, prep)] if user
+                      else residual_blocks(model))
+            parallelize(model, activation_checkpointing=cfg.activation_checkpointing, block_meshes=None,
+                        root_mesh=world_mesh, blocks=blocks)
+        return FullyShardedSync(model, info) if cfg.mode == "fsdp" else DataParallelSync(model, info, device)
+    if cfg.mode == "overlap":
+        blocks = _blocks(model, prep)
+        if cfg.activation_checkpointing:
+            parallelize(model, activation_checkpointing=True, block_meshes=None, root_mesh=None,
+                        blocks=[(n, model.get_submodule(n)) for n in blocks])
+        overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps, seed=cfg.seed)
+        return OverlapSync(overlap, info)
+    masking = "backward" if cfg.mode == "bbsdp" else "forward"
+    if user:
+        sdp = SubnetworkDataParallel(
+            model, mask=prep.mask, blocks=user_blocks(cfg), level=cfg.level, masking=masking,
+            neuron_groups=USER_NEURON_GROUPS, seed=cfg.seed, device=device,
+            activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp, local_steps=cfg.local_steps)
+        return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
+    if not prep.mask.schedule.is_static and masking == "forward":
+        # seeded values: B-SDP's equal the family path's; N-SDP's sliced tensors are drawn at their
+        # local shape, then each neuron group takes its lowest-ranked holder's values
+        sdp = SubnetworkDataParallel(
+            model, mask=prep.mask, blocks=list(block_map(mc).block_names("block")), seed=cfg.seed, device=device,
+            level=cfg.level, neuron_groups=getattr(mc, "neuron_groups", 1),
+            mlp=LLAMA_MLP if cfg.level == "neuron" else None,
+            init=lambda m: m.init_weights(cfg.seed), activation_checkpointing=cfg.activation_checkpointing,
+            local_steps=cfg.local_steps)
+        return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
+    rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
+    held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
+    sdp = SubnetworkDataParallel.from_subnetwork(
+        model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=held_by_rank,
+        local_index=model.full_index(), masking=masking, activation_checkpointing=cfg.activation_checkpointing,
+        fsdp=cfg.fsdp, values_agree=True, seed=cfg.seed,  # every rank built its part from the same seed
+        local_steps=cfg.local_steps)
+    return SubnetworkSync(sdp, model, info, fsdp=cfg.fsdp)
+
+
+LLAMA_MLP = MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down")
+"""The built-in LLaMA's MLP (N-SDP under a schedule cuts it through the library's generic path)."""
+
+
+def _blocks(model: nn.Module, prep: Any) -> list[str]:
+    """The maskable residual blocks' names: a built-in family's, or those found in a user's model."""
+    if isinstance(prep.model_config, UserModel):
+        return find_blocks(model, user_blocks(prep.config))
+    return list(block_map(prep.model_config).block_names("block"))
+
+
+def family_layout(config: ModelConfig, level: str) -> ModelLayout:
+    """The library API's `ModelLayout` of a built-in family's full model: every tensor's shape and dtype,
+    the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups)."""
+    bmap = block_map(config)
+    blocks = bmap.block_names("block")
+    with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
+        full = model_class(config)(config)
+    dtypes = {n: t.dtype for n, t in full.state_dict().items()}
+    tensors = {n: (tuple(shape), dtypes[n]) for n, shape in bmap.shapes.items()}
+    params = tuple(n for n in bmap.shapes if n in bmap.parameter_names)
+    return ModelLayout(tensors, params, blocks, level, shared_inside=shared_inside(full, blocks))
+
+
+class FSDPStepBytes:
+    """FSDP2's collective bytes per step, counted on the first step and added on every step.
+
+    FSDP's collectives are the same on every step; intercepting every operation of every step
+    would tax FSDP's step time alone (about 1.33x CPU time), so only the first step is counted.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = ByteCount()
+        self._per_step: ByteCount | None = None
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        if self._per_step is None:
+            counter = FSDPCollectiveBytes()
+            with counter:
+                yield
+            self._per_step = counter.bytes
+        else:
+            yield
+        self.bytes += self._per_step
+
+
+class FSDPCollectiveBytes(TorchDispatchMode):
+    """Counts the bytes of FSDP2's all-gathers and reduce-scatters as they are dispatched.
+
+    Each collective counts its full (unsharded) buffer as buffer bytes, as an all-reduce counts
+    its buffer; its group size is the ratio of the full buffer to the shard (FSDP2 pads shards to
+    equal size). `FSDPStepBytes` uses it for the first step only: intercepting every op costs step time.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = ByteCount()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d._allgather_base_.default:  # (output, input shard, ...)
+            self._count("all_gather", full=args[0], shard=args[1])
+        elif func is torch.ops.c10d._reduce_scatter_base_.default:  # (output shard, input, ...)
+            self._count("reduce_scatter", full=args[1], shard=args[0])
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, collective: str, *, full: torch.Tensor, shard: torch.Tensor) -> None:
+        ranks = full.numel() // shard.numel() if shard.numel() else 1
+        self.bytes.add(collective, full.numel() * full.element_size(), ranks)
+
+
+def _wrap_ddp(model: nn.Module, device: torch.device, counter: ByteCount, world_size: int) -> nn.Module:
+    """torch DDP with its all-reduce hook counting the bucket bytes into `counter`.
+
+    The reducer (C++) keeps the hook alive and the garbage collector cannot see through it: the
+    hook holds only the counter (numbers), never the run, the module or a process group, so
+    nothing of the run outlives ``destroy_process_group`` through it.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
+
+    def counting_allreduce(state, bucket):
+        buf = bucket.buffer()
+        counter.add("all_reduce", buf.numel() * buf.element_size(), world_size)
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_allreduce)
+    return ddp
+
+
+def _sq_norm(model: nn.Module) -> torch.Tensor:
+    """The squared norm of this rank's gradients (local shards under FSDP)."""
+    grads = [_local(p.grad).float().pow(2).sum() for p in model.parameters() if p.grad is not None]
+    return torch.stack(grads).sum() if grads else torch.zeros((), device=_device(model))
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

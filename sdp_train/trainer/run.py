@@ -1,0 +1,192 @@
+"""One rank's run: its model, its mode's synchronisation and the optimizer (`Run`), the learning-rate
+schedule (`lr_at`) and the loss (`loss_fn`).
+
+`Run` holds the mode's synchronisation as one `sdp_train.trainer.modes.ModeSync` (``ddp``: torch DDP;
+``fsdp``: FSDP2 ``fully_shard``; ``bsdp``/``nsdp``/``bbsdp``: the library API
+`SubnetworkDataParallel`, as a user's loop uses it; ``overlap``: `OverlapAveraging`), so
+`Run.step` is one step for every mode. Validation always uses the full assembled model, which
+only rank 0 builds (`Run.full_state`).
+
+Not here: the checks of a config (`sdp_train.trainer.prepare`) and the loop, metrics and files of a run
+(`sdp_train.trainer.train`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from sdp_train.errors import NonFiniteError
+from sdp_train.parallel.dist import DistInfo
+from sdp_train.parallel.wire import ByteCount
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.faults import InjectedFaults
+from sdp_train.trainer.modes import ModeSync, build_sync
+from sdp_train.trainer.prepare import Prepared
+from sdp_train.trainer.user_model import logits_of
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of a model's logits (a tensor, or a user model's output: `logits_of`)."""
+    logits = logits_of(output)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Run:
+    """One rank's model, synchronisation and optimizer for a prepared config.
+
+    The mode's synchronisation is one `sdp_train.trainer.modes.ModeSync` (`build_sync`), so the step below
+    is the same for every mode.
+    """
+
+    def __init__(self, prep: Prepared, info: DistInfo, device: torch.device) -> None:
+        cfg = prep.config
+        self.cfg, self.model_config, self.info, self.device = cfg, prep.model_config, info, device
+        self.mask = prep.mask
+        self.run_bytes = ByteCount()  # the per-step stats all-reduce
+        self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
+        self.sync: ModeSync | None = build_sync(prep, info, device)
+        self.model, self.train_model = self.sync.model, self.sync.train_model
+        trainable = self.sync.trainable()
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
+        )
+        self.sync.attach(self.optimizer)
+
+    def close(self) -> None:
+        """Release the hooks, buffers and process-group references this rank's run holds.
+
+        Gradient hooks live in C++ and hold the sync engine, its buffers and its process groups;
+        until they are removed, none of it can be freed, so the groups' gloo threads would outlive
+        ``destroy_process_group`` and abort the process at interpreter exit. Call once, after the
+        last collective (`sdp_train.trainer.train.train` does).
+        """
+        if self.sync is not None:
+            self.sync.close()
+        self.sync = self.model = self.train_model = self.optimizer = None
+
+    @property
+    def comm_buffers(self) -> list[torch.Tensor]:
+        """The mode's long-lived communication buffers (counted as "other" memory)."""
+        return self.sync.buffers
+
+    @property
+    def bytes(self) -> ByteCount:
+        """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.parallel.wire`)."""
+        total = ByteCount()
+        total += self.run_bytes
+        total += self.sync.bytes
+        return total
+
+    @property
+    def comm_bytes(self) -> int:
+        """Buffer bytes so far: the sizes of the buffers passed to collectives."""
+        return self.bytes.buffer
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sent so far under the ring model of `sdp_train.parallel.wire`."""
+        return self.bytes.wire
+
+    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | bool]:
+        """One optimizer step; returns the worker-mean loss, the gradient norm and ``skipped``.
+
+        The loss and squared gradient norm travel in one all-reduce, so a non-finite value on any
+        rank (or in any held block's averaged gradient) is seen by every rank in the same step:
+        ``nonfinite='stop'`` raises NonFiniteError everywhere, ``'skip'`` drops this step's update
+        on every rank (the learning-rate schedule stays indexed by step). The norm is that of the
+        averaged gradient, each block counted once (under overlap averaging, whose workers keep
+        their own gradients, the root mean square of the workers' norms, and each clips by its own).
+        """
+        cfg, sync = self.cfg, self.sync
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with sync.step_context():
+            loss = loss_fn(self.train_model(inputs), targets)
+            if self.faults.nan(step, self.info.rank):
+                loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
+            loss.backward()
+        own_sq = sync.grad_sq_norm()
+        stats = torch.stack([loss.detach().float(), own_sq.float()])
+        if self.info.world_size > 1:
+            dist.all_reduce(stats)
+            self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
+        mean_loss = stats[0].item() / self.info.world_size
+        grad_norm, clip_norm = sync.norms(stats[1].item(), own_sq)
+        if self.faults.kill(step, self.info.rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
+            if cfg.nonfinite == "stop":
+                raise NonFiniteError(
+                    f"step {step}: non-finite training state (mean loss {mean_loss}, averaged gradient norm "
+                    f"{grad_norm}, over {self.info.world_size} rank(s)); nonfinite='stop' ends the run "
+                    f"(--nonfinite skip skips such steps; a lower --lr may avoid them)")
+            self.optimizer.zero_grad(set_to_none=False)
+            return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": True}
+        if cfg.grad_clip > 0 and clip_norm > cfg.grad_clip:
+            coef = cfg.grad_clip / (clip_norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        sync.after_step()
+        if step + 1 < cfg.steps:  # after the last step no round follows: nothing may move for one
+            sync.enter_next_round()
+        self.optimizer.zero_grad(set_to_none=False)
+        return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
+
+    @torch.no_grad()
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The full assembled model on rank 0 (None on the other ranks); every rank must call it.
+
+        Under SDP the library API assembles it (`SubnetworkDataParallel.full_state_dict`): each
+        tensor slice from its lowest-ranked holder, one tensor at a time, summed onto rank 0, so
+        no rank but rank 0 ever holds more than its own model and one full tensor. Under overlap
+        averaging each tensor is its holders' average in the last round. Under FSDP each tensor is
+        gathered over the world mesh, in one order on every rank. Under DDP (or on one rank) rank 0
+        already holds the full model: its tensors are returned as they are, not copied (read them,
+        do not write them).
+        """
+        return self.sync.full_state()
+
+    def consensus_distance(self) -> dict[str, float] | None:
+        """Mode ``overlap``: how far the workers' copies are apart, per block, ``other`` and ``total``
+        (`OverlapAveraging.consensus_distance`; a collective); None in the other modes, whose holders agree."""
+        return self.sync.consensus_distance()
+
+    def schedule_state(self) -> dict[str, int]:
+        """What a checkpoint keeps of the mask schedule's position (under a schedule: optimizer steps
+        taken, which fix the round and its mask); ``{}`` in the other runs."""
+        return self.sync.schedule_state()
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        self.sync.load_schedule_state(state)
+
+    def enter_next_round(self) -> None:
+        """Make the mask change due at a checkpoint taken at the end of a round (`ModeSync.enter_next_round`;
+        every rank, after the checkpoint's state is loaded and only when a step follows)."""
+        self.sync.enter_next_round()
+
+    @property
+    def mask_change_bytes(self) -> int | None:
+        """Buffer bytes of the optimizer state moved at mask changes so far (Bb-SDP under a schedule),
+        None where nothing moves."""
+        moved = self.sync.mask_change_bytes
+        return None if moved is None else moved.buffer

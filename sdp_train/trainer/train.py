@@ -1,0 +1,346 @@
+"""`train(config)`: the loop every rank runs, and the files rank 0 writes.
+
+``DIR/metrics.jsonl`` gets one line per step (step, loss, lr, grad_norm, step_time_s,
+tokens_per_s, comm_bytes: buffer bytes, wire_bytes: bytes sent under ``wire_model``, skipped) as
+the run goes (`sdp_train.parallel.wire` states both); a non-finite loss or gradient norm is written
+as ``null`` so every line stays strict JSON. ``DIR/summary.json`` is written last, atomically, so
+its presence means the run finished. It holds ``peak_memory_bytes``: per rank, the peak over the
+first ``memory_steps`` steps, with its breakdown (`sdp_train.trainer.memory`); ``num_params_trained``:
+per rank, the parameter elements its optimizer updates (the held blocks and shared parameters
+under SDP, the last round's in B-SDP and N-SDP under a schedule, and under overlap averaging with a
+static mask; every parameter in Bb-SDP and overlap averaging under a schedule, where each block
+trains in some round; the whole model under DDP; the local shards under FSDP); ``skipped_steps`` and
+``num_skipped_steps``: the steps whose update ``nonfinite='skip'`` dropped; ``final_train_loss``:
+the loss of the last step not skipped; under overlap averaging (mode ``overlap``)
+``final_consensus_distance``: how far the workers' copies are apart at the end, per block, ``other``
+and ``total`` (`sdp_train.OverlapAveraging.consensus_distance`), which the metrics line of every
+evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance``; under a
+schedule in B-SDP, N-SDP and Bb-SDP ``mask_change_bytes``: buffer bytes of what this rank's mask
+changes moved (rank 0's; not in ``comm_bytes``);
+``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
+``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
+``local_steps`` steps, means over every step); ``model_file``: the
+final full model's file name, ``model.safetensors`` (null under ``save_model=False``), written by
+rank 0 just before summary.json (`sdp_train.trainer.outputs`). Validation loss is that of the full
+assembled model, the very tensors the model file holds. While the run goes, rank 0 shows a
+progress bar, plain ``--log-every`` lines and TensorBoard scalars (`sdp_train.trainer.log`).
+
+Checkpoints and restarts: with ``checkpoint_every`` the loop writes ``DIR/checkpoints/step_N``
+(`sdp_train.trainer.checkpoint`, rotated to ``keep_checkpoints``). A resumed run keeps the metrics lines
+of the steps before its checkpoint. When torch's elastic agent restarts the worker group after a
+failure (``max_restarts``), the new attempt resumes by itself from the newest valid checkpoint
+under ``DIR/checkpoints`` (from the start, or from ``resume``, when there is none), so it ends
+with the same parameters and loss trajectory as an uninterrupted run. Under ``nonfinite='stop'``
+a non-finite step raises NonFiniteError on every rank and no summary.json is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from masklab.io import atomic_write_text, mask_to_dict
+from sdp_train.data import build_batches
+from sdp_train.errors import ConfigError, NonFiniteError
+from sdp_train.models import model_class
+from sdp_train.parallel.dist import default_device, get_dist_info, print0
+from sdp_train.parallel.wire import WIRE_MODEL
+from sdp_train.trainer.checkpoint import (
+    check_out_shared,
+    check_resumable,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.launch import destroy_distributed, init_distributed, restart_attempt, run_id
+from sdp_train.trainer.log import RunLog
+from sdp_train.trainer.memory import MemoryMeter, format_bytes
+from sdp_train.trainer.outputs import MODEL_FILE, save_model
+from sdp_train.trainer.prepare import Prepared, prepare
+from sdp_train.trainer.run import Run, loss_fn
+from sdp_train.trainer.user_model import UserModel
+
+
+def train(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Run `cfg` on this rank; rank 0 returns the summary (other ranks None)."""
+    prep = resume_after_restart(prepare(cfg))  # every check before any process group exists
+    device = default_device()
+    info = get_dist_info()
+    if info.world_size != cfg.workers:
+        raise ConfigError(f"--workers {cfg.workers} but the launcher started {info.world_size} ranks")
+    torch.manual_seed(cfg.seed)
+    info = init_distributed(device)
+    try:
+        if cfg.checkpoint_every or prep.resume_from is not None:
+            check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
+        return train_prepared(prep, info, device)
+    except NonFiniteError as exc:
+        # Raised on every rank in the same step. Rank 0 reports it before any rank leaves: a
+        # launcher stops the other ranks at the first exit, which could cut rank 0 off unprinted.
+        if info.is_main:
+            print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+        raise
+    finally:
+        destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
+
+
+def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
+    """`train` after its checks, on a process group that exists: rank 0 returns the summary."""
+    cfg = prep.config
+    out = Path(cfg.out)
+    run = Run(prep, info, device)
+    batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
+    start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
+    if start < cfg.steps:  # a checkpoint at the end of a round: the change comes now, before the memory meter
+        run.enter_next_round()
+    meter = MemoryMeter(run.model, run.optimizer, device, extra=run.comm_buffers)
+    metrics_file, history = open_metrics(out, start) if info.is_main else (None, [])
+    log = RunLog(cfg, start=start, enabled=info.is_main)
+    records: list[dict[str, Any]] = []
+    val_history: list[dict[str, float]] = []
+    consecutive_skips = 0
+    try:
+        for step in range(start, cfg.steps):
+            inputs, targets = (t.to(device) for t in next(batches))
+            bytes_before, wire_before = run.comm_bytes, run.wire_bytes
+            measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
+            t0 = time.perf_counter()
+            with measured:
+                stats = run.step(step, inputs, targets)
+            step_time = time.perf_counter() - t0
+            tokens = targets.numel() * info.world_size
+            record = {"step": step, "loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+                      "step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                      "comm_bytes": run.comm_bytes - bytes_before, "wire_bytes": run.wire_bytes - wire_before,
+                      "skipped": stats["skipped"]}
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                val_history.append({"step": step, "val_loss": evaluate(run, prep)})
+                record["val_loss"] = val_history[-1]["val_loss"]
+                if (consensus := run.consensus_distance()) is not None:  # mode overlap (a collective)
+                    val_history[-1]["consensus_distance"] = record["consensus_distance"] = consensus
+            records.append(record)
+            consecutive_skips = consecutive_skips + 1 if stats["skipped"] else 0
+            if consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank: stats are all-reduced
+                raise NonFiniteError(f"step {step}: {consecutive_skips} non-finite steps in a row "
+                                     f"(max_consecutive_skips={cfg.max_consecutive_skips}); the run has diverged")
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(_json_safe(record)) + "\n")
+                metrics_file.flush()
+            # after the metrics line: a checkpoint at step + 1 implies the lines of every step before it
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
+            log.update(record, meter.peak.get("total"))
+        val_loss = evaluate(run, prep, save_to=out if cfg.save_model else None)
+        final_consensus = run.consensus_distance()
+        mask_change_bytes = run.mask_change_bytes
+        log.final(val_loss)
+        trained = sum(p.numel() for p in _optimizer_params(run))
+        per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
+        num_params_local = sum(p.numel() for p in run.model.parameters())
+    finally:
+        log.close()
+        if metrics_file is not None:
+            metrics_file.close()
+        run.close()  # its hooks and groups go now, before `train` destroys the process groups
+    if not info.is_main:
+        return None
+    history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
+    timed = records[1:] or records or history  # this attempt's first step pays one-off warm-up costs
+    # averaging every local_steps steps (overlap averaging, or B-/N-SDP with local steps) sends once per
+    # round: its bytes per step are the mean over the whole run; stepwise averaging sends the same every
+    # step, so the median of `timed` is that number
+    averages_rounds = cfg.mode == "overlap" or cfg.local_steps > 1
+    per_step, every = (statistics.fmean, history) if averages_rounds else (statistics.median, timed)
+    skipped = [r["step"] for r in history if r.get("skipped")]
+    finite = [r["loss"] for r in history if not r.get("skipped")]
+    summary = {
+        "final_train_loss": finite[-1] if finite else None,
+        "final_val_loss": val_loss,
+        "val_history": val_history,
+        "comm_bytes_per_step": per_step([r["comm_bytes"] for r in every]),
+        "wire_bytes_per_step": per_step(w) if (w := [r["wire_bytes"] for r in every if "wire_bytes" in r])
+        else None,
+        "wire_model": WIRE_MODEL,
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "world_size": info.world_size,
+        "num_params_local": num_params_local,
+        "num_params_trained": [r["trained"] for r in per_rank],
+        "peak_memory_bytes": [r["peak"] for r in per_rank],
+        "num_skipped_steps": len(skipped),
+        "skipped_steps": skipped,
+        "resumed_from_step": start,
+        "restart_attempt": restart_attempt(),
+        "config": cfg.to_dict(),
+        "mask": None if prep.mask is None else mask_to_dict(prep.mask),
+        "model_file": MODEL_FILE if cfg.save_model else None,
+    }
+    if final_consensus is not None:
+        summary["final_consensus_distance"] = final_consensus
+    if mask_change_bytes is not None:
+        summary["mask_change_bytes"] = mask_change_bytes
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    final = summary["final_train_loss"]
+    print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
+           f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB of collective buffers per step per rank "
+           f"({(summary['wire_bytes_per_step'] or 0) / 1e6:.3f} MB sent, ring model), peak memory "
+           f"{_peak_text(summary['peak_memory_bytes'])}"
+           f"{f', {len(skipped)} step(s) skipped (non-finite)' if skipped else ''} -> {out}")
+    return summary
+
+
+def _peak_text(peaks: list[dict[str, int]]) -> str:
+    largest = max((p.get("total", 0) for p in peaks), default=0)
+    # nothing measured: memory_steps=0, or a restart from the final checkpoint trained no step
+    return f"{format_bytes(largest)} on the largest rank" if largest else "not measured (no step measured)"
+
+
+def resume_after_restart(prep: Prepared) -> Prepared:
+    """On a restarted attempt of the worker group, continue from the newest valid checkpoint of this run."""
+    cfg, attempt = prep.config, restart_attempt()
+    if attempt == 0 or not cfg.checkpoint_every:
+        return prep
+    found = latest_valid_checkpoint(Path(cfg.out) / "checkpoints", run_id=run_id())
+    if found is None:
+        start = "the start" if prep.resume_from is None else str(prep.resume_from)
+        print0(f"sdp train: restart {attempt}: no valid checkpoint under {Path(cfg.out) / 'checkpoints'}; "
+               f"starting again from {start}")
+        return prep
+    check_resumable(found, cfg, prep.model_config, prep.mask, finished_ok=True, same_config=True)
+    print0(f"sdp train: restart {attempt}: resuming from {found}")
+    return dataclasses.replace(prep, resume_from=found)
+
+
+def metrics_history(out: str | Path, start: int, *, report: bool = True) -> list[dict[str, Any]]:
+    """The records of steps ``0 .. start-1`` in ``out/metrics.jsonl``, which a run resumed at `start` keeps.
+
+    Lines after them (steps the checkpoint does not cover, or a line half-written when a run was
+    killed) are dropped, with a note on stderr when any was damaged. A damaged or missing line among
+    the kept steps is a ConfigError naming the file and line: the resume refuses rather than
+    continue with a history that has a hole. A missing file means no history.
+    """
+    path = Path(out) / "metrics.jsonl"
+    if not start or path.is_symlink() or not path.is_file():  # a link is not this run's file (replaced)
+        return []
+    kept: list[dict[str, Any]] = []
+    dropped = 0
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if len(kept) == start:
+            dropped += 1
+            continue
+        try:
+            record = json.loads(line)
+            step = record["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{path}:{lineno}: damaged metrics line ({type(exc).__name__}: {exc}); the resume "
+                              f"at step {start} keeps the lines of steps 0..{start - 1}: repair the file, or "
+                              f"remove it to resume without that history") from None
+        if step != len(kept):
+            raise ConfigError(f"{path}:{lineno}: expected the line of step {len(kept)}, found step {step!r}")
+        kept.append(record)
+    if dropped and report:
+        print0(f"sdp train: {path}: kept steps 0..{start - 1} (the checkpoint's), dropped {dropped} later line(s)")
+    return kept
+
+
+def open_metrics(out: Path, start: int):
+    """metrics.jsonl for writing, and the records it keeps: none (fresh), or (resuming) the steps before `start`.
+
+    The kept history is read and checked before anything is removed or rewritten.
+    """
+    kept = metrics_history(out, start)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", MODEL_FILE):  # present only once this run has finished
+        (out / stale).unlink(missing_ok=True)
+    path = out / "metrics.jsonl"
+    if path.is_symlink():  # never write through a link planted in --out: replace it by a real file
+        path.unlink()
+    f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w", encoding="utf-8")
+    f.writelines(json.dumps(record) + "\n" for record in kept)
+    f.flush()
+    return f, kept
+
+
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with non-finite floats as None (``null``): strict JSON, unlike Python's ``NaN``."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def _optimizer_params(run: Run) -> list[torch.Tensor]:
+    """The tensors this rank's optimizer steps (local shards of FSDP parameters)."""
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def _gather(value: Any, world_size: int) -> list[Any]:
+    """Every rank's `value` (a picklable object), in rank order (a collective)."""
+    if world_size == 1:
+        return [value]
+    values: list[Any] = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+@torch.no_grad()
+def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
+    """Mean validation loss of the full assembled model, evaluated on rank 0 only; every rank gets it.
+
+    With `save_to`, rank 0 also writes that full model to ``save_to/model.safetensors``
+    (`sdp_train.trainer.outputs.save_model`): the file holds exactly the model this loss scores.
+
+    Rank 0 assembles the full model (`Run.full_state`) and scores the validation shards of every
+    rank (``eval_batches`` each), so no other rank ever holds a full model copy; under SDP, rank 0
+    holds its own subnetwork's training state plus one full model for the evaluation's duration
+    (docs/plan.md states that peak). The validation split is always interleaved (iid) across
+    ranks, also when training data is heterogeneous, so that runs with and without
+    ``heterogeneous`` are scored on the same batches.
+    """
+    info = run.info
+    full = run.full_state()
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)
+    if full is not None:
+        if isinstance(prep.model_config, UserModel):  # built for real: its non-persistent buffers are computed
+            model = prep.model_config.build(run.device).to(run.device)
+            model.load_state_dict(full, strict=True)
+        else:
+            with torch.device("meta"):
+                model = model_class(prep.model_config)(prep.model_config)
+            model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
+            model.to(run.device)  # assembled on CPU (`full_state_dict`): a no-op there, one copy on a GPU
+        if save_to is not None:
+            save_model(save_to, full, config=getattr(model, "config", None))
+        total += validation_sums(model, prep, info.world_size, run.device)
+        del model, full
+    if info.world_size > 1:
+        dist.broadcast(total, src=0)
+    return float(total[0] / total[1])
+
+
+@torch.no_grad()
+def validation_sums(model: torch.nn.Module, prep: Prepared, world_size: int, device: torch.device) -> torch.Tensor:
+    """``[sum of batch losses, number of batches]`` (float64) of a full `model` over every rank's
+    validation shard, ``eval_batches`` each: what the validation loss of a run averages."""
+    cfg = prep.config
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    val_data = dataclasses.replace(prep.data, heterogeneous=False)
+    for rank in range(world_size):
+        val = build_batches(val_data, split="val", seed=cfg.seed, rank=rank, world_size=world_size)
+        for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
+            total[0] += loss_fn(model(inputs.to(device)), targets.to(device)).double()
+            total[1] += 1
+    return total
