@@ -85,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
     from sdp_train.trainer.checkpoint import MANIFEST
     from sdp_train.trainer.launch import launch_local, restart_attempt
     from sdp_train.trainer.prepare import prepare
-    from sdp_train.trainer.train import metrics_history, train
 
     cfg = config_from_args(args)
     if under_torchrun():
@@ -97,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         check_data(prep)
         check_outputs(cfg)
         if prep.resume_from is not None:  # its history must be readable before anything is replaced
+            from sdp_train.trainer.train import metrics_history
+
             manifest = json.loads((prep.resume_from / MANIFEST).read_text(encoding="utf-8"))
             metrics_history(cfg.out, manifest["step"], report=False)
         lock = _claim_out_dir(cfg, args.overwrite, first_attempt=restart_attempt() == 0,
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
             report_mask(prep)
     try:
         if under_torchrun() or cfg.workers == 1:
+            from sdp_train.trainer.train import train  # a launcher never loads the training loop
+
             try:
                 train(cfg)
             except NonFiniteError:  # raised on every rank in the same step; `train` reported it once

@@ -23,10 +23,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# Imported here, before any process group exists: importing torch.distributed.tensor while a group
-# exists keeps that group referenced (and its threads running) until the process exits.
-from torch.distributed.tensor import DTensor
-
 from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import DistInfo, collective_timeout, get_dist_info, under_torchrun
 
@@ -115,6 +111,9 @@ def init_distributed(device: torch.device) -> DistInfo:
     """
     if not under_torchrun() or dist.is_initialized():
         return get_dist_info()
+    # Before the group exists: importing torch.distributed.tensor while a group exists keeps that
+    # group referenced (and its threads running) until the process exits. A launcher never gets here.
+    import torch.distributed.tensor  # noqa: F401
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -150,7 +149,10 @@ def _clear_sharding_prop_cache() -> None:
     """Empty DTensor's sharding-propagation caches, Python and C++ (what torch's debugging helper
     ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does, without importing that module,
     which pulls in dynamo and inductor: about 0.7 s of every rank's start)."""
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:  # never imported: no cache to clear
+        return
+    tensor.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
 
 
