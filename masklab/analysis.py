@@ -11,14 +11,29 @@ not build masks (see `masklab.constructions`) and imports no torch.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
-import scipy.linalg
-import scipy.sparse as sp
-import scipy.sparse.csgraph as csgraph
-import scipy.sparse.linalg as spla
 
 from masklab.errors import MaskError
 from masklab.mask import Mask
+
+
+class _OnFirstUse:
+    """A module imported when first used: scipy costs every importer of masklab about 0.4 s, and
+    most (``sdp train``'s rank processes) never analyse a mask."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+linalg = _OnFirstUse("scipy.linalg")
+sp = _OnFirstUse("scipy.sparse")
+csgraph = _OnFirstUse("scipy.sparse.csgraph")
+spla = _OnFirstUse("scipy.sparse.linalg")
 
 DENSE_EIGEN_MAX = 1024  # up to this many nodes a dense symmetric eigensolver is fastest and exact
 _DENSE_MATMUL_MAX = 1 << 24  # K*B entries up to which M @ M.T goes through dense BLAS
@@ -205,7 +220,7 @@ def cotraining_gap(mask: Mask) -> float:
         adj = (m.T @ m).toarray()
         np.fill_diagonal(adj, 0.0)
         norm_adj = inv_sqrt[:, None] * adj * inv_sqrt[None, :]
-        mu = scipy.linalg.eigh(norm_adj, eigvals_only=True, subset_by_index=[b - 2, b - 1])
+        mu = linalg.eigh(norm_adj, eigvals_only=True, subset_by_index=[b - 2, b - 1])
         return float(1.0 - mu[0])
     mt = sp.csr_array(m.T)
 
@@ -323,7 +338,7 @@ def _second_smallest_laplacian_eigenvalue(lap: sp.csr_array, method: str) -> flo
         method == "auto" and (k <= DENSE_EIGEN_MAX or lap.nnz > k * k // 4)
     )
     if dense:
-        return float(scipy.linalg.eigh(lap.toarray(), eigvals_only=True, subset_by_index=[1, 1])[0])
+        return float(linalg.eigh(lap.toarray(), eigvals_only=True, subset_by_index=[1, 1])[0])
     # Shift-invert about a small negative sigma: L - sigma I is positive definite, so a sparse LU
     # exists, and the two eigenvalues nearest sigma are lambda_1 = 0 and lambda_2.
     sigma = -1e-3 * float(lap.diagonal().max())
