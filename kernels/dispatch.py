@@ -11,6 +11,8 @@ This module imports triton only when Triton is a candidate.
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from types import ModuleType
 
 import torch
@@ -22,8 +24,11 @@ BACKENDS = ("auto", "triton", "reference")
 
 
 def _interpret_requested() -> bool:
-    import triton
-
+    """Triton's interpreter knob; read from the environment, as Triton does, while triton is not
+    imported yet (importing it costs every CPU process half a second for nothing)."""
+    triton = sys.modules.get("triton")
+    if triton is None:
+        return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
     return bool(triton.knobs.runtime.interpret)
 
 

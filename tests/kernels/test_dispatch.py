@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from kernel_cases import DEVICE, make_tensors
 
@@ -68,3 +70,27 @@ def test_cuda_runs_compiled_kernels_bit_exact_on_a_llama_sized_bucket():
     back = [torch.zeros_like(g) for g in grads]
     unpack(pack(grads, layout), back, layout, backend="triton")
     assert torch.equal(back[0][held], grads[0][held]) and torch.equal(back[2][:, held], grads[2][:, held])
+
+
+@given(value=st.one_of(st.sampled_from(["1", "0", "true", "TRUE", "on", "ON", "yes", "Y", "y", "2", " 1", "", "off",
+                                        "no", "false"]), st.text(max_size=4)))
+@settings(max_examples=60, deadline=None)
+def test_the_interpreter_knob_is_read_from_the_environment_as_triton_reads_it(value):
+    """Before triton is imported, dispatch reads TRITON_INTERPRET itself (a CPU process then never
+    imports triton); it must agree with Triton's own knob on every value."""
+    import os
+    import sys
+
+    import triton
+
+    from kernels import dispatch
+
+    if "\x00" in value:
+        return
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TRITON_INTERPRET", value)
+        m.delitem(sys.modules, "triton")
+        without_triton = dispatch._interpret_requested()
+        assert "triton" not in sys.modules
+        m.setitem(sys.modules, "triton", triton)
+        assert without_triton == bool(triton.knobs.runtime.interpret), (value, os.environ["TRITON_INTERPRET"])
