@@ -50,14 +50,19 @@ def owned_positions(name: str, held_by_rank: Sequence[Mapping[str, SliceSpec]],
 def assemble(local_state: Mapping[str, torch.Tensor], local_index: Mapping[str, SliceSpec],
              tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
              held_by_rank: Sequence[Mapping[str, SliceSpec]], rank: int, *, rank0_only: bool,
-             device: torch.device) -> dict[str, torch.Tensor]:
+             device: torch.device, aliases: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
     """The full state dict (CPU tensors), from every rank's local state; collective when distributed.
 
-    Returns it on every rank, or on rank 0 only (others get ``{}``) with ``rank0_only``.
+    Returns it on every rank, or on rank 0 only (others get ``{}``) with ``rank0_only``. A tied
+    tensor (`aliases`: alias -> first name, `ModelLayout.aliases`) is assembled once and appears
+    under each of its names as one tensor, so loading the dict keeps the tie.
     """
+    aliases = aliases or {}
     distributed = dist.is_available() and dist.is_initialized() and len(held_by_rank) > 1
     full_state: dict[str, torch.Tensor] = {}
     for name, (shape, dtype) in tensors.items():
+        if name in aliases:
+            continue
         full = torch.zeros(shape, dtype=dtype, device=device)
         owned = owned_positions(name, held_by_rank, rank)
         value = local_state.get(name)
@@ -81,7 +86,9 @@ def assemble(local_state: Mapping[str, torch.Tensor], local_index: Mapping[str, 
                 dist.all_reduce(full)
         if not rank0_only or rank == 0:
             full_state[name] = full.cpu()
-    return full_state
+    if not full_state:
+        return full_state
+    return {n: full_state[aliases.get(n, n)] for n in tensors}
 
 
 def save_safetensors(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,

@@ -17,7 +17,7 @@ wrapper (`sdp_train.parallel.wrapper`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,6 +53,17 @@ class ModelLayout:
     shared_inside: tuple[str, ...] = ()
     """Submodules inside blocks that every worker holds (`shared_children`, e.g. ``layer2.0.downsample``):
     their tensors belong to no block."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Tied tensors: every later state-dict name of a tensor -> its first name (``lm_head.weight`` ->
+    ``transformer.wte.weight``). A tied tensor is held, averaged and counted once, under its first name;
+    the full model carries it under every name."""
+
+    @property
+    def buffer_names(self) -> list[str]:
+        """The floating-point buffers (BatchNorm statistics): averaged among holders, not trained."""
+        params = set(self.parameter_names)
+        return [n for n, (_, dtype) in self.tensors.items()
+                if dtype.is_floating_point and n not in params and n not in self.aliases]
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -99,15 +110,17 @@ class ModelLayout:
 def describe(model: nn.Module, blocks: Sequence[str], level: str, *, neuron_groups: int = 1,
              mlp: MLPSpec | None = None) -> ModelLayout:
     """The `ModelLayout` of the full ``model`` (which may live on the meta device)."""
-    tensors = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
+    state = model.state_dict(keep_vars=True)
+    tensors = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
     params = tuple(n for n, _ in model.named_parameters())
     shared = shared_inside(model, blocks)
+    aliases = tied_names(state)
     if level == "block":
         skip = tuple(f"{s}." for s in shared)
         for b in blocks:
             if not any(n.startswith(b + ".") and not n.startswith(skip) for n in params):
                 raise ConfigError(f"block {b!r} has no parameters; a maskable block must own some")
-        return ModelLayout(tensors, params, tuple(blocks), level, shared_inside=shared)
+        return _checked_ties(ModelLayout(tensors, params, tuple(blocks), level, shared_inside=shared, aliases=aliases))
     if isinstance(neuron_groups, bool) or not isinstance(neuron_groups, int) or neuron_groups < 1:
         raise ConfigError(f"neuron_groups must be a positive int, got {neuron_groups!r}")
     modules = dict(model.named_modules())
@@ -118,7 +131,32 @@ def describe(model: nn.Module, blocks: Sequence[str], level: str, *, neuron_grou
         if hidden[b] < neuron_groups:
             raise ConfigError(f"block {b!r}: its MLP has {hidden[b]} hidden neurons, fewer than "
                               f"neuron_groups={neuron_groups}")
-    return ModelLayout(tensors, params, tuple(blocks), level, neuron_groups, mlps, sliced, hidden, shared)
+    return _checked_ties(ModelLayout(tensors, params, tuple(blocks), level, neuron_groups, mlps, sliced, hidden,
+                                     shared, aliases))
+
+
+def tied_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Alias -> first name, for every tensor of ``state`` (a ``state_dict(keep_vars=True)``) that appears
+    under several names: tied weights, such as a language model's embedding and output layer."""
+    first: dict[int, str] = {}
+    return {n: first[id(t)] for n, t in state.items() if first.setdefault(id(t), n) != n}
+
+
+def _checked_ties(layout: ModelLayout) -> ModelLayout:
+    """Refuse a tie the masks cannot keep: a worker holds or drops a block whole (so a tie must stay in
+    one block or among the shared tensors), and N-SDP slices an MLP's tensors by neuron."""
+    sliced = {n for tensors in (layout.neuron_tensors or {}).values() for n, _ in tensors}
+    for alias, name in layout.aliases.items():
+        where = [layout.owning_block(n) for n in (name, alias)]
+        if where[0] != where[1]:
+            said = [f"block {b!r}" if b is not None else "the shared tensors" for b in where]
+            raise ConfigError(f"tensors {name!r} and {alias!r} are one tied tensor in {said[0]} and {said[1]}: a "
+                              "worker holds or drops each block whole, so a tie must stay inside one block or "
+                              "among the shared tensors; untie them, or name blocks= that keep both on one side")
+        if name in sliced or alias in sliced:
+            raise ConfigError(f"tensors {name!r} and {alias!r} are one tied tensor, and N-SDP slices it by hidden "
+                              "neuron (an MLP projection): untie them, or train at level 'block'")
+    return layout
 
 
 def shared_inside(model: nn.Module, blocks: Sequence[str]) -> tuple[str, ...]:

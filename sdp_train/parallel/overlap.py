@@ -246,10 +246,16 @@ class OverlapAveraging(nn.Module):
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The model the holders agree on: every tensor averaged over its holders in the mask in
         force now (right after a round, each holder's own value), as CPU tensors. Integer buffers
-        are rank 0's. Every rank must call it; with ``rank0_only`` the others get ``{}``."""
+        are rank 0's. A tied tensor is one tensor under each of its names. Every rank must call it;
+        with ``rank0_only`` the others get ``{}``."""
         matrix = self.round_matrix(max(self.steps - 1, 0))  # the last round trained
         out: dict[str, torch.Tensor] = {}
+        aliases = self.layout.aliases
         for name, t in self.module.state_dict().items():
+            if name in aliases:  # after its first name in state-dict order
+                if aliases[name] in out:
+                    out[name] = out[aliases[name]]
+                continue
             value = t.detach()
             if self.world_size > 1:
                 holders = self._holders_of(name, matrix)

@@ -259,9 +259,8 @@ class SubnetworkDataParallel(nn.Module):
 
     def _buffer_plans(self) -> list:
         """The floating-point buffers' buckets (averaged after backward, not during it: one per holder set)."""
-        tensors, params = self.layout.tensors, set(self.layout.parameter_names)
-        names = [n for n, (_, dtype) in tensors.items() if dtype.is_floating_point and n not in params]
-        shapes = {n: shape for n, (shape, _) in tensors.items()}
+        names = self.layout.buffer_names
+        shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
         return (plan_buckets(self.held_by_rank, names, shapes=shapes, layers_per_bucket=len(names) + 1)
                 if names else [])
 
@@ -630,7 +629,7 @@ class SubnetworkDataParallel(nn.Module):
                 averaged = self._holder_averages(copies=True)
             state.update({n: averaged[id(p)] for n, p in self.module.named_parameters() if id(p) in averaged})
         return assemble(state, self.local_index, self.layout.tensors, self.held_by_rank,
-                        self.rank, rank0_only=rank0_only, device=self.device)
+                        self.rank, rank0_only=rank0_only, device=self.device, aliases=self.layout.aliases)
 
     def save_full(self, path: str | os.PathLike) -> None:
         """Write the full model as safetensors (a ``.safetensors`` file, or a directory with its
@@ -643,16 +642,23 @@ class SubnetworkDataParallel(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Take this worker's part of every tensor of a full-model state dict."""
-        missing = [n for n in self.layout.tensors if n not in state]
+        """Take this worker's part of every tensor of a full-model state dict. A tied tensor may come
+        under any of its names (a Hugging Face checkpoint keeps one)."""
+        aliases = self.layout.aliases
+        names = {n: [n, *(a for a, first in aliases.items() if first == n)] for n in self.layout.tensors
+                 if n not in aliases}
+        found = {n: next((state[m] for m in named if m in state), None) for n, named in names.items()}
+        missing = [n for n, value in found.items() if value is None]
         if missing:
             raise ConfigError(f"the full state dict lacks {len(missing)} tensor(s) of the model: {missing[:5]}")
         for name, local in self.module.state_dict(keep_vars=True).items():
+            if name in aliases:  # the same tensor as its first name's
+                continue
             shape = self.layout.tensors[name][0]
-            if tuple(state[name].shape) != shape:
-                raise ConfigError(f"tensor {name!r}: the full state dict has shape {tuple(state[name].shape)}, "
+            if tuple(found[name].shape) != shape:
+                raise ConfigError(f"tensor {name!r}: the full state dict has shape {tuple(found[name].shape)}, "
                                   f"the model {shape}")
-            local.copy_(self.local_index[name].take(state[name].to(local.device)))
+            local.copy_(self.local_index[name].take(found[name].to(local.device)))
 
     @property
     def bytes(self) -> ByteCount:
