@@ -38,14 +38,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import kernels
 from masklab import Mask, Schedule
 from sdp_train.errors import ConfigError
+from sdp_train.parallel.averaging import average_values
 from sdp_train.parallel.blockmap import WHOLE
 from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.export import save_safetensors
 from sdp_train.parallel.masking import describe
 from sdp_train.parallel.parts import resolve_mask
+from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.sync import _Bucket, holder_set_groups, plan_buckets, unpin_default_group
 from sdp_train.parallel.wire import ByteCount
 
@@ -100,7 +101,7 @@ class OverlapAveraging(nn.Module):
                               f"not a multiple of local_steps={local_steps}: each round of {local_steps} steps "
                               "must train under one mask")
         self.module, self.local_steps, self.seed = module, local_steps, seed
-        self.steps = 0  # optimizer steps taken
+        self.rounds = Rounds(self.mask, seed, counts=True)
         self.bytes = ByteCount()
         self.optimizers_registered = 0
         tensors = dict(module.state_dict(keep_vars=True))
@@ -118,12 +119,17 @@ class OverlapAveraging(nn.Module):
             with torch.no_grad():
                 for t in tensors.values():  # one starting point for every copy
                     dist.broadcast(t.data, src=0)
-        self._set_trainable(self.round_matrix(0))
+        self._enter(self.round_matrix(0), 0)
 
     # -- the mask in force -----------------------------------------------------------------------
     def round_matrix(self, step: int) -> np.ndarray:
         """The (K, B) mask in force at optimizer step `step` (0-based)."""
-        return self.mask.round_matrix(step, seed=self.seed)
+        return self.rounds.round_matrix(step)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken."""
+        return self.rounds.steps
 
     @property
     def held_blocks(self) -> tuple[str, ...]:
@@ -131,7 +137,8 @@ class OverlapAveraging(nn.Module):
         row = self.round_matrix(self.steps)[self.rank].astype(bool)
         return tuple(b for b, keep in zip(self.layout.blocks, row) if keep)
 
-    def _set_trainable(self, matrix: np.ndarray) -> None:
+    def _enter(self, matrix: np.ndarray, step: int) -> None:
+        self.rounds.entered(matrix, step)
         held = self.layout.held(matrix[self.rank])
         for name, p in self.module.named_parameters():
             p.requires_grad_(name in held)
@@ -158,23 +165,23 @@ class OverlapAveraging(nn.Module):
         holders, and the next round's blocks become trainable.
         """
         matrix = self.round_matrix(self.steps)
-        self.steps += 1
-        if self.steps % self.local_steps == 0:
+        self.rounds.step_done()
+        if self.steps % self.local_steps == 0:  # R is a multiple of H: a round ends only here
             self.average(matrix)
-            self._set_trainable(self.round_matrix(self.steps))
+            self.rounds.take_due()
+            self._enter(self.round_matrix(self.steps), self.steps)
 
     def schedule_state(self) -> dict[str, int]:
         """Where training is in the schedule: ``{"steps": optimizer steps taken}``, which fixes the
         round, its mask and the next average. Save it with the model and optimizer state."""
-        return {"steps": self.steps}
+        return self.rounds.state()
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
         """Continue from `schedule_state` (after loading this worker's own copy and optimizer state)."""
-        steps = state.get("steps") if isinstance(state, dict) else None
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ConfigError(f"schedule state {state!r}: expected {{'steps': n}} with an integer n >= 0")
-        self.steps = steps
-        self._set_trainable(self.round_matrix(steps))
+        if isinstance(state, dict) and "mask_step" in state:  # never saved here: a change is made at once
+            raise ConfigError(f"schedule state {state!r} does not fit overlap averaging: expected {{'steps': n}}")
+        self.rounds.load(state, "overlap averaging")
+        self._enter(self.round_matrix(self.steps), self.steps)
 
     @torch.no_grad()
     def average(self, matrix: np.ndarray | None = None) -> None:
@@ -183,14 +190,7 @@ class OverlapAveraging(nn.Module):
         if self.world_size == 1:
             return
         matrix = self.round_matrix(self.steps) if matrix is None else np.asarray(matrix)
-        for bucket in self._round_buckets(matrix):
-            if self.rank in bucket.plan.holders:
-                group = self._groups[bucket.plan.holders]
-                values = [t.data for t in bucket.params]
-                kernels.overlap_average(values, bucket.layout, lambda b, g=group: dist.all_reduce(b, group=g),
-                                        buffer=bucket.buffer)
-                self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(),
-                               len(bucket.plan.holders))
+        average_values([b for b in self._round_buckets(matrix) if self.rank in b.plan.holders], self.bytes)
 
     def _round_buckets(self, matrix: np.ndarray) -> list[_Bucket]:
         key = np.ascontiguousarray(matrix, dtype=np.int8).tobytes()

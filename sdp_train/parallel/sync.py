@@ -192,6 +192,7 @@ class _Bucket:
                  for i, a in enumerate(plan.atoms)]
         self.layout = kernels.BucketLayout([p.shape for p in self.params], specs, device=device)
         self.buffer = torch.empty(self.layout.total_numel, dtype=self.params[0].dtype, device=device)
+        self.partials: torch.Tensor | None = None  # this bucket's slice of the engine's norm partials
         self.pending = 0
         self.work: dist.Work | None = None
         self.launched = False
@@ -310,6 +311,13 @@ class SyncEngine:
         for bucket in self.buckets:
             for p in bucket.params:
                 self._of_param[p].append(bucket)
+        # this rank counts each slice it is the lowest-ranked holder of towards the norm: the partial sums
+        # of those buckets are slices of one tensor, written by unpack (or squared_norm), summed once
+        counted = [b for b in self.buckets if b.plan.holders[0] == rank]
+        self._partials = torch.zeros(sum(b.layout.num_norm_partials for b in counted), dtype=torch.float32,
+                                     device=device)
+        for bucket, part in zip(counted, self._partials.split([b.layout.num_norm_partials for b in counted])):
+            bucket.partials = part
         self._next = 0
         self.bytes = ByteCount()
         # The hooks live in C++, out of the garbage collector's sight: they hold the engine weakly,
@@ -350,19 +358,19 @@ class SyncEngine:
         """
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        sq_norm = torch.zeros((), dtype=torch.float32, device=self.buckets[0].buffer.device if self.buckets else "cpu")
         for bucket in self.buckets:
             if bucket.work is not None:
                 self._wait(bucket)
             # pack scaled by 1/c_j and the holders summed: the buffer is the average, unpacked into
-            # the gradients; a single holder's gradient is its own average. Either way the share of
-            # the norm is read from the held slices in place, with no float32 temporary.
+            # the gradients with this rank's share of the norm fused in; a single holder's gradient is
+            # its own average, its share read in place. No launch of its own, no host synchronisation.
             if bucket.communicates:
-                kernels.unpack(bucket.buffer, bucket.grads(), bucket.layout, mode="copy", backend=self.backend)
-            if bucket.plan.holders[0] == self.rank:
-                sq_norm += kernels.squared_norm(bucket.grads(), bucket.layout, backend=self.backend)
+                kernels.unpack(bucket.buffer, bucket.grads(), bucket.layout, mode="copy", partials=bucket.partials,
+                               backend=self.backend)
+            elif bucket.partials is not None:
+                kernels.squared_norm(bucket.grads(), bucket.layout, partials=bucket.partials, backend=self.backend)
         self._reset()
-        return sq_norm
+        return self._partials.sum()
 
     def _wait(self, bucket: _Bucket) -> None:
         try:

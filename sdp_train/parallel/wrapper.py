@@ -27,16 +27,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-import kernels
 from masklab import Mask
 from sdp_train.errors import ConfigError
-from sdp_train.parallel import clip_guard
+from sdp_train.parallel import clip_guard, grads
+from sdp_train.parallel.averaging import average_values
 from sdp_train.parallel.blockmap import WHOLE, SliceSpec, owned_parameters, owned_state
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
 from sdp_train.parallel.export import assemble, save_safetensors
 from sdp_train.parallel.masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
+from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.parts import apply_checkpointing, apply_holder_fsdp, broadcast_from_holders, resolve_mask
 from sdp_train.parallel.schedule import OptimizerPlaces, gain_block, move_optimizer_state, recut_neurons, send_blocks
 from sdp_train.parallel.sync import (
@@ -190,11 +190,9 @@ class SubnetworkDataParallel(nn.Module):
             raise ConfigError(f"the mask's {mask.schedule.kind!r} schedule changes it every {mask.schedule.every} "
                               f"steps, not a multiple of local_steps={local_steps}: each round of {local_steps} "
                               "steps must train under one mask")
-        self.seed, self.steps, self.local_steps = seed, 0, local_steps
+        self.seed, self.local_steps = seed, local_steps
+        self.rounds = Rounds(mask, seed, counts=not mask.schedule.is_static or local_steps > 1)
         self._average_bytes = ByteCount()  # local steps: the holder averages of parameters
-        self._matrix = mask.round_matrix(0, seed=seed)
-        self._mask_step = 0  # a step whose round's mask is `_matrix`, the mask this worker's state is in
-        self._next_matrix: np.ndarray | None = None  # a round ended, its successor differs: `enter_next_round`
         self.mask_change_bytes = ByteCount()
         """Bytes of the optimizer state moved at mask changes (a schedule), apart from gradient traffic."""
         self._old_bytes = ByteCount()  # of the engines and broadcasters that no_sync and mask changes retired
@@ -252,7 +250,7 @@ class SubnetworkDataParallel(nn.Module):
 
     # -- construction helpers ------------------------------------------------------------------
     def _held_block_flags(self) -> list[bool]:
-        row = self._matrix[self.rank].astype(bool)
+        row = self.rounds.matrix[self.rank].astype(bool)
         if self.level == "neuron":
             return [True] * len(self.layout.blocks)
         return list(row)
@@ -366,15 +364,11 @@ class SubnetworkDataParallel(nn.Module):
         other blocks, the change is due, and made when the next step begins (`enter_next_round`), so a
         run's last step moves nothing for a round that never trains."""
         self.broadcast_held()
-        if not self._counts_steps:
+        if not self.rounds.counts:
             return
-        self.steps += 1
+        self.rounds.step_done()
         if self.local_steps > 1 and self.steps % self.local_steps == 0:
             self.average()
-        if self.mask.schedule.is_static:
-            return
-        matrix = self.mask.round_matrix(self.steps, seed=self.seed)
-        self._next_matrix = None if np.array_equal(matrix, self._matrix) else matrix
 
     def enter_next_round(self) -> None:
         """Make the mask change due since the last `step_done` (nothing when none is): the next
@@ -388,13 +382,14 @@ class SubnetworkDataParallel(nn.Module):
         after `step_done` when another step follows to keep the change apart from the forward pass
         (``sdp train`` does, for its memory meter). Every rank must call it (a collective when due).
         """
-        if self._next_matrix is not None:
-            matrix, self._next_matrix = self._next_matrix, None
+        matrix = self.rounds.take_due()
+        if matrix is not None:
             self._enter_round(matrix, step=self.steps, move_state=True)
 
     @property
-    def _counts_steps(self) -> bool:
-        return not self.mask.schedule.is_static or self.local_steps > 1
+    def steps(self) -> int:
+        """Optimizer steps taken (counted under a schedule or with local steps)."""
+        return self.rounds.steps
 
     @torch.no_grad()
     def average(self) -> None:
@@ -403,66 +398,25 @@ class SubnetworkDataParallel(nn.Module):
         must call it (`step_done` does after every H-th step)."""
         if self.world_size == 1 or self.engine is None:
             return
-        self._holder_averages(copies=False)
+        average_values(self.engine.buckets, self._average_bytes)
         if self.buffer_averager is not None:
             self.buffer_averager.average()
-
-    def _holder_averages(self, *, copies: bool) -> dict[int, torch.Tensor]:
-        """Every communicating bucket's parameters averaged over their holders (`kernels.overlap_average`),
-        in place or, with `copies`, on clones; returned by parameter id. The buffer is the parameters'
-        dtype: a `comm_dtype` buffer is for gradients and would round the weights."""
-        out = {}
-        for bucket in self.engine.buckets:
-            if not bucket.communicates:
-                continue
-            values = [p.detach().clone() if copies else p.data for p in bucket.params]
-            own_dtype = bucket.buffer.dtype == bucket.params[0].dtype
-            buffer = kernels.overlap_average(values, bucket.layout,
-                                             lambda b, g=bucket.group: dist.all_reduce(b, group=g),
-                                             buffer=bucket.buffer if own_dtype else None)
-            if not copies:
-                self._average_bytes.add("all_reduce", bucket.layout.total_numel * buffer.element_size(),
-                                        len(bucket.plan.holders))
-            out.update({id(p): v for p, v in zip(bucket.params, values)})
-        return out
 
     def schedule_state(self) -> dict[str, int]:
         """``{"steps": optimizer steps taken}`` under a schedule or with local steps (it fixes the
         round and the next average), ``{}`` otherwise: save it with each worker's model and
         optimizer state. When a mask change is due (`enter_next_round`), the state is still the
         round's that ended: ``"mask_step"`` then names a step of that round."""
-        if not self._counts_steps:
-            return {}
-        if self._next_matrix is not None:
-            return {"steps": self.steps, "mask_step": self._mask_step}
-        return {"steps": self.steps}
+        return self.rounds.state()
 
     def load_schedule_state(self, state: dict[str, int]) -> None:
         """Continue from `schedule_state`; every rank calls it, after `register_optimizer` and *before*
         loading this worker's model and optimizer state: with forward masking it rebuilds the
         subnetwork of the saved round (blocks gained are empty until the state is loaded, and their
         parameters join the optimizer's groups in the saved order)."""
-        if not self._counts_steps and not state:
-            return
-        steps = state.get("steps") if isinstance(state, dict) else None
-        # a checkpoint taken before a due change keeps the ended round's state (written before there was
-        # "mask_step", a checkpoint's state was always the round of "steps")
-        mask_step = state.get("mask_step", steps) if isinstance(state, dict) else None
-        schedule = not self.mask.schedule.is_static
-        if (not self._counts_steps or not _count(steps) or not _count(mask_step) or mask_step > steps
-                or (mask_step != steps and not schedule)):
-            expected = ("{}" if not self._counts_steps else "{'steps': n} with an integer n >= 0"
-                        + (", and 'mask_step': m with 0 <= m <= n" if schedule else ""))
-            raise ConfigError(f"schedule state {state!r} does not fit a {self.mask.schedule.kind!r} mask with "
-                              f"local_steps={self.local_steps}: expected {expected}")
-        self.steps = steps
-        if not schedule:
-            return
-        matrix = self.mask.round_matrix(mask_step, seed=self.seed)
-        if not np.array_equal(matrix, self._matrix):
-            self._enter_round(matrix, step=mask_step, move_state=False)  # the state to be loaded is this round's
-        upcoming = self.mask.round_matrix(steps, seed=self.seed)
-        self._next_matrix = None if np.array_equal(upcoming, self._matrix) else upcoming
+        saved = self.rounds.load(state, f"a {self.mask.schedule.kind!r} mask with local_steps={self.local_steps}")
+        if saved is not None:  # the state to be loaded is the saved round's
+            self._enter_round(saved[0], step=saved[1], move_state=False)
 
     def _enter_round(self, matrix: np.ndarray, *, step: int, move_state: bool) -> None:
         """Train under `matrix`, the mask of step `step`'s round, from now on (every rank calls it)."""
@@ -483,7 +437,8 @@ class SubnetworkDataParallel(nn.Module):
                 param.grad = None
             elif id(param) not in self._hooks:  # first held in this round: it needs the sync hook
                 self._hooks[id(param)] = param.register_post_accumulate_grad_hook(hook)
-        self.held_by_rank, self._matrix, self._mask_step = new_held, matrix, step
+        self.held_by_rank = new_held
+        self.rounds.entered(matrix, step)
         self.held_blocks = tuple(b for b, keep in zip(self.layout.blocks, self._held_block_flags()) if keep)
         shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
         self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names, shapes=shapes)
@@ -506,7 +461,7 @@ class SubnetworkDataParallel(nn.Module):
                      optimizers: list[torch.optim.Optimizer], move_state: bool) -> None:
         """Forward masking at a change: build the blocks this worker gains, receive their values and
         optimizer state (`move_state`; on resume the loaded state fills them), free those it drops."""
-        old_rows, new_rows = self._matrix.astype(bool), matrix.astype(bool)
+        old_rows, new_rows = self.rounds.matrix.astype(bool), matrix.astype(bool)
         gained = [b for j, b in enumerate(self.layout.blocks) if new_rows[self.rank, j] and not old_rows[self.rank, j]]
         dropped = [b for j, b in enumerate(self.layout.blocks) if old_rows[self.rank, j] and not new_rows[self.rank, j]]
         for name in gained:  # a block's shared children (a shortcut) stay as they are: every worker holds them
@@ -542,7 +497,7 @@ class SubnetworkDataParallel(nn.Module):
     def _recut(self, matrix: np.ndarray, optimizers: list[torch.optim.Optimizer], move_state: bool) -> None:
         """N-SDP at a change: every MLP tensor re-cut to the groups held now (`recut_neurons`); on resume
         (not `move_state`) only the shapes change, the loaded state fills them."""
-        old_rows, new_rows = self._matrix.astype(bool), matrix.astype(bool)
+        old_rows, new_rows = self.rounds.matrix.astype(bool), matrix.astype(bool)
         replaced = recut_neurons(self.module, self.layout, old_rows, new_rows, self.rank, optimizers,
                                  self.mask_change_bytes, send=move_state)
         for param in replaced:
@@ -567,8 +522,7 @@ class SubnetworkDataParallel(nn.Module):
         local steps no gradient is averaged: this worker's own squared norm.
         """
         if self.fsdp or self.local_steps > 1:
-            return sum((_local(p.grad).float().pow(2).sum() for p in self.module.parameters() if p.grad is not None),
-                       torch.zeros((), device=self.device))
+            return grads.squared_norm(grads.grads_of(self.module.parameters()), self.device)
         if self._sq_norm is None:
             raise ConfigError("grad_norm/clip_grad_norm_ need the averaged gradient: call them after a "
                               "backward() outside no_sync()")
@@ -577,10 +531,13 @@ class SubnetworkDataParallel(nn.Module):
     def grad_norm(self) -> torch.Tensor:
         """2-norm of the whole averaged gradient (every block counted once); a collective. With local
         steps: this worker's own gradient's norm (not a collective; clipping is each worker's own)."""
+        return self._grad_sq_norm().sqrt()
+
+    def _grad_sq_norm(self) -> torch.Tensor:
         sq = self.local_grad_sq_norm()
         if self.world_size > 1 and self.local_steps == 1:
             dist.all_reduce(sq)
-        return sq.sqrt()
+        return sq
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -595,12 +552,9 @@ class SubnetworkDataParallel(nn.Module):
             raise ConfigError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")
         if not max_norm > 0:
             raise ConfigError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm!r}")
-        total = self.grad_norm()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else coef.item())
-        return total
+        total_sq = self._grad_sq_norm()
+        grads.clip_(grads.grads_of(self.module.parameters()), total_sq, max_norm)
+        return total_sq.sqrt()
 
     def close(self) -> None:
         """Remove the gradient hooks, so the engine, its buffers and its process groups can be freed.
@@ -626,7 +580,7 @@ class SubnetworkDataParallel(nn.Module):
         state = self.module.state_dict()
         if self.local_steps > 1 and self.steps % self.local_steps and self.world_size > 1 and self.engine is not None:
             with torch.no_grad():
-                averaged = self._holder_averages(copies=True)
+                averaged = average_values(self.engine.buckets, copies=True)
             state.update({n: averaged[id(p)] for n, p in self.module.named_parameters() if id(p) in averaged})
         return assemble(state, self.local_index, self.layout.tensors, self.held_by_rank,
                         self.rank, rank0_only=rank0_only, device=self.device, aliases=self.layout.aliases)
@@ -703,11 +657,6 @@ def _check_options(level: str, masking: str, fsdp: bool, comm_dtype, local_steps
         raise ConfigError("comm_dtype applies to the sync engine; with fsdp=True FSDP's own buffers are used")
 
 
-def _count(value) -> bool:
-    """Whether `value` is a count of steps: an integer >= 0 (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -740,9 +689,6 @@ def _materialise(module: nn.Module, device, init, has_init_state: bool) -> torch
             init(module)
     return device
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 __all__ = ["MLPSpec", "SDP", "SubnetworkDataParallel", "find_blocks"]

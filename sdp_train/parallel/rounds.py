@@ -1,0 +1,85 @@
+"""Where training is in a mask's schedule: one step counter for `SubnetworkDataParallel` and
+`OverlapAveraging`.
+
+`Rounds` counts optimizer steps, knows the round whose mask this worker's state is in, and says
+when a round that ended is followed by one with another mask (a change is *due*); it saves and
+restores that position. It moves nothing: the wrapper that owns it makes the change
+(`sdp_train.parallel.schedule` moves blocks and optimizer state). Reasoning: docs/design.md §5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from masklab import Mask
+from sdp_train.errors import ConfigError
+
+
+class Rounds:
+    """The schedule position of `mask` (drawn with `seed`); `counts` says whether steps are counted
+    at all (a static mask without local steps has no position to keep)."""
+
+    def __init__(self, mask: Mask, seed: int, *, counts: bool) -> None:
+        self.mask, self.seed, self.counts = mask, seed, counts
+        self.steps = 0
+        """Optimizer steps taken."""
+        self.matrix = self.round_matrix(0)
+        """The mask of the round this worker's state is in."""
+        self.mask_step = 0  # a step of `matrix`'s round
+        self.due: np.ndarray | None = None  # the next round's mask, when a change is due
+
+    def round_matrix(self, step: int) -> np.ndarray:
+        """The (K, B) mask in force at optimizer step `step`, the same on every rank."""
+        return self.mask.round_matrix(step, seed=self.seed)
+
+    def step_done(self) -> None:
+        """Count one optimizer step; a change becomes due when the next step's round has another mask."""
+        self.steps += 1
+        if not self.mask.schedule.is_static:
+            upcoming = self.round_matrix(self.steps)
+            self.due = None if np.array_equal(upcoming, self.matrix) else upcoming
+
+    def take_due(self) -> np.ndarray | None:
+        """The mask of a due change (no longer due), or None."""
+        due, self.due = self.due, None
+        return due
+
+    def entered(self, matrix: np.ndarray, step: int) -> None:
+        """This worker's state is in `matrix`, the mask of step `step`'s round, from now on."""
+        self.matrix, self.mask_step = matrix, step
+
+    def state(self) -> dict[str, int]:
+        """``{"steps": n}`` (and ``"mask_step"`` while a change is due), ``{}`` when not counting."""
+        if not self.counts:
+            return {}
+        if self.due is not None:
+            return {"steps": self.steps, "mask_step": self.mask_step}
+        return {"steps": self.steps}
+
+    def load(self, state: dict[str, int], what: str) -> tuple[np.ndarray, int] | None:
+        """Continue from `state`; returns the saved round's mask and step when the worker must enter
+        that round (call `entered` once it has), else None. `what` names the owner in errors."""
+        if not self.counts and not state:
+            return None
+        steps = state.get("steps") if isinstance(state, dict) else None
+        # a checkpoint taken before a due change keeps the ended round's state (written before there was
+        # "mask_step", a checkpoint's state was always the round of "steps")
+        mask_step = state.get("mask_step", steps) if isinstance(state, dict) else None
+        schedule = not self.mask.schedule.is_static
+        if (not self.counts or not _count(steps) or not _count(mask_step) or mask_step > steps
+                or (mask_step != steps and not schedule)):
+            expected = ("{}" if not self.counts else "{'steps': n} with an integer n >= 0"
+                        + (", and 'mask_step': m with 0 <= m <= n" if schedule else ""))
+            raise ConfigError(f"schedule state {state!r} does not fit {what}: expected {expected}")
+        self.steps = steps
+        if not schedule:
+            return None
+        matrix = self.round_matrix(mask_step)
+        upcoming = self.round_matrix(steps)
+        self.due = None if np.array_equal(upcoming, matrix) else upcoming
+        return None if np.array_equal(matrix, self.matrix) else (matrix, mask_step)
+
+
+def _count(value) -> bool:
+    """Whether `value` is a count of steps: an integer >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
