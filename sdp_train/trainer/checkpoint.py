@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from masklab.io import atomic_write
 from sdp_train.errors import ConfigError
+from sdp_train.parallel.grads import is_dtensor
+from sdp_train.parallel.grads import local as _local
 from sdp_train.parallel.dist import DistInfo, get_dist_info, under_torchrun
 from sdp_train.trainer.launch import run_id
 from sdp_train.trainer.rundir import LOCK_NAME, LOCKED_ENV
@@ -363,10 +364,12 @@ def load_checkpoint(run: RunState, batches: Batches, path: Path) -> int:
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
     for index, values in state["optimizer"]["state"].items():
         param = params[int(index)]
-        if isinstance(param, DTensor):  # FSDP: the saved local shards become DTensors like the parameter
+        if is_dtensor(param):  # FSDP: the saved local shards become DTensors like the parameter
+            from torch.distributed.tensor import DTensor  # imported already: `param` is one
+
             values.update({k: DTensor.from_local(v, param.device_mesh, param.placements, shape=param.shape,
                                                  stride=param.stride(), run_check=False)
-                           for k, v in values.items() if v.shape == param.to_local().shape and v.dim() > 0})
+                           for k, v in values.items() if v.shape == _local(param).shape and v.dim() > 0})
     run.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"]:
@@ -493,9 +496,6 @@ def _check_rank_state(file: Path, state: Any, local: dict[str, torch.Tensor], ru
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise bad(f"optimizer.state[{index}].{key}", f"{got}, the parameter is {tuple(params[index].shape)}")
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _to_local(obj: Any) -> Any:

@@ -30,35 +30,39 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+import functools
+import importlib
+
 import torch
 from torch import nn
 
-# Imported at module level, before any process group exists: importing torch's memory tracker
-# (which pulls in dynamo) while a group exists keeps that group, and its gloo threads, alive to
-# interpreter shutdown (tests/distributed/test_teardown.py). Lazily, it cost every launcher 0.6 s
-# less, but a run's groups outlived it.
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-from torch.distributed.tensor import DTensor
+from sdp_train.parallel.grads import local
+
+# torch's memory tracker pulls in dynamo, DTensor, sympy and triton: seconds of every process that
+# imports it. A run that measures on CPU imports it before any process group exists
+# (`sdp_train.trainer.launch.init_distributed`'s ``preload``): imported while a group exists it keeps
+# that group, and its gloo threads, alive to interpreter shutdown (tests/distributed/test_teardown.py).
+TRACKER_MODULE = "torch.distributed._tools.mem_tracker"
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "other")
 PERSISTENT: tuple[str, ...] = ("parameters", "gradients", "optimizer")
-_REFS_OF = {  # our category -> MemTracker's reference types
-    "parameters": (_MemRefType.PARAM,),
-    "gradients": (_MemRefType.GRAD,),
-    "optimizer": (_MemRefType.OPT,),
-    "activations": (_MemRefType.ACT,),
-    "other": (_MemRefType.BUFFER, _MemRefType.TEMP, _MemRefType.OTH),
+_REFS_OF = {  # our category -> the names of MemTracker's reference types (`_MemRefType`)
+    "parameters": ("PARAM",),
+    "gradients": ("GRAD",),
+    "optimizer": ("OPT",),
+    "activations": ("ACT",),
+    "other": ("BUFFER", "TEMP", "OTH"),
 }
 
 
 def _category(snapshot: dict, category: str) -> int:
-    return sum(snapshot.get(ref, 0) for ref in _REFS_OF[category])
+    refs = _tracker_module()._MemRefType
+    return sum(snapshot.get(getattr(refs, ref), 0) for ref in _REFS_OF[category])
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     """numel x element size, summed; a DTensor (FSDP) counts its local shard."""
-    locals_ = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
-    return sum(t.numel() * t.element_size() for t in locals_)
+    return sum(t.numel() * t.element_size() for t in map(local, tensors))
 
 
 def analytic_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -93,7 +97,7 @@ class MemoryMeter:
         self.peak: dict[str, int] = {}
         self.tracker = None
         if device.type != "cuda":
-            self.tracker = _Tracker()
+            self.tracker = _tracker_class()()
             self.tracker.track_external(model, optimizer, *extra)
 
     @contextmanager
@@ -125,7 +129,7 @@ class MemoryMeter:
         peak = self.tracker.get_tracker_snapshot("peak")
         snap = next(iter(peak.values()), {})
         out = {"total": snap.get("Total", 0), **{c: _category(snap, c) for c in CATEGORIES}}
-        module_acts = [snapshot.get(_MemRefType.ACT, 0)
+        module_acts = [snapshot.get(_tracker_module()._MemRefType.ACT, 0)
                        for stats in self.tracker.memory_tracking.values()
                        for states in stats.snapshots.values() for per_device in states
                        for snapshot in per_device.values()]
@@ -143,7 +147,17 @@ class MemoryMeter:
         return step, counted
 
 
-class _Tracker(MemTracker):
+def _tracker_module():
+    return importlib.import_module(TRACKER_MODULE)
+
+
+@functools.cache
+def _tracker_class() -> type:
+    """`_Tracker`, defined on first use (its base class is torch's MemTracker)."""
+    return type("_Tracker", (_TrackerMixin, _tracker_module().MemTracker), {"__doc__": _TrackerMixin.__doc__})
+
+
+class _TrackerMixin:
     """MemTracker that installs its gradient hooks only on parameters that get gradients.
 
     Bb-SDP freezes the parameters of non-held blocks, and a frozen tensor takes no hooks.
@@ -170,7 +184,7 @@ class _Tracker(MemTracker):
                 handle.remove()
 
     def _track_grad(self, grad: torch.Tensor) -> None:
-        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+        self._update_and_maybe_create_winfos(grad, _tracker_module()._MemRefType.GRAD)
 
 
 def format_bytes(n: int) -> str:

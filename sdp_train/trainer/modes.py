@@ -23,7 +23,6 @@ Not here: the optimizer, the learning-rate schedule, clipping and the loop (`sdp
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
@@ -32,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, build_model, model_class
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
+from sdp_train.parallel import grads
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
 from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.masking import ModelLayout, shared_inside
@@ -82,10 +81,10 @@ class ModeSync:
         """This rank's share of the squared gradient norm: the shares of all ranks sum to it."""
         raise NotImplementedError
 
-    def norms(self, summed_sq: float, own_sq: torch.Tensor) -> tuple[float, float]:
-        """(the gradient norm to report, the norm to clip by) from the summed shares and this rank's own."""
-        norm = math.sqrt(summed_sq)
-        return norm, norm
+    def norms(self, summed_sq: torch.Tensor, own_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the gradient norm to report, the squared norm to clip by) from the summed shares and this
+        rank's own, as device tensors (nothing is read on the host)."""
+        return summed_sq.sqrt(), summed_sq
 
     def after_step(self) -> None:
         """After the optimizer step (not after a skipped one)."""
@@ -174,7 +173,7 @@ class FullyShardedSync(ModeSync):
         """Each tensor gathered over the world mesh, in one order on every rank."""
         state = {}
         for name, value in self.model.state_dict().items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value  # a collective
+            value = value.full_tensor() if grads.is_dtensor(value) else value  # a collective
             if self.info.is_main:
                 state[name] = value.detach()
         return state if self.info.is_main else None
@@ -205,12 +204,12 @@ class SubnetworkSync(ModeSync):
     def grad_sq_norm(self) -> torch.Tensor:
         return self.sdp.local_grad_sq_norm()  # the holder averages finished when backward returned
 
-    def norms(self, summed_sq: float, own_sq: torch.Tensor) -> tuple[float, float]:
+    def norms(self, summed_sq: torch.Tensor, own_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stepwise: the averaged gradient's norm. Local steps: each worker trains its own subnetwork,
         so the root mean square of the workers' own norms, clipped by this worker's own."""
         if self.sdp.local_steps == 1:
             return super().norms(summed_sq, own_sq)
-        return math.sqrt(summed_sq / self.info.world_size), math.sqrt(own_sq.item())
+        return (summed_sq / self.info.world_size).sqrt(), own_sq
 
     def after_step(self) -> None:
         # here, not in an optimizer hook: the memory meter would file its buffers as optimizer state
@@ -274,9 +273,9 @@ class OverlapSync(ModeSync):
     def grad_sq_norm(self) -> torch.Tensor:
         return _sq_norm(self.model)
 
-    def norms(self, summed_sq: float, own_sq: torch.Tensor) -> tuple[float, float]:
+    def norms(self, summed_sq: torch.Tensor, own_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The root mean square of the workers' own norms; clipped by this worker's own."""
-        return math.sqrt(summed_sq / self.info.world_size), math.sqrt(own_sq.item())
+        return (summed_sq / self.info.world_size).sqrt(), own_sq
 
     @property
     def bytes(self) -> ByteCount:
@@ -346,7 +345,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     masking = "backward" if cfg.mode == "bbsdp" else "forward"
     if user:
         sdp = SubnetworkDataParallel(
-            model, mask=prep.mask, blocks=user_blocks(cfg), level=cfg.level, masking=masking,
+            model, mask=prep.mask, blocks=_blocks(model, prep), level=cfg.level, masking=masking,
             neuron_groups=USER_NEURON_GROUPS, seed=cfg.seed, device=device,
             activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp, local_steps=cfg.local_steps)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
@@ -376,8 +375,8 @@ LLAMA_MLP = MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down")
 
 def _blocks(model: nn.Module, prep: Any) -> list[str]:
     """The maskable residual blocks' names: a built-in family's, or those found in a user's model."""
-    if isinstance(prep.model_config, UserModel):
-        return find_blocks(model, user_blocks(prep.config))
+    if isinstance(prep.model_config, UserModel):  # found and checked once, by `prepare`
+        return list(prep.blocks) if prep.blocks is not None else find_blocks(model, user_blocks(prep.config))
     return list(block_map(prep.model_config).block_names("block"))
 
 
@@ -463,13 +462,9 @@ def _wrap_ddp(model: nn.Module, device: torch.device, counter: ByteCount, world_
 
 def _sq_norm(model: nn.Module) -> torch.Tensor:
     """The squared norm of this rank's gradients (local shards under FSDP)."""
-    grads = [_local(p.grad).float().pow(2).sum() for p in model.parameters() if p.grad is not None]
-    return torch.stack(grads).sum() if grads else torch.zeros((), device=_device(model))
+    return grads.squared_norm(grads.grads_of(model.parameters()), _device(model))
 
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

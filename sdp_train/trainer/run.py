@@ -16,12 +16,15 @@ from __future__ import annotations
 import math
 import os
 import signal
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from sdp_train.errors import NonFiniteError
+from sdp_train.parallel import grads
 from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.wire import ByteCount
 from sdp_train.trainer.config import TrainConfig
@@ -46,6 +49,26 @@ def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class StepStats(Mapping):
+    """One step's ``loss`` (the worker mean), ``grad_norm``, ``lr`` and ``skipped`` (non-finite), kept
+    as device tensors and read on the host only when looked up, so that `Run.step` does not wait."""
+
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, nonfinite: torch.Tensor) -> None:
+        self._values = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": nonfinite}
+
+    def __getitem__(self, key: str) -> float | bool:
+        value = self._values[key]
+        if not isinstance(value, torch.Tensor):
+            return value
+        return bool(value) if value.dtype == torch.bool else value.item()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 class Run:
     """One rank's model, synchronisation and optimizer for a prepared config.
 
@@ -66,7 +89,9 @@ class Run:
         no_decay = [p for p in trainable if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True,
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+            # skipping a non-finite step on the device takes the fused kernel's found_inf (GradScaler's way)
+            **({"fused": True} if cfg.nonfinite == "skip" else {"foreach": True}),
         )
         self.sync.attach(self.optimizer)
 
@@ -105,19 +130,24 @@ class Run:
         """Bytes this rank sent so far under the ring model of `sdp_train.parallel.wire`."""
         return self.bytes.wire
 
-    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | bool]:
-        """One optimizer step; returns the worker-mean loss, the gradient norm and ``skipped``.
+    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepStats:
+        """One optimizer step; returns the worker-mean loss, the gradient norm and ``skipped``, as device
+        tensors read only when looked up (`StepStats`): the step itself never waits for the device.
 
         The loss and squared gradient norm travel in one all-reduce, so a non-finite value on any
-        rank (or in any held block's averaged gradient) is seen by every rank in the same step:
-        ``nonfinite='stop'`` raises NonFiniteError everywhere, ``'skip'`` drops this step's update
-        on every rank (the learning-rate schedule stays indexed by step). The norm is that of the
-        averaged gradient, each block counted once (under overlap averaging, whose workers keep
-        their own gradients, the root mean square of the workers' norms, and each clips by its own).
+        rank (or in any held block's averaged gradient) is seen by every rank in the same step, and
+        decided on the device: ``nonfinite='skip'`` drops this step's update on every rank (the
+        fused AdamW's ``found_inf``, as torch's GradScaler does; the learning-rate schedule and a
+        mask schedule stay indexed by step), ``'stop'`` raises NonFiniteError everywhere when the
+        step's values are read (`finish`, one step late in `sdp_train.trainer.train`). The norm is
+        that of the averaged gradient, each block counted once (under overlap averaging and local
+        steps, whose workers keep their own gradients, the root mean square of the workers' norms,
+        and each clips by its own); clipping is `sdp_train.parallel.grads.clip_`, the library's.
         """
         cfg, sync = self.cfg, self.sync
+        lr = lr_at(step, cfg)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr
         with sync.step_context():
             loss = loss_fn(self.train_model(inputs), targets)
             if self.faults.nan(step, self.info.rank):
@@ -128,29 +158,31 @@ class Run:
         if self.info.world_size > 1:
             dist.all_reduce(stats)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
-        mean_loss = stats[0].item() / self.info.world_size
-        grad_norm, clip_norm = sync.norms(stats[1].item(), own_sq)
         if self.faults.kill(step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)
-        if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
-            if cfg.nonfinite == "stop":
-                raise NonFiniteError(
-                    f"step {step}: non-finite training state (mean loss {mean_loss}, averaged gradient norm "
-                    f"{grad_norm}, over {self.info.world_size} rank(s)); nonfinite='stop' ends the run "
-                    f"(--nonfinite skip skips such steps; a lower --lr may avoid them)")
-            self.optimizer.zero_grad(set_to_none=False)
-            return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": True}
-        if cfg.grad_clip > 0 and clip_norm > cfg.grad_clip:
-            coef = cfg.grad_clip / (clip_norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        grad_norm, clip_sq = sync.norms(stats[1], own_sq)
+        nonfinite = ~torch.isfinite(stats).all()
+        if cfg.grad_clip > 0:
+            grads.clip_(grads.grads_of(self.model.parameters()), clip_sq, cfg.grad_clip)
+        if cfg.nonfinite == "skip":
+            self.optimizer.found_inf = nonfinite.float()
         self.optimizer.step()
         sync.after_step()
         if step + 1 < cfg.steps:  # after the last step no round follows: nothing may move for one
             sync.enter_next_round()
         self.optimizer.zero_grad(set_to_none=False)
-        return {"loss": mean_loss, "grad_norm": grad_norm, "lr": lr_at(step, cfg), "skipped": False}
+        return StepStats(stats[0] / self.info.world_size, grad_norm, lr, nonfinite)
+
+    def finish(self, step: int, stats: Mapping[str, Any]) -> dict[str, float | bool]:
+        """A step's values read on the host (a synchronisation: call it a step late); under
+        ``nonfinite='stop'`` a non-finite step raises NonFiniteError, on every rank alike."""
+        values = dict(stats)
+        if values["skipped"] and self.cfg.nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {step}: non-finite training state (mean loss {values['loss']}, averaged gradient norm "
+                f"{values['grad_norm']}, over {self.info.world_size} rank(s)); nonfinite='stop' ends the run "
+                f"(--nonfinite skip skips such steps; a lower --lr may avoid them)")
+        return values
 
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor] | None:

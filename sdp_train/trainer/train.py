@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import model_class
 from sdp_train.parallel.dist import default_device, get_dist_info, print0
+from sdp_train.parallel.grads import local
 from sdp_train.parallel.wire import WIRE_MODEL
 from sdp_train.trainer.checkpoint import (
     check_out_shared,
@@ -66,11 +68,23 @@ from sdp_train.trainer.checkpoint import (
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
-from sdp_train.trainer.memory import MemoryMeter, format_bytes
+from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
 from sdp_train.trainer.run import Run, loss_fn
 from sdp_train.trainer.user_model import UserModel
+
+
+def modules_before_groups(configs: Sequence[TrainConfig], device: torch.device) -> tuple[str, ...]:
+    """The modules runs of `configs` import that must come before the process group (`init_distributed`):
+    DTensor for FSDP, torch's memory tracker for a measured step on CPU. Nothing else: each costs
+    every rank a second or more to import."""
+    names = []
+    if any(c.fsdp or c.mode == "fsdp" for c in configs):
+        names.append("torch.distributed.tensor")
+    if device.type != "cuda" and any(c.memory_steps > 0 for c in configs):
+        names.append(TRACKER_MODULE)
+    return tuple(names)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -81,7 +95,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     if info.world_size != cfg.workers:
         raise ConfigError(f"--workers {cfg.workers} but the launcher started {info.world_size} ranks")
     torch.manual_seed(cfg.seed)
-    info = init_distributed(device)
+    info = init_distributed(device, preload=modules_before_groups([cfg], device))
     try:
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
@@ -113,7 +127,39 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
     records: list[dict[str, Any]] = []
     val_history: list[dict[str, float]] = []
     consecutive_skips = 0
+
+    def close_step(step: int, record: dict[str, Any], stats) -> None:
+        """Read `step`'s values (a host synchronisation), then its evaluation, metrics line and checkpoint."""
+        nonlocal consecutive_skips
+        values = run.finish(step, stats)  # nonfinite='stop' raises here, on every rank
+        record.update(loss=values["loss"], lr=values["lr"], grad_norm=values["grad_norm"], skipped=values["skipped"])
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            val_history.append({"step": step, "val_loss": evaluate(run, prep)})
+            record["val_loss"] = val_history[-1]["val_loss"]
+            if (consensus := run.consensus_distance()) is not None:  # mode overlap (a collective)
+                val_history[-1]["consensus_distance"] = record["consensus_distance"] = consensus
+        records.append(record)
+        consecutive_skips = consecutive_skips + 1 if values["skipped"] else 0
+        if consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank: stats are all-reduced
+            raise NonFiniteError(f"step {step}: {consecutive_skips} non-finite steps in a row "
+                                 f"(max_consecutive_skips={cfg.max_consecutive_skips}); the run has diverged")
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(_json_safe(record)) + "\n")
+            metrics_file.flush()
+        # after the metrics line: a checkpoint at step + 1 implies the lines of every step before it
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+            save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
+        log.update(record, meter.peak.get("total"))
+
+    def must_close_now(step: int) -> bool:
+        """Whether `step` is closed before the next step starts (it evaluates, checkpoints or is the last)."""
+        return (step + 1 == cfg.steps or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                or bool(cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0))
+
     try:
+        # A step's values are read one step late, after the next step is queued (a GPU never waits on
+        # the host), except where the step evaluates, checkpoints or ends the run.
+        pending: tuple[int, dict[str, Any], Any] | None = None
         for step in range(start, cfg.steps):
             inputs, targets = (t.to(device) for t in next(batches))
             bytes_before, wire_before = run.comm_bytes, run.wire_bytes
@@ -123,27 +169,16 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
                 stats = run.step(step, inputs, targets)
             step_time = time.perf_counter() - t0
             tokens = targets.numel() * info.world_size
-            record = {"step": step, "loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+            record = {"step": step, "loss": None, "lr": None, "grad_norm": None,
                       "step_time_s": step_time, "tokens_per_s": tokens / step_time,
                       "comm_bytes": run.comm_bytes - bytes_before, "wire_bytes": run.wire_bytes - wire_before,
-                      "skipped": stats["skipped"]}
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                val_history.append({"step": step, "val_loss": evaluate(run, prep)})
-                record["val_loss"] = val_history[-1]["val_loss"]
-                if (consensus := run.consensus_distance()) is not None:  # mode overlap (a collective)
-                    val_history[-1]["consensus_distance"] = record["consensus_distance"] = consensus
-            records.append(record)
-            consecutive_skips = consecutive_skips + 1 if stats["skipped"] else 0
-            if consecutive_skips >= cfg.max_consecutive_skips:  # the same on every rank: stats are all-reduced
-                raise NonFiniteError(f"step {step}: {consecutive_skips} non-finite steps in a row "
-                                     f"(max_consecutive_skips={cfg.max_consecutive_skips}); the run has diverged")
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(_json_safe(record)) + "\n")
-                metrics_file.flush()
-            # after the metrics line: a checkpoint at step + 1 implies the lines of every step before it
-            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-                save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
-            log.update(record, meter.peak.get("total"))
+                      "skipped": None}
+            if pending is not None:
+                close_step(*pending)
+            pending = (step, record, stats)
+            if must_close_now(step):
+                close_step(*pending)
+                pending = None
         val_loss = evaluate(run, prep, save_to=out if cfg.save_model else None)
         final_consensus = run.consensus_distance()
         mask_change_bytes = run.mask_change_bytes
@@ -283,7 +318,7 @@ def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
 def _optimizer_params(run: Run) -> list[torch.Tensor]:
     """The tensors this rank's optimizer steps (local shards of FSDP parameters)."""
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
-    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return [local(p) for p in params]
 
 
 def _gather(value: Any, world_size: int) -> list[Any]:

@@ -19,38 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import DEVICE, make_tensors
-from torch.overrides import TorchFunctionMode
 
 from kernels import BucketLayout, SegmentSpec, clip_coefficient, pack, squared_norm, triton_ops, unpack
+from tests.host_sync import HostSyncDetector
 
-# What synchronises with the device (reads a device value on the host) or builds a tensor from host
-# data (a host-to-device copy on a GPU).
-FORBIDDEN = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-    torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__, torch.tensor, torch.as_tensor,
-}
 SHAPES = [(40, 24), (24, 40), (40,), (17, 3)]
 SPECS = [SegmentSpec(0, "rows", tuple(range(0, 40, 3)), 2), SegmentSpec(1, "cols", tuple(range(8, 32)), 2),
          SegmentSpec(2, coverage=2), SegmentSpec(3, "rows", (16, 0, 5), 3)]
-
-
-def _names_a_device(args, kwargs) -> bool:
-    return any(isinstance(a, (torch.device, str)) for a in (*args, *kwargs.values()))
-
-
-class HostSyncDetector(TorchFunctionMode):
-    """Fails on every `FORBIDDEN` call; counts ``Tensor.to(device)`` calls (host-to-device copies on a GPU)."""
-
-    def __init__(self, *, forbid: bool = True) -> None:
-        super().__init__()
-        self.forbid, self.copies = forbid, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.forbid and func in FORBIDDEN:
-            raise AssertionError(f"{getattr(func, '__qualname__', func)} in a steady-state step: a host synchronisation")
-        if func is torch.Tensor.to and _names_a_device(args[1:], kwargs or {}):
-            self.copies += 1
-        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
