@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from masklab.io import atomic_write
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import SliceSpec
+from sdp_train.parallel.grads import is_dtensor
 
 
 def owned_positions(name: str, held_by_rank: Sequence[Mapping[str, SliceSpec]],
@@ -66,7 +66,7 @@ def assemble(local_state: Mapping[str, torch.Tensor], local_index: Mapping[str, 
         full = torch.zeros(shape, dtype=dtype, device=device)
         owned = owned_positions(name, held_by_rank, rank)
         value = local_state.get(name)
-        if isinstance(value, DTensor):  # FSDP: gathered over the block's holders, in this same order
+        if is_dtensor(value):  # FSDP: gathered over the block's holders, in this same order
             value = value.full_tensor()
         if owned is not None:
             dim, positions = owned

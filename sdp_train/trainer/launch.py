@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch
@@ -101,19 +102,23 @@ def run_id() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID") if under_torchrun() else None
 
 
-def init_distributed(device: torch.device) -> DistInfo:
+def init_distributed(device: torch.device, *, preload: Iterable[str] = ("torch.distributed.tensor",)) -> DistInfo:
     """Create the default process group if launched by torchrun (gloo on CPU, nccl on CUDA).
 
     When the ranks share the elastic agent's store (torchrun's default), each attempt rendezvouses
     under its own key prefix ``attempt{N}`` (`restart_attempt`, agreed by all ranks): the store
     outlives a failed attempt, and a plain ``env://`` init of a restarted gloo group can pick up
     the dead attempt's addresses ("Gloo connectFullMesh failed").
+
+    `preload` names the modules the run will use that must be imported before the group exists:
+    ``torch.distributed.tensor`` (FSDP) or torch's memory tracker, imported while a group exists,
+    keep it referenced (and its threads running) to the end of the process. The default suits a
+    run that may use FSDP; ``sdp train`` passes what its configuration needs (`modules_before_groups`).
     """
     if not under_torchrun() or dist.is_initialized():
         return get_dist_info()
-    # Before the group exists: importing torch.distributed.tensor while a group exists keeps that
-    # group referenced (and its threads running) until the process exits. A launcher never gets here.
-    import torch.distributed.tensor  # noqa: F401
+    for name in preload:
+        importlib.import_module(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"

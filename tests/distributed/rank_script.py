@@ -29,7 +29,7 @@ from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import destroy_distributed, init_distributed
 from sdp_train.trainer.prepare import prepare
 from sdp_train.trainer.run import Run, loss_fn
-from sdp_train.trainer.train import train_prepared
+from sdp_train.trainer.train import modules_before_groups, train_prepared
 
 
 def grads_case(spec: dict, info, device, out: Path) -> None:
@@ -168,11 +168,19 @@ def train_case(spec: dict, info, device, out: Path) -> None:
         torch.distributed.barrier()
 
 
+def _preload(case: str, spec: dict) -> tuple[str, ...]:
+    """What this case's runs import that must precede the process group (`modules_before_groups`)."""
+    if case == "train":
+        return modules_before_groups([TrainConfig(**c) for c in spec["configs"]], default_device())
+    fsdp = any(c.get("mode") == "fsdp" or c.get("fsdp") for c in spec.get("cases", spec.get("configs", [])))
+    return ("torch.distributed.tensor",) if fsdp else ()
+
+
 def main() -> None:
     case, spec_path, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     spec = json.loads(spec_path.read_text())
     device = default_device()
-    info = init_distributed(device)
+    info = init_distributed(device, preload=_preload(case, spec))
     try:
         cases = {"grads": grads_case, "steps": steps_case, "eval_memory": eval_memory_case, "overlap": overlap_case,
                  "train": train_case}
