@@ -1,7 +1,9 @@
 """``sdp verify``: a proved bound for a mask file and a training set-up.
 
 The bound is evaluated either at per-block constants read from a constants file (``--constants``,
-format in `theory.constants`) or, from totals (``--sigma``, ``--zeta``, ``--grad-bound``), at the
+format in `theory.constants`; a file's ``shared`` column is appended to the mask, and a file that
+``sdp estimate`` wrote is labelled estimated: every number is then printed as an estimate of the
+theorem's bound, not as a guarantee) or, from totals (``--sigma``, ``--zeta``, ``--grad-bound``), at the
 worst way of splitting them across blocks, so the printed number bounds every problem with those
 totals (docs/theory.md, Proposition 1). It prints which, the terms at the given step size, the
 bound at the best step size, the DDP bound, and the FLOP-matched step count. With ``--simulate``
@@ -34,7 +36,7 @@ from theory.consensus import (
     overlap_bound,
     overlap_flop_matched_steps,
 )
-from theory.constants import load_constants, worst_case_blocks, worst_case_constants, worst_case_split
+from theory.constants import load_constants_file, worst_case_blocks, worst_case_constants, worst_case_split
 from theory.errors import TheoryError
 from theory.problems import make_logistic, make_quadratic
 from theory.simulate import simulate
@@ -79,8 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    mask = load_mask(args.mask)
-    constants, source = constants_from_args(mask, args)
+    mask, constants, source = constants_from_args(load_mask(args.mask), args)
     h = args.local_steps
     if args.overlap:
         if args.simulate is not None:
@@ -106,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         "ddp_bound": ddp.total,
         "ratio_to_ddp": terms.total / ddp.total if ddp.total > 0 else math.inf,
         "constants": source,
+        "estimated": source.get("estimated", False),
+        "guarantee": terms.step_size_ok and not source.get("estimated", False),
         "theorem": "Theorem 6 (overlap averaging)" if args.overlap else _stepwise_theorem(mask, h),
         "bound_at_eta_best": best.total,
         "flop_matched": {
@@ -142,17 +145,20 @@ def _stepwise_theorem(mask: Mask, local_steps: int) -> str:
     return "Theorem 2' (mask redrawn every update)" if redraws_every_update(mask) else "Theorem 1 (mask in force)"
 
 
-def constants_from_args(mask: Mask, args: argparse.Namespace) -> tuple[ProblemConstants, dict]:
-    """``sdp verify``'s problem constants (totals or a ``--constants`` file) and a description of their source."""
+def constants_from_args(mask: Mask, args: argparse.Namespace) -> tuple[Mask, ProblemConstants, dict]:
+    """``sdp verify``'s mask (with a constants file's ``shared`` column appended), problem constants
+    (totals or a ``--constants`` file) and a description of their source."""
     totals = {"--sigma": args.sigma, "--zeta": args.zeta, "--grad-bound": args.grad_bound}
     if args.constants is not None:
         given = [flag for flag, value in totals.items() if value is not None]
         if given:
             raise TheoryError(f"{given[0]} is a total; with --constants {args.constants} every constant "
                               "comes from the file")
-        constants = load_constants(args.constants, mask, smoothness=args.smoothness,
-                                   suboptimality=args.suboptimality)
-        return constants, {"source": "file", "file": args.constants}
+        loaded = load_constants_file(args.constants, mask, smoothness=args.smoothness,
+                                     suboptimality=args.suboptimality)
+        return loaded.mask, loaded.constants, {
+            "source": "file", "file": args.constants, "estimated": loaded.estimated,
+            "shared_column": loaded.mask.blocks > mask.blocks, "estimate": loaded.estimate}
     for flag, value in (("--sigma", args.sigma), ("--zeta", args.zeta), ("--smoothness", args.smoothness),
                         ("--suboptimality", args.suboptimality)):
         if value is None:
@@ -172,7 +178,7 @@ def constants_from_args(mask: Mask, args: argparse.Namespace) -> tuple[ProblemCo
     else:
         constants = worst_case_constants(mask, **totals)
         at = worst_case_blocks(mask)
-    return constants, {"source": "worst-case split of totals",
+    return mask, constants, {"source": "worst-case split of totals",
                        "worst_case_blocks": {k: mask.block_names[j] for k, j in at.items()}}
 
 
@@ -218,11 +224,27 @@ def _split(per_block) -> list[float] | None:
     return None if total == 0 else (per_block / total).tolist()
 
 
+def _estimate_words(estimate: dict) -> str:
+    """How a constants file's estimate was made, from its ``estimate`` object (whatever it records)."""
+    by = estimate.get("by", "an estimator")
+    if "confidence_level" not in estimate:
+        return f"by {by}"
+    checkpoints = estimate.get("checkpoints", [0])
+    return (f"by {by}, {estimate['confidence_level']:.0%} upper confidence bounds over "
+            f"{estimate.get('batches_per_worker', '?')} batches per worker, maximum over checkpoints "
+            f"{', '.join(map(str, checkpoints))} of a {estimate.get('trajectory_steps', 0)}-step trajectory")
+
+
 def _text(mask: Mask, r: dict) -> str:
     t = r["terms"]
     src = r["constants"]
+    estimated = r["estimated"]
     if src["source"] == "file":
         said = f"constants: per block, from {src['file']}"
+        if src["shared_column"]:
+            said += " (the shared parameters as column 'shared', held by all K workers)"
+        if estimated:
+            said += "; ESTIMATED, not known bounds: " + _estimate_words(src["estimate"])
     else:
         at = src["worst_case_blocks"]
         said = (f"constants: the worst case over every split of the totals across blocks "
@@ -240,7 +262,9 @@ def _text(mask: Mask, r: dict) -> str:
         f"theorem: {r['theorem']}",
         said,
         f"step size: eta = {r['eta']:.6g} {'satisfies' if r['step_size_ok'] else 'VIOLATES'} "
-        f"0 < eta <= {r['eta_max']:.6g}; best eta for this T: {r['eta_best']:.6g}",
+        f"0 < eta <= {r['eta_max']:.6g}{' at the estimated L' if estimated else ''}; best eta for this T: "
+        f"{r['eta_best']:.6g}",
+        ("estimated " if estimated else "") +
         ("bound on (1/R) sum_r E||grad f(xbar_r)||^2, xbar_r the mean of all K copies:"
          if "exported_bound" in r else "bound on (1/R) sum_r E||grad f(x_r)||^2:"),
         f"  optimization  {t['optimization']:.6g}",
@@ -256,6 +280,10 @@ def _text(mask: Mask, r: dict) -> str:
     ]
     if not r["step_size_ok"]:
         lines.append("the step-size condition fails: the total above is not a proved bound")
+    if estimated:
+        lines.append(f"estimated: {r['theorem']} evaluated at estimated constants; every number above is an estimate "
+                     "of its bound for this run, not a guarantee. Assumptions:")
+        lines += [f"  - {a}" for a in (src["estimate"] or {}).get("assumptions", [])]
     if "measured" in r:
         lines.append(
             f"simulated ({r['simulated_problem']}): measured {r['measured']:.6g} "

@@ -19,8 +19,17 @@ Constants file (JSON object, one entry per mask column, in mask order)::
       "block_names": ["layer0", "layer1"],  # optional: must equal the mask's block names
       "smoothness": 1.0,                    # optional: L (else --smoothness)
       "worker_smoothness": 1.5,             # optional: L_w >= L (local steps; defaults to L)
-      "suboptimality": 5.0                  # optional: f(x_0) - f^* (else --suboptimality)
+      "suboptimality": 5.0,                 # optional: f(x_0) - f^* (else --suboptimality)
+      "shared": {"sigma_sq": 0.9, "zeta_sq": 0.1, "grad_sq": 2.0, "parameters": 66000},
+                                            # optional: parameters every worker holds, one more column
+                                            # of coverage K (grad_sq iff the columns have it; parameters
+                                            # iff the mask has block sizes)
+      "estimate": {...}                     # optional: the constants are estimates (how, and what that
+                                            # assumes); `sdp estimate` writes it
     }
+
+`load_constants_file` returns the mask with the shared column appended (`with_shared_column`) beside
+the constants; `load_constants` returns the constants alone and refuses a file with a shared column.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +49,9 @@ from theory.errors import TheoryError
 CONSTANTS_FORMAT = "sdp-constants"
 CONSTANTS_VERSION = 1
 _FIELDS = {"format", "version", "sigma_sq", "zeta_sq", "grad_sq", "block_names", "smoothness",
-           "worker_smoothness", "suboptimality"}
+           "worker_smoothness", "suboptimality", "shared", "estimate"}
+_SHARED_FIELDS = {"sigma_sq", "zeta_sq", "grad_sq", "parameters"}
+SHARED_COLUMN = "shared"
 
 
 def worst_case_blocks(mask: Mask) -> dict[str, int]:
@@ -136,6 +148,47 @@ def worst_case_split(
                             grad_sq=chosen["grad_sq"])
 
 
+@dataclass(frozen=True, eq=False)
+class ConstantsFile:
+    """A constants file read for a mask: the mask the constants are for, the constants, how they were made."""
+
+    mask: Mask
+    """The given mask, with the ``shared`` column appended when the file has one (`with_shared_column`)."""
+    constants: ProblemConstants
+    estimate: dict | None
+    """The file's ``estimate`` object (how the constants were estimated, and what that assumes), or None."""
+
+    @property
+    def estimated(self) -> bool:
+        """Whether the constants are estimates (then no bound evaluated at them is proved for the run)."""
+        return self.estimate is not None
+
+
+def with_shared_column(mask: Mask, *, parameters: int | None = None) -> Mask:
+    """`mask` with one more column, ``shared``, held by every worker in every round (coverage K).
+
+    The parameters no block owns (embeddings, head, final norm) are such a column: they enter every
+    bound like DDP's. ``parameters`` is its size, required when `mask` records block sizes.
+
+    >>> with_shared_column(Mask([[1, 0], [0, 1]])).coverage.tolist()
+    [1, 1, 2]
+    """
+    if SHARED_COLUMN in mask.block_names:
+        raise TheoryError(f"the mask already has a block named {SHARED_COLUMN!r}; the shared column needs that name")
+    sizes = None
+    if mask.block_sizes is not None:
+        if parameters is None:
+            raise TheoryError("the mask records block sizes: the shared column needs its 'parameters'")
+        sizes = (*mask.block_sizes, parameters)
+
+    def widen(m: np.ndarray) -> np.ndarray:
+        return np.concatenate([m, np.ones((m.shape[0], 1), dtype=m.dtype)], axis=1)
+
+    rounds = None if mask.rounds is None else [widen(m) for m in mask.rounds]
+    return Mask(widen(mask.matrix), block_names=(*mask.block_names, SHARED_COLUMN), block_sizes=sizes,
+                schedule=mask.schedule, construction=mask.construction, rounds=rounds)
+
+
 def load_constants(
     path: str | Path,
     mask: Mask,
@@ -146,8 +199,25 @@ def load_constants(
     """Read per-block constants for `mask` from a constants file (format in the module docstring).
 
     `smoothness` and `suboptimality` come from the file or from the arguments; giving both with
-    different values is an error, as is giving neither.
+    different values is an error, as is giving neither. A file with a ``shared`` column is refused:
+    its constants are for a wider mask (`load_constants_file`).
     """
+    loaded = load_constants_file(path, mask, smoothness=smoothness, suboptimality=suboptimality)
+    if loaded.mask.blocks != mask.blocks:
+        raise TheoryError(f"constants file {str(path)!r}: has a 'shared' column, which the mask lacks; read it "
+                          "with load_constants_file, which appends the column to the mask")
+    return loaded.constants
+
+
+def load_constants_file(
+    path: str | Path,
+    mask: Mask,
+    *,
+    smoothness: float | None = None,
+    suboptimality: float | None = None,
+) -> ConstantsFile:
+    """Read a constants file for `mask`: the constants, the mask they are for (with a ``shared`` column
+    if the file has one) and the file's ``estimate`` object. Errors as `load_constants`."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -170,6 +240,11 @@ def load_constants(
     if arrays["sigma_sq"] is None or arrays["zeta_sq"] is None:
         missing = "sigma_sq" if arrays["sigma_sq"] is None else "zeta_sq"
         raise TheoryError(f"{where}: field {missing!r} is required")
+    estimate = data.get("estimate")
+    if estimate is not None and not isinstance(estimate, dict):
+        raise TheoryError(f"{where}: field 'estimate' must be a JSON object, got {estimate!r}")
+    if data.get("shared") is not None:
+        mask, arrays = _with_shared(data["shared"], mask, arrays, where)
     scalars = {}
     for name, given in (("smoothness", smoothness), ("suboptimality", suboptimality)):
         stored = _scalar(data, name, where)
@@ -179,7 +254,7 @@ def load_constants(
         if value is None:
             raise TheoryError(f"{where}: field {name!r} is missing and --{name} was not given")
         scalars[name] = value
-    return ProblemConstants(
+    constants = ProblemConstants(
         smoothness=scalars["smoothness"],
         sigma_sq=arrays["sigma_sq"],
         zeta_sq=arrays["zeta_sq"],
@@ -187,6 +262,33 @@ def load_constants(
         worker_smoothness=_scalar(data, "worker_smoothness", where),
         grad_sq=arrays["grad_sq"],
     )
+    return ConstantsFile(mask=mask, constants=constants, estimate=estimate)
+
+
+def _with_shared(shared: object, mask: Mask, arrays: dict, where: str) -> tuple[Mask, dict]:
+    """The mask and per-block arrays with the file's ``shared`` column appended."""
+    if not isinstance(shared, dict):
+        raise TheoryError(f"{where}: field 'shared' must be a JSON object, got {shared!r}")
+    unknown = sorted(set(shared) - _SHARED_FIELDS)
+    if unknown:
+        raise TheoryError(f"{where}: unknown field 'shared.{unknown[0]}' (fields: {sorted(_SHARED_FIELDS)})")
+    wanted = ["sigma_sq", "zeta_sq"] + (["grad_sq"] if arrays["grad_sq"] is not None else [])
+    for name in ("sigma_sq", "zeta_sq", "grad_sq"):
+        if (name in wanted) != (name in shared):
+            raise TheoryError(f"{where}: field 'shared.{name}' " + ("is required" if name in wanted else
+                              "is given but the columns have no 'grad_sq'"))
+    for name in wanted:
+        value = shared[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise TheoryError(f"{where}: field 'shared.{name}' must be a finite number >= 0, got {value!r}")
+    parameters = shared.get("parameters")
+    if parameters is not None and (isinstance(parameters, bool) or not isinstance(parameters, int) or parameters < 1):
+        raise TheoryError(f"{where}: field 'shared.parameters' must be an integer >= 1, got {parameters!r}")
+    if mask.block_sizes is not None and parameters is None:
+        raise TheoryError(f"{where}: field 'shared.parameters' is required: the mask records block sizes")
+    wide = with_shared_column(mask, parameters=parameters if mask.block_sizes is not None else None)
+    return wide, {name: None if arrays[name] is None else np.append(arrays[name], float(shared[name]))
+                  for name in arrays}
 
 
 def _per_block(data: dict, name: str, blocks: int, where: str) -> np.ndarray | None:

@@ -1,8 +1,11 @@
 """``sdp estimate``: per-block problem constants measured on a training set-up, for ``sdp verify``.
 
-Takes the model, data, batch and mask flags of ``sdp train`` (or its ``--config`` file), measures
-the constants at the initial point (or at a saved model, ``--at``) in one process (`sdp_train.planning.constants`) and writes them as a
-constants file that ``sdp verify --constants`` reads (format: docs/theory.md §7). Every input is
+Takes the model, data, batch and mask flags of ``sdp train`` (or its ``--config`` file), estimates
+the constants along a short plain-SGD Bb-SDP trajectory from the initial point (or from a saved
+model, ``--at``) in one process (`sdp_train.planning.constants`): upper confidence bounds at a stated
+level, L the maximum over checkpoints, the shared parameters as one more column held by all K
+workers. It writes them, labelled as an estimate with its assumptions, as a constants file that
+``sdp verify --constants`` reads (format: docs/theory.md §7). Every input is
 checked, and ``--out`` too, before the model is built. This module only parses, calls
 `sdp_train.planning.constants` and prints.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -18,8 +22,12 @@ from pathlib import Path
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.config import BASELINES, TrainConfig, load_config_file
 
-DEFAULT_STEPS = 4
+DEFAULT_STEPS = 8
 DEFAULT_POWER_ITERS = 10
+DEFAULT_TRAJECTORY = 20
+DEFAULT_CHECKPOINTS = 3
+DEFAULT_LEVEL = 0.95
+DEFAULT_RESAMPLES = 1000
 _FLAGS = {  # flag -> (TrainConfig field, type): what fixes the model, the data and the mask columns
     "--model": ("model", str), "--mode": ("mode", str), "--active": ("active", float), "--mask": ("mask", str),
     "--construction": ("construction", str), "--workers": ("workers", int), "--batch-size": ("batch_size", int),
@@ -31,11 +39,13 @@ _FLAGS = {  # flag -> (TrainConfig field, type): what fixes the model, the data 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate", help="measure per-block constants (sigma_j^2, zeta_j^2, G_j^2, L, D) for sdp verify",
-        description="Measure, at the initial point of an `sdp train` set-up (or at a model it saved, --at), each mask column's gradient noise "
-        "sigma_j^2, heterogeneity zeta_j^2 and second moment G_j^2 from per-worker gradients of the full model on "
-        "--steps batches per worker (the batches sdp train gives each rank), the smoothness L by Hessian-vector "
-        "power iteration, and f(x0) - f* <= f(x0); write them as a constants file for `sdp verify --constants` "
-        "(docs/theory.md §7). Runs in one process.")
+        description="Estimate, at the checkpoints of a short plain-SGD Bb-SDP trajectory from the initial point of an "
+        "`sdp train` set-up (or from a model it saved, --at), each mask column's gradient noise sigma_j^2, "
+        "heterogeneity zeta_j^2 and second moment G_j^2 (and the shared parameters' as one more column, held by "
+        "all K workers) from per-worker gradients of the full model on --steps batches per worker, as bootstrap "
+        "upper confidence bounds at --level; the smoothness L by Hessian-vector power iteration, the maximum over "
+        "checkpoints; and f(x0) - f* <= f(x0). Writes them, labelled as an estimate with its assumptions, as a "
+        "constants file for `sdp verify --constants` (docs/theory.md §7). Runs in one process.")
     p.add_argument("--config", metavar="FILE", help="JSON file of sdp train's config fields; flags override it")
     docs = {f.name: f.default for f in fields(TrainConfig)}
     for flag, (name, typ) in _FLAGS.items():
@@ -44,7 +54,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heterogeneous", dest="heterogeneous", action="store_true", default=None,
                    help="as in sdp train: give each worker a different part of the data")
     p.add_argument("--steps", dest="batches", type=int, default=DEFAULT_STEPS, metavar="N",
-                   help=f"batches per worker, all at the initial point (>= 2; default {DEFAULT_STEPS})")
+                   help=f"batches per worker at each checkpoint (>= 2; default {DEFAULT_STEPS})")
+    p.add_argument("--trajectory", dest="trajectory_steps", type=int, default=DEFAULT_TRAJECTORY, metavar="N",
+                   help="steps of plain-SGD Bb-SDP (the theorems' algorithm) along which to estimate; 0: at the "
+                   f"initial point only (default {DEFAULT_TRAJECTORY})")
+    p.add_argument("--checkpoints", type=int, default=DEFAULT_CHECKPOINTS, metavar="C",
+                   help=f"points of the trajectory, its start and end included, where everything is measured "
+                   f"(default {DEFAULT_CHECKPOINTS}; 1 with --trajectory 0)")
+    p.add_argument("--trajectory-lr", type=float, default=None, metavar="ETA",
+                   help="the trajectory's step size (default: 1/L of the largest L measured so far)")
+    p.add_argument("--level", dest="confidence_level", type=float, default=DEFAULT_LEVEL, metavar="P",
+                   help=f"one-sided confidence level of the bootstrap upper bounds (default {DEFAULT_LEVEL})")
+    p.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, metavar="R",
+                   help=f"bootstrap resamples (default {DEFAULT_RESAMPLES})")
     p.add_argument("--power-iters", type=int, default=DEFAULT_POWER_ITERS, metavar="I",
                    help=f"Hessian-vector power iterations for L (>= 1; default {DEFAULT_POWER_ITERS})")
     p.add_argument("--at", metavar="MODEL", default=None,
@@ -97,12 +119,25 @@ def run(args: argparse.Namespace) -> int:
                           "heterogeneity")
     if args.power_iters < 1:
         raise ConfigError(f"--power-iters {args.power_iters} must be >= 1")
+    checkpoints = 1 if args.trajectory_steps == 0 and args.checkpoints == DEFAULT_CHECKPOINTS else args.checkpoints
+    if args.trajectory_steps < 0 or checkpoints < 1 or (args.trajectory_steps > 0 and checkpoints < 2):
+        raise ConfigError(f"--trajectory {args.trajectory_steps} --checkpoints {checkpoints}: need --trajectory >= 0 "
+                          "and, with a trajectory, --checkpoints >= 2 (its start and end)")
+    if args.trajectory_lr is not None and not (math.isfinite(args.trajectory_lr) and args.trajectory_lr > 0):
+        raise ConfigError(f"--trajectory-lr {args.trajectory_lr} must be a finite number > 0")
+    if not 0.5 <= args.confidence_level < 1:
+        raise ConfigError(f"--level {args.confidence_level} must lie in [0.5, 1)")
+    if args.resamples < 100:
+        raise ConfigError(f"--resamples {args.resamples} must be >= 100 for a percentile to mean something")
     out = check_writable(args.out, "--out")
     mask_out = None if args.mask_out is None else check_writable(args.mask_out, "--mask-out")
     prep = prepare(config_from_args(args))
     check_token_ids(prep)
     at = None if args.at is None else load_point(args.at, prep)
-    estimate = estimate_constants(prep, batches=args.batches, power_iters=args.power_iters, device=args.device, at=at)
+    estimate = estimate_constants(prep, batches=args.batches, power_iters=args.power_iters, device=args.device, at=at,
+                                  trajectory_steps=args.trajectory_steps, checkpoints=checkpoints,
+                                  trajectory_lr=args.trajectory_lr, confidence_level=args.confidence_level,
+                                  resamples=args.resamples)
     atomic_write_text(out, json.dumps(constants_file(estimate), indent=2) + "\n")
     if mask_out is not None:
         save_mask(prep.mask, mask_out)

@@ -1,33 +1,36 @@
-"""The problem constants of docs/theory.md measured on a training set-up, for ``sdp verify --constants``.
+"""The problem constants of docs/theory.md estimated on a training set-up, for ``sdp verify --constants``.
 
-At the initial point x0 of an ``sdp train`` set-up (the full model its seed builds), worker k's
-stochastic gradient g_k is the full model's gradient on a batch that rank k of the run would train
-on (`build_batches` with ``rank=k``), restricted per mask column j to the block's coordinates. All
-K workers are simulated in this one process, each on its first n batches, all at x0 (or at a given
-model, ``at``: `load_point` of a run's ``model.safetensors``). With
-gbar_{k,j} the mean of worker k's n block-j gradients:
+What is measured, and where. From the initial point x0 of an ``sdp train`` set-up (the full model
+its seed builds, or a given model, ``at``: `load_point` of a run's ``model.safetensors``) a short
+trajectory of the theorems' own algorithm runs (plain-SGD backward-masked SDP, stepwise
+averaging, `sdp_train.planning.trajectory.StepwiseSGD`, on the batches rank k of the run trains
+on), and at several checkpoints x_t of it worker k's stochastic gradient g_k is the full model's
+gradient on its batches t, ..., t + n - 1, restricted per mask column j to the block's coordinates;
+the shared parameters (held by every worker) are one more column, of coverage K. At each
+checkpoint (`sdp_train.planning.bootstrap` gives the formulas):
 
-- sigma_j^2 (A2, a bound for every worker): max_k s_{k,j}^2, with
-  s_{k,j}^2 = (1/(n-1)) sum_s ||g_{k,s,j} - gbar_{k,j}||^2 the unbiased within-worker variance;
-- zeta_j^2 (A3, averaged over all K workers, not over holders):
-  (1/K) [sum_k ||gbar_{k,j} - gbar_j||^2 - (1 - 1/K) sum_k s_{k,j}^2 / n], clipped at 0 — the
-  between-worker dispersion of the means less the noise they carry, unbiased before clipping;
-- G_j^2 (A6): max_k (1/n) sum_s ||g_{k,s,j}||^2;
-- L (A1): ||H v|| after power iteration with Hessian-vector products (double backward) on f at x0,
-  f estimated by the mean loss of every worker's first batch; never above ||H(x0)||_2 <= L;
-- f(x0) - f^*: at most the mean measured loss, since cross-entropy is >= 0.
+- sigma_j^2 (A2, every worker): max_k of the within-worker variance;
+- zeta_j^2 (A3, over all K workers): the between-worker dispersion of the means less their noise;
+- G_j^2 (A6): max_k of the mean squared norm;
+- one-sided percentile-bootstrap upper bounds of each, at a stated level (batches resampled within
+  each worker);
+- L (A1): ||H v|| after power iteration with Hessian-vector products on the mean loss of every
+  worker's first batch there: a lower estimate of the curvature at that point, no confidence bound.
 
-Forward masking does not enter: the theory's constants are those of f and its gradient, the
-full model's. Parameters no block owns (shared, held by every worker) are not mask columns; their
-constants are reported apart. Not here: flags (`sdp_train.cli.estimate`), bounds (``theory``),
-training steps.
+The constants written are, per column, the maximum over checkpoints of the upper bounds (A2-A3
+ask for bounds at every iterate), L the maximum over checkpoints, and f(x0) - f* <= the upper bound
+of the mean loss at x0 (cross-entropy >= 0). An upper bound of zeta_j^2 below 0 is written as 0 and
+the column named (`Estimate.zeta_sq_clipped`). The trajectory's step is ``trajectory_lr``, or 1/L
+of the largest L measured so far, the largest step an estimate admits. All of this is an estimate:
+`ASSUMPTIONS` says what it rests on. Forward masking does not enter (the constants are those of f,
+the full model's). Not here: flags (`sdp_train.cli.estimate`), bounds (``theory``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,100 +43,38 @@ from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError
 from sdp_train.models import BlockMap, SliceSpec, block_map, build_model, model_class
 from sdp_train.parallel.blockmap import WHOLE
+from sdp_train.planning.bootstrap import bootstrap, gram_matrices, mean_upper_bound
+from sdp_train.planning.trajectory import StepwiseSGD
 from sdp_train.trainer.prepare import Prepared
 from sdp_train.trainer.run import loss_fn
 
 CONSTANTS_FORMAT = "sdp-constants"  # the format theory.constants.load_constants reads (docs/theory.md §7)
 CONSTANTS_VERSION = 1
 SMOOTHNESS_ESTIMATOR = ("power iteration on Hessian-vector products (double backward) of the mean loss of every "
-                        "worker's first batch at x0: ||H v||, a lower estimate of L")
+                        "worker's first batch at each checkpoint: ||H v||, a lower estimate of the curvature there; "
+                        "L is the maximum over the checkpoints")
+SHARED = "shared"  # the name of the shared parameters' column
+
+
+def assumptions(e: Estimate) -> list[str]:
+    """What the estimate rests on, in words (printed, and written into the constants file)."""
+    level = f"{e.confidence_level:.0%}"
+    steps = (f"{len(e.checkpoints)} checkpoint(s) (steps {', '.join(str(c['step']) for c in e.checkpoints)}) of a "
+             f"{e.trajectory_steps}-step plain-SGD Bb-SDP trajectory from x0")
+    return [
+        f"A1-A3 and A6 need the constants at every iterate of the bounded run; they were measured only at {steps}, "
+        "and a run that goes elsewhere (longer, or with another step) may meet larger ones",
+        f"sigma_j^2, zeta_j^2, G_j^2 and f(x0): one-sided {level} percentile-bootstrap upper bounds over {e.batches} "
+        f"batches per worker ({e.resamples} resamples within each worker), per checkpoint; written: the maximum over "
+        "checkpoints, not a joint confidence level",
+        "L: " + SMOOTHNESS_ESTIMATOR + "; no confidence bound",
+        "f* >= 0 (cross-entropy), so f(x0) - f* <= f(x0)",
+        "the bound is for plain SGD with a constant step (the theorems' algorithm): AdamW, warm-up, cosine decay and "
+        "clipping are covered by no theorem",
+    ]
+
 
 Parts = tuple[tuple[str, SliceSpec], ...]
-
-
-@dataclass(frozen=True)
-class GradientConstants:
-    """Per-block noise, heterogeneity and second moment measured from per-worker gradients."""
-
-    sigma_sq: np.ndarray
-    """(B,) max over workers of the within-worker variance of the block's gradient."""
-    zeta_sq: np.ndarray
-    """(B,) between-worker dispersion of the workers' mean gradients less their noise, clipped at 0."""
-    grad_sq: np.ndarray
-    """(B,) max over workers of the mean squared norm of the block's gradient."""
-    worker_sigma_sq: np.ndarray
-    """(K, B) each worker's within-worker variance (sigma_sq is its column maximum)."""
-    zeta_sq_unclipped: np.ndarray
-    """(B,) zeta_sq before clipping at 0 (negative: no heterogeneity above the noise)."""
-    batches: int
-    """Batches per worker, n."""
-
-
-def gradient_constants(gradients: Iterable[Iterable[Sequence[torch.Tensor]]]) -> GradientConstants:
-    """Estimate sigma_j^2, zeta_j^2 and G_j^2 from ``gradients[k][s][j]``, worker k's batch s, block j.
-
-    Every worker must give the same number n >= 2 of batches, each a sequence of B tensors of fixed
-    sizes. Workers and batches are consumed one at a time (memory: a few copies of one gradient);
-    sums are in float64 (Welford's updates).
-
-    >>> g = [[[torch.tensor([1.0, 0.0])], [torch.tensor([3.0, 0.0])]],
-    ...      [[torch.tensor([0.0, 1.0])], [torch.tensor([0.0, 3.0])]]]
-    >>> c = gradient_constants(g)
-    >>> c.sigma_sq.tolist(), c.zeta_sq.tolist(), c.grad_sq.tolist()
-    ([2.0], [1.5], [5.0])
-    """
-    worker_var, worker_sq, means_mean, means_m2 = [], [], None, None
-    batches = None
-    for k, worker in enumerate(gradients):
-        mean, m2, sq, n = _moments(worker, k)
-        if batches is None:
-            batches = n
-        elif n != batches:
-            raise ConfigError(f"worker {k} gave {n} batches, worker 0 gave {batches}: every worker needs the same")
-        if means_mean is None:
-            means_mean, means_m2 = [v.clone() for v in mean], np.zeros(len(mean))
-        else:
-            if [v.numel() for v in mean] != [v.numel() for v in means_mean]:
-                raise ConfigError(f"worker {k}'s blocks have other sizes than worker 0's")
-            _welford(means_mean, means_m2, mean, k + 1)
-        worker_var.append(m2 / (n - 1))
-        worker_sq.append(sq / n)
-    if batches is None:
-        raise ConfigError("no workers: need the gradients of at least one")
-    workers = len(worker_var)
-    var = np.array(worker_var)
-    zeta_raw = (means_m2 - (1 - 1 / workers) * var.sum(axis=0) / batches) / workers
-    return GradientConstants(sigma_sq=var.max(axis=0), zeta_sq=np.maximum(zeta_raw, 0.0),
-                             grad_sq=np.max(worker_sq, axis=0), worker_sigma_sq=var, zeta_sq_unclipped=zeta_raw,
-                             batches=batches)
-
-
-def _moments(worker: Iterable[Sequence[torch.Tensor]], k: int) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray, int]:
-    """(mean per block, sum of squared deviations per block, sum of squared norms per block, n)."""
-    mean: list[torch.Tensor] = []
-    m2 = sq = np.zeros(0)
-    n = 0
-    for batch in worker:
-        vecs = [g.detach().to(torch.float64).flatten() for g in batch]
-        n += 1
-        if n == 1:
-            mean, m2, sq = [v.clone() for v in vecs], np.zeros(len(vecs)), np.zeros(len(vecs))
-        else:
-            if [v.numel() for v in vecs] != [v.numel() for v in mean]:
-                raise ConfigError(f"worker {k}, batch {n - 1}: block sizes differ from its batch 0")
-            _welford(mean, m2, vecs, n)
-        sq += [float(v.dot(v)) for v in vecs]
-    if n < 2:
-        raise ConfigError(f"worker {k} gave {n} batch(es): at least 2 are needed to tell noise from heterogeneity")
-    return mean, m2, sq, n
-
-
-def _welford(mean: list[torch.Tensor], m2: np.ndarray, vecs: Sequence[torch.Tensor], n: int) -> None:
-    """Add the n-th sample ``vecs`` to the running per-block ``mean`` and sum of squared deviations."""
-    for j, v in enumerate(vecs):
-        delta = v - mean[j]
-        mean[j] += delta / n
-        m2[j] += float(delta.dot(v - mean[j]))
 
 
 def hessian_norm(loss_of: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], *, iters: int,
@@ -193,10 +134,17 @@ def block_gradients(model: nn.Module, groups: Sequence[Parts], inputs: torch.Ten
 
 @dataclass(frozen=True)
 class Estimate:
-    """What `estimate_constants` measured on one set-up (``to_dict`` for JSON)."""
+    """What `estimate_constants` measured on one set-up (``to_dict`` for JSON).
+
+    ``sigma_sq``, ``zeta_sq``, ``grad_sq`` (per mask column) and ``shared_*`` (the shared
+    parameters' column) are the values written to the constants file: upper confidence bounds, the
+    maximum over checkpoints, zeta clipped at 0 (``zeta_sq_clipped`` names where). ``*_estimate`` are
+    the point estimates (maximum over checkpoints; zeta unclipped).
+    """
 
     model: str
     level: str
+    """The mask's level (``block`` or ``neuron``)."""
     workers: int
     batches: int
     block_names: tuple[str, ...]
@@ -208,28 +156,60 @@ class Estimate:
     shared_sigma_sq: float
     shared_zeta_sq: float
     smoothness: float
+    """The maximum over checkpoints of the power-iteration estimate."""
     smoothness_change: float
+    """The last relative change of the power iteration at the checkpoint of the largest L."""
     power_iters: int
     initial_loss: float
+    """The mean loss of the measured batches at x0 (point estimate of f(x0))."""
     point: str = "initial"
     """``"initial"``: the seed's initial model; ``"given"``: the model passed as ``at`` (``--at``)."""
+    shared_grad_sq: float = 0.0
+    suboptimality: float = 0.0
+    """The upper confidence bound of f(x0), written as f(x0) - f* (f* >= 0)."""
+    confidence_level: float = 0.95
+    resamples: int = 0
+    sigma_sq_estimate: tuple[float, ...] = ()
+    zeta_sq_estimate: tuple[float, ...] = ()
+    """Unclipped point estimates, the maximum over checkpoints (mask columns, then the shared column if any)."""
+    grad_sq_estimate: tuple[float, ...] = ()
+    zeta_sq_upper_unclipped: tuple[float, ...] = ()
+    zeta_sq_clipped: tuple[str, ...] = ()
+    """Columns whose zeta^2 upper bound was below 0 and is written as 0."""
+    trajectory_steps: int = 0
+    checkpoints: tuple[dict, ...] = ()
+    """Per checkpoint: step, mean loss, smoothness, the step size of the segment after it, and the upper bounds."""
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "smoothness_estimator": SMOOTHNESS_ESTIMATOR}
+        return {**asdict(self), "smoothness_estimator": SMOOTHNESS_ESTIMATOR, "estimated": True,
+                "assumptions": assumptions(self)}
+
+
+def checkpoint_steps(trajectory_steps: int, checkpoints: int) -> list[int]:
+    """``checkpoints`` steps spread evenly over [0, trajectory_steps], 0 and the last included.
+
+    >>> checkpoint_steps(20, 3), checkpoint_steps(0, 1), checkpoint_steps(2, 5)
+    ([0, 10, 20], [0], [0, 1, 2])
+    """
+    if trajectory_steps < 0 or checkpoints < 1 or (trajectory_steps > 0 and checkpoints < 2):
+        raise ConfigError(f"checkpoints={checkpoints} over a trajectory of {trajectory_steps} steps: need "
+                          "steps >= 0, and at least 2 checkpoints (its start and end) when steps > 0")
+    return sorted({round(i * trajectory_steps / max(checkpoints - 1, 1)) for i in range(checkpoints)})
 
 
 def estimate_constants(prep: Prepared, *, batches: int, power_iters: int, device: str = "cpu",
-                       at: Mapping[str, torch.Tensor] | None = None) -> Estimate:
-    """Measure the constants of ``prep``'s model, data and mask columns at its initial point (module docstring).
-
-    With ``at`` (a full-model state dict, e.g. `load_point` of a run's ``model.safetensors``) the
-    point is that model instead of the seed's initial one.
-    """
+                       at: Mapping[str, torch.Tensor] | None = None, trajectory_steps: int = 0,
+                       checkpoints: int = 1, trajectory_lr: float | None = None, confidence_level: float = 0.95,
+                       resamples: int = 1000) -> Estimate:
+    """Estimate the constants of ``prep``'s model, data and mask along a short trajectory (module docstring)."""
     cfg, mc = prep.config, prep.model_config
     if prep.mask is None or cfg.level is None:
         raise ConfigError(f"mode {cfg.mode!r} has no mask columns to estimate constants for")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
+    if trajectory_lr is not None and not (math.isfinite(trajectory_lr) and trajectory_lr > 0):
+        raise ConfigError(f"trajectory_lr={trajectory_lr} must be a finite number > 0")
+    steps = checkpoint_steps(trajectory_steps, checkpoints)
     blocks, shared = block_parts(block_map(mc), cfg.level)
     groups = [*blocks, shared] if shared else blocks
     model = build_model(mc, seed=cfg.seed, device=device)
@@ -237,34 +217,83 @@ def estimate_constants(prep: Prepared, *, batches: int, power_iters: int, device
         model.load_state_dict(at)  # keys and shapes already checked by load_point
     streams = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=cfg.workers)
                for k in range(cfg.workers)]
-    losses: list[float] = []
+    sgd = StepwiseSGD(model, groups, prep.mask, streams, seed=cfg.seed, device=device)
+    measured, t = [], 0
+    for step in steps:
+        if t < step:
+            eta = measured[-1]["step_size"]
+        while t < step:
+            sgd.step(t, eta)
+            t += 1
+        measured.append(_checkpoint(model, groups, streams, step, batches=batches, power_iters=power_iters,
+                                    device=device, seed=cfg.seed, level=confidence_level, resamples=resamples))
+        measured[-1]["step_size"] = None if step == steps[-1] else _segment_step(trajectory_lr, measured)
+    b = len(blocks)
+    upper = {key: np.max([c["upper"][key] for c in measured], axis=0) for key in ("sigma_sq", "zeta_sq", "grad_sq")}
+    est = {key: np.max([c["estimate"][key] for c in measured], axis=0) for key in ("sigma_sq", "zeta_sq", "grad_sq")}
+    zeta = np.maximum(upper["zeta_sq"], 0.0)
+    names = [*prep.mask.block_names, *([SHARED] if shared else [])]
+    sizes = [sum(_numel(prep, n, s) for n, s in parts) for parts in groups]
+    assert sum(sizes) == sum(p.numel() for p in model.parameters()), "blocks and shared must cover each parameter once"
+    largest = max(measured, key=lambda c: c["smoothness"])
+    first = measured[0]
+    return Estimate(
+        model=cfg.model, level=cfg.level, workers=cfg.workers, batches=batches,
+        block_names=tuple(prep.mask.block_names), block_parameters=tuple(sizes[:b]),
+        sigma_sq=_floats(upper["sigma_sq"][:b]), zeta_sq=_floats(zeta[:b]), grad_sq=_floats(upper["grad_sq"][:b]),
+        shared_parameters=sum(sizes[b:]), shared_sigma_sq=float(upper["sigma_sq"][b:].sum()),
+        shared_zeta_sq=float(zeta[b:].sum()), shared_grad_sq=float(upper["grad_sq"][b:].sum()),
+        smoothness=largest["smoothness"], smoothness_change=largest["smoothness_change"], power_iters=power_iters,
+        initial_loss=first["loss"], suboptimality=first["loss_upper"], point="initial" if at is None else "given",
+        confidence_level=confidence_level, resamples=resamples, sigma_sq_estimate=_floats(est["sigma_sq"]),
+        zeta_sq_estimate=_floats(est["zeta_sq"]), grad_sq_estimate=_floats(est["grad_sq"]),
+        zeta_sq_upper_unclipped=_floats(upper["zeta_sq"]),
+        zeta_sq_clipped=tuple(n for n, z in zip(names, upper["zeta_sq"]) if z < 0),
+        trajectory_steps=trajectory_steps,
+        checkpoints=tuple({k: v for k, v in c.items() if k not in ("upper", "estimate")} | {
+            f"{key}_upper": _floats(c["upper"][key]) for key in ("sigma_sq", "zeta_sq", "grad_sq")} for c in measured),
+    )
 
-    def worker(k: int) -> Iterator[list[torch.Tensor]]:
+
+def _segment_step(trajectory_lr: float | None, measured: list[dict]) -> float:
+    """The trajectory's step after the last checkpoint: ``trajectory_lr``, else 1/L of the largest L so far."""
+    if trajectory_lr is not None:
+        return trajectory_lr
+    largest = max(c["smoothness"] for c in measured)
+    if not largest > 0:
+        raise ConfigError("the smoothness measured at the trajectory's start is 0: give --trajectory-lr")
+    return 1 / largest
+
+
+def _floats(values: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+def _checkpoint(model: nn.Module, groups: Sequence[Parts], streams: Sequence, step: int, *, batches: int,
+                power_iters: int, device: str, seed: int, level: float, resamples: int) -> dict:
+    """Everything measured at the model's current point with every worker's batches step..step+batches-1."""
+    losses = np.zeros((len(streams), batches))
+
+    def worker(k: int) -> Iterable[list[torch.Tensor]]:
         for s in range(batches):
-            inputs, targets = streams[k].batch(s)
-            loss, grads = block_gradients(model, groups, inputs.to(device), targets.to(device))
-            losses.append(loss)
+            inputs, targets = streams[k].batch(step + s)
+            losses[k, s], grads = block_gradients(model, groups, inputs.to(device), targets.to(device))
             yield grads
 
-    measured = gradient_constants(worker(k) for k in range(cfg.workers))
-    first = [streams[k].batch(0) for k in range(cfg.workers)]
+    boot = bootstrap(gram_matrices(worker(k) for k in range(len(streams))), level=level, resamples=resamples,
+                     seed=seed + step)
+    loss, loss_upper = mean_upper_bound(losses, level=level, resamples=resamples, seed=seed + step)
+    first = [streams[k].batch(step) for k in range(len(streams))]
 
     def first_loss() -> torch.Tensor:
         return sum(loss_fn(model(x.to(device)), y.to(device)) for x, y in first) / len(first)
 
-    smoothness, change = hessian_norm(first_loss, list(model.parameters()), iters=power_iters, seed=cfg.seed)
-    b = len(blocks)
-    sizes = [sum(_numel(prep, n, s) for n, s in parts) for parts in groups]
-    assert sum(sizes) == sum(p.numel() for p in model.parameters()), "blocks and shared must cover each parameter once"
-    return Estimate(
-        model=cfg.model, level=cfg.level, workers=cfg.workers, batches=batches,
-        block_names=tuple(prep.mask.block_names), block_parameters=tuple(sizes[:b]),
-        sigma_sq=tuple(measured.sigma_sq[:b].tolist()), zeta_sq=tuple(measured.zeta_sq[:b].tolist()),
-        grad_sq=tuple(measured.grad_sq[:b].tolist()), shared_parameters=sum(sizes[b:]),
-        shared_sigma_sq=float(measured.sigma_sq[b:].sum()), shared_zeta_sq=float(measured.zeta_sq[b:].sum()),
-        smoothness=smoothness, smoothness_change=change, power_iters=power_iters,
-        initial_loss=float(np.mean(losses)), point="initial" if at is None else "given",
-    )
+    smoothness, change = hessian_norm(first_loss, list(model.parameters()), iters=power_iters, seed=seed + step)
+    return {"step": step, "loss": loss, "loss_upper": loss_upper, "smoothness": smoothness,
+            "smoothness_change": change,
+            "upper": {"sigma_sq": boot.upper.sigma_sq, "zeta_sq": boot.upper.zeta_sq, "grad_sq": boot.upper.grad_sq},
+            "estimate": {"sigma_sq": boot.point.sigma_sq, "zeta_sq": boot.point.zeta_sq,
+                         "grad_sq": boot.point.grad_sq}}
 
 
 def load_point(path: str | os.PathLike[str], prep: Prepared) -> dict[str, torch.Tensor]:
@@ -306,38 +335,53 @@ def _numel(prep: Prepared, name: str, spec: SliceSpec) -> int:
 
 
 def constants_file(estimate: Estimate) -> dict:
-    """The constants file (docs/theory.md §7) of ``estimate``: L and D are left out when not positive."""
-    data = {"format": CONSTANTS_FORMAT, "version": CONSTANTS_VERSION, "sigma_sq": list(estimate.sigma_sq),
-            "zeta_sq": list(estimate.zeta_sq), "grad_sq": list(estimate.grad_sq),
-            "block_names": list(estimate.block_names)}
-    for name, value in (("smoothness", estimate.smoothness), ("suboptimality", estimate.initial_loss)):
+    """The constants file (docs/theory.md §7) of ``estimate``: the upper bounds per mask column, the
+    shared parameters as ``shared`` (one more column, held by all K workers), L and D (left out when
+    not positive), and ``estimate``: how they were estimated and what that assumes."""
+    e = estimate
+    data = {"format": CONSTANTS_FORMAT, "version": CONSTANTS_VERSION, "sigma_sq": list(e.sigma_sq),
+            "zeta_sq": list(e.zeta_sq), "grad_sq": list(e.grad_sq), "block_names": list(e.block_names)}
+    if e.shared_parameters:
+        data["shared"] = {"sigma_sq": e.shared_sigma_sq, "zeta_sq": e.shared_zeta_sq, "grad_sq": e.shared_grad_sq,
+                          "parameters": e.shared_parameters}
+    for name, value in (("smoothness", e.smoothness), ("suboptimality", e.suboptimality)):
         if math.isfinite(value) and value > 0:
             data[name] = value
+    data["estimate"] = {"by": "sdp estimate", "confidence_level": e.confidence_level, "resamples": e.resamples,
+                        "batches_per_worker": e.batches, "trajectory_steps": e.trajectory_steps,
+                        "checkpoints": [c["step"] for c in e.checkpoints], "zeta_sq_clipped": list(e.zeta_sq_clipped),
+                        "assumptions": assumptions(e)}
     return data
 
 
 def summary_lines(estimate: Estimate) -> list[str]:
-    """Human-readable lines: one row per mask column, the shared parameters, L and D with their estimators."""
+    """Human-readable lines: labelled an estimate, one row per column (the shared one last), L, D, assumptions."""
     e = estimate
     where = "the initial point" if e.point == "initial" else "the given point (--at)"
-    lines = [f"sdp estimate: {e.model}, {e.workers} workers x {e.batches} batches at {where}, "
-             f"{len(e.block_names)} mask columns ({e.level} level)",
-             f"{'block':<24}{'params':>10}{'sigma_j^2':>12}{'zeta_j^2':>12}{'G_j^2':>12}"]
-    for row in zip(e.block_names, e.block_parameters, e.sigma_sq, e.zeta_sq, e.grad_sq):
-        lines.append(f"{row[0]:<24}{row[1]:>10}{row[2]:>12.4g}{row[3]:>12.4g}{row[4]:>12.4g}")
-    lines.append(f"{'total':<24}{sum(e.block_parameters):>10}{sum(e.sigma_sq):>12.4g}{sum(e.zeta_sq):>12.4g}"
-                 f"{sum(e.grad_sq):>12.4g}")
-    lines += [
-        f"shared parameters (every worker holds them; no mask column, not in the file): {e.shared_parameters}, "
-        f"sigma^2 {e.shared_sigma_sq:.4g}, zeta^2 {e.shared_zeta_sq:.4g}",
-        f"smoothness L ~ {e.smoothness:.4g}: {SMOOTHNESS_ESTIMATOR}; {e.power_iters} iterations, last relative "
-        f"change {e.smoothness_change:.2g}",
-        f"suboptimality f(x0) - f* <= {e.initial_loss:.4g} (x0: {where}): the mean loss of the measured batches (cross-entropy "
-        "is >= 0, so f* >= 0)",
-        "sigma_j^2: max over workers of the within-worker variance; zeta_j^2: (1/K) sum_k ||mean_k - mean||^2 less "
-        "the noise in the means, clipped at 0; G_j^2: max over workers of E||g_j||^2 (docs/theory.md §7)",
-        "estimates at x0 from a few batches, not certified bounds: the theory needs them at every iterate",
-    ]
+    level = f"{e.confidence_level:.0%}"
+    lines = [f"sdp estimate (ESTIMATES, not proved bounds): {e.model}, {e.workers} workers x {e.batches} batches at "
+             f"each of {len(e.checkpoints)} checkpoint(s) of a {e.trajectory_steps}-step trajectory from {where}, "
+             f"{len(e.block_names)} mask columns ({e.level} level) and the shared parameters",
+             f"per column: the {level} upper confidence bound (bootstrap), maximum over checkpoints; in brackets the "
+             "point estimate",
+             f"{'column':<24}{'params':>10}{'sigma_j^2':>22}{'zeta_j^2':>22}{'G_j^2':>22}"]
+    names = [*e.block_names, *([SHARED] if e.shared_parameters else [])]
+    params = [*e.block_parameters, *([e.shared_parameters] if e.shared_parameters else [])]
+    written = [(*e.sigma_sq, e.shared_sigma_sq), (*e.zeta_sq, e.shared_zeta_sq), (*e.grad_sq, e.shared_grad_sq)]
+    points = (e.sigma_sq_estimate, e.zeta_sq_estimate, e.grad_sq_estimate)
+    for j, name in enumerate(names):
+        cells = "".join(f"{f'{w[j]:.4g} [{p[j]:.3g}]':>22}" for w, p in zip(written, points))
+        lines.append(f"{name + (' (all K)' if name == SHARED else ''):<24}{params[j]:>10}{cells}")
+    if e.zeta_sq_clipped:
+        below = ", ".join(f"{n} {z:.3g}" for n, z in zip(names, e.zeta_sq_upper_unclipped) if n in e.zeta_sq_clipped)
+        lines.append(f"zeta^2 written as 0 where its upper bound was below 0 ({below}): the workers' means differ by "
+                     "less than their noise there")
+    lines += [f"smoothness L ~ {e.smoothness:.4g} (at the checkpoints: "
+              f"{', '.join('step %d %.3g' % (c['step'], c['smoothness']) for c in e.checkpoints)}; {e.power_iters} power "
+              f"iterations, last relative change {e.smoothness_change:.2g})",
+              f"suboptimality f(x0) - f* <= {e.suboptimality:.4g} ({level} upper bound of the mean loss "
+              f"{e.initial_loss:.4g} at x0, {where}; f* >= 0)",
+              "assumptions:", *(f"  - {a}" for a in assumptions(e))]
     if not (e.smoothness > 0):
         lines.append("smoothness measured as 0: not written; give sdp verify --smoothness L")
     return lines

@@ -138,7 +138,9 @@ def test_verify_reads_per_block_constants_from_a_file(tmp_path):
     path = _write(tmp_path, sigma_sq=[0.25, 0, 0, 0, 0], zeta_sq=[4.0, 0, 0, 0, 0], smoothness=1.0,
                   suboptimality=5.0, block_names=list(mask.block_names))
     out = _verify(mask, ["--constants", path, "--eta", "0.1", "--steps", "100"])
-    assert out["constants"] == {"source": "file", "file": path}
+    assert out["constants"] == {"source": "file", "file": path, "estimated": False, "shared_column": False,
+                                "estimate": None}
+    assert out["estimated"] is False and out["guarantee"] is True
     assert out["bound"] == pytest.approx(29.025)
     spread = _write(tmp_path, sigma_sq=[0.05] * 5, zeta_sq=[0.8] * 5)
     out = _verify(mask, ["--constants", spread, "--eta", "0.1", "--steps", "100", "--smoothness", "1",
