@@ -37,6 +37,7 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, build_model, model_class
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
 from sdp_train.parallel import grads
+from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
 from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.masking import ModelLayout, shared_inside
@@ -317,7 +318,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     elif cfg.mode in ("bsdp", "nsdp") and not prep.mask.schedule.is_static:
         # blocks move between workers: the full model on meta, cut by the wrapper (below), each dropped
         # block a pass-through that keeps its meta copy for the worker that gains it later
-        with torch.device("meta"):
+        with on_meta():
             model = model_class(mc)(mc)
     elif cfg.mode in ("bsdp", "nsdp"):
         model = build_worker_model(mc, prep.mask.matrix[info.rank].astype(bool), cfg.level, seed=cfg.seed,
@@ -385,7 +386,7 @@ def family_layout(config: ModelConfig, level: str) -> ModelLayout:
     the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups)."""
     bmap = block_map(config)
     blocks = bmap.block_names("block")
-    with torch.device("meta"):  # dtypes of every full-model tensor, including ones not held here
+    with on_meta():  # dtypes of every full-model tensor, including ones not held here
         full = model_class(config)(config)
     dtypes = {n: t.dtype for n, t in full.state_dict().items()}
     tensors = {n: (tuple(shape), dtypes[n]) for n, shape in bmap.shapes.items()}

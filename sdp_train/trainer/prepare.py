@@ -45,6 +45,10 @@ class Prepared:
     data: DataConfig
     resume_from: Path | None = None
     """The checkpoint directory to continue from, already checked against this run."""
+    blocks: tuple[str, ...] | None = None
+    """A user model's maskable blocks, found here on a batch shaped like the data's (discovery checks
+    that they are residual) and trained by every rank; None for a built-in family or a baseline
+    that needs none."""
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -88,10 +92,10 @@ def _prepare_user_model(cfg: TrainConfig) -> Prepared:
     if data.dataset == "stdlib-bytes" and user.vocab_size is not None and user.vocab_size < 256:
         raise ConfigError(f"model {cfg.model!r} embeds {user.vocab_size} token ids; the stdlib byte data "
                           "needs at least 256 (one id per byte)")
-    _probe_user_model(cfg, model, data)
-    mask = None
+    inputs = _probe_user_model(cfg, model, data)
+    mask, names = None, None
     if cfg.mode not in BASELINES or cfg.blocks is not None or cfg.mode == "fsdp":
-        names = find_blocks(model, user_blocks(cfg))
+        names = find_blocks(model, user_blocks(cfg), example=inputs)
         if cfg.mode not in BASELINES:
             layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS)
             mask = resolve_mask(cfg.mask, None if cfg.mask is not None else cfg.active, cfg.workers, layout,
@@ -101,14 +105,15 @@ def _prepare_user_model(cfg: TrainConfig) -> Prepared:
     if cfg.resume is not None:
         resume_from = find_checkpoint(cfg.resume)
         check_resumable(resume_from, cfg, user, mask)
-    return Prepared(cfg, user, mask, data, resume_from)
+    return Prepared(cfg, user, mask, data, resume_from, blocks=None if names is None else tuple(names))
 
 
 @torch.no_grad()
-def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> None:
+def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> torch.Tensor:
     """Call the meta-device model on a batch shaped like the data's and check the logits' shape, so a
     model that does not fit the data fails here once instead of on every rank at step 0. A model
-    that cannot run on the meta device (data-dependent Python, ``.item()``) is not probed."""
+    that cannot run on the meta device (data-dependent Python, ``.item()``) is not probed. Returns
+    the batch (meta tensors), with which block discovery checks its lists."""
     if data.dataset in _IMAGE_SHAPE:
         channels, side = _IMAGE_SHAPE[data.dataset]
         inputs, what = torch.empty(2, channels, side, side, device="meta"), f"{data.dataset} images (2, {channels}, {side}, {side})"
@@ -118,7 +123,7 @@ def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> N
         logits = logits_of(model(inputs))
     except (NotImplementedError, RuntimeError) as exc:
         if "meta" in str(exc).lower() or isinstance(exc, NotImplementedError):
-            return
+            return inputs
         raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:  # the user's forward: one line naming the model and the input it got
         raise ConfigError(f"model {cfg.model!r} fails on a batch of {what}: {type(exc).__name__}: {exc}") from exc
@@ -128,6 +133,7 @@ def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> N
         raise ConfigError(f"model {cfg.model!r} returns logits of shape {tuple(logits.shape)} for {what}; "
                           f"expected ({', '.join(map(str, expected))}, N) with N >= {classes} "
                           f"{'token ids' if what.startswith('token') else 'classes'}")
+    return inputs
 
 
 def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: DataConfig) -> None:
