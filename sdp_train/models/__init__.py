@@ -38,7 +38,7 @@ from sdp_train.models.llama import Llama, LlamaConfig
 from sdp_train.models.resnet import ResNet, ResNetConfig
 from sdp_train.models.swin import Swin, SwinConfig
 from sdp_train.models.vit import ViT, ViTConfig
-from sdp_train.parallel.blockmap import LEVELS, Block, BlockMap, SliceSpec, SubnetModule
+from sdp_train.parallel.blockmap import LEVELS, Block, BlockMap, SliceSpec, SubnetModule, on_meta
 
 
 class ModelConfig(Protocol):
@@ -161,7 +161,7 @@ def build_model(
         Subnetwork arguments of the model class (``layer_ids``/``mlp_index`` for `Llama`,
         ``block_ids``/``inner_index`` for `ResNet`); see `subnet_kwargs`.
     """
-    with torch.device("meta"):
+    with on_meta():
         model = model_class(config)(config, **structure)
     model.to_empty(device=device)
     model.init_weights(seed)

@@ -30,6 +30,7 @@ from sdp_train.parallel.blockmap import (
     check_model_size,
     init_from_seed,
     names_by_prefix,
+    on_meta,
     state_shapes,
 )
 
@@ -285,7 +286,7 @@ def init_tensor(config: LlamaConfig, name: str, shape: tuple[int, ...], generato
 
 def block_map(config: LlamaConfig) -> BlockMap:
     """Blocks: ``layers.i`` (block level); ``layers.i.mlp.g{g}`` = rows of w_gate/w_up, columns of w_down."""
-    with torch.device("meta"):
+    with on_meta():
         shapes, params = state_shapes(Llama(config))
     by_layer = names_by_prefix(shapes)
     layer_blocks = tuple(

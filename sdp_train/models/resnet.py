@@ -36,6 +36,7 @@ from sdp_train.parallel.blockmap import (
     check_model_size,
     init_from_seed,
     names_by_prefix,
+    on_meta,
     state_shapes,
 )
 
@@ -158,7 +159,7 @@ class BasicBlock(nn.Module):
 def skipped_block(name: str, cin: int, cout: int, stride: int) -> PassThrough:
     """Downsampling block ``name`` on a worker that does not hold it: its `PassThrough`, with a real
     shortcut (built where the model is) and the rest on the meta device."""
-    with torch.device("meta"):
+    with on_meta():
         block = BasicBlock(cin, cout, stride, cout)
     block.downsample = projection(cin, cout, stride)
     return PassThrough(block, name)
@@ -263,7 +264,7 @@ def init_tensor(config: ResNetConfig, name: str, shape: tuple[int, ...], generat
 def block_map(config: ResNetConfig) -> BlockMap:
     """Blocks: every BasicBlock but its downsampling shortcut (block level); ``<block>.g{g}`` = inner-channel
     groups (neuron level)."""
-    with torch.device("meta"):
+    with on_meta():
         shapes, params = state_shapes(ResNet(config))
     maskable = maskable_blocks(config)
     widths = {name: cout for name, _, cout, _ in block_layout(config)}

@@ -32,7 +32,7 @@ from torch import nn
 
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, ResNet, block_map, build_model, model_class, subnet_kwargs
-from sdp_train.parallel.blockmap import PassThrough, SliceSpec, check_level
+from sdp_train.parallel.blockmap import PassThrough, SliceSpec, check_level, on_meta
 
 
 def check_held(config: ModelConfig, held: np.ndarray, level: str) -> np.ndarray:
@@ -99,7 +99,7 @@ def build_worker_model(
     structure = subnet_kwargs(config, check_held(config, held, level), level)
     if seed is not None:
         return build_model(config, seed=seed, device=device, **structure)
-    with torch.device("meta"):
+    with on_meta():
         model = model_class(config)(config, **structure)
     model.to_empty(device=device)
     load_from_full(model, init_state)
@@ -108,7 +108,7 @@ def build_worker_model(
 
 def held_tensors(config: ModelConfig, held: np.ndarray, level: str) -> dict[str, SliceSpec]:
     """Full-model tensor name -> part a worker with mask row ``held`` holds (nothing allocated)."""
-    with torch.device("meta"):
+    with on_meta():
         model = model_class(config)(config, **subnet_kwargs(config, check_held(config, held, level), level))
     return model.full_index()
 

@@ -38,6 +38,7 @@ from sdp_train.parallel.blockmap import (
     check_model_size,
     init_from_seed,
     names_by_prefix,
+    on_meta,
     state_shapes,
 )
 
@@ -328,7 +329,7 @@ def init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -
 
 def block_map(config: SwinConfig) -> BlockMap:
     """Blocks: ``layers.i`` (block level); ``layers.i.mlp.g{g}`` = rows of fc1, columns of fc2 (neuron level)."""
-    with torch.device("meta"):
+    with on_meta():
         shapes, params = state_shapes(Swin(config))
     by_layer = names_by_prefix(shapes)
     n_blocks = sum(config.depths)

@@ -30,6 +30,7 @@ from sdp_train.parallel.blockmap import (
     check_model_size,
     init_from_seed,
     names_by_prefix,
+    on_meta,
     state_shapes,
 )
 
@@ -194,7 +195,7 @@ def init_tensor(config: ViTConfig, name: str, shape: tuple[int, ...], generator:
 
 def block_map(config: ViTConfig) -> BlockMap:
     """Blocks: ``layers.i`` (block level); ``layers.i.mlp.g{g}`` = rows of fc1, columns of fc2 (neuron level)."""
-    with torch.device("meta"):
+    with on_meta():
         shapes, params = state_shapes(ViT(config))
     by_layer = names_by_prefix(shapes)
     layer_blocks = tuple(Block(f"layers.{i}", tuple((n, WHOLE) for n in by_layer[f"layers.{i}"]))

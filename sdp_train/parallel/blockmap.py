@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from sdp_train.errors import ConfigError
@@ -248,6 +250,33 @@ def init_from_seed(module: nn.Module, seed: int, init_tensor: InitTensor) -> Non
             spec = index[name]
             full = init_tensor(name, spec.full_shape(local.shape), tensor_generator(seed, name))
             local.copy_(spec.take(full))
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """Skips the random in-place initialisers of meta tensors, which have no data to fill. On meta,
+    ``normal_`` and ``exponential_`` run a decomposition that imports dynamo (with sympy): seconds of
+    every process that builds a model's shapes, for nothing."""
+
+    SKIPPED = frozenset({torch.Tensor.normal_, torch.Tensor.exponential_, nn.init.normal_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes it by name
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def on_meta(device: torch.device | str = "meta") -> Iterator[None]:
+    """``with torch.device(device):``, and on the meta device without running random initialisers."""
+    with torch.device(device):
+        if torch.device(device).type != "meta":
+            yield
+            return
+        with _NoInitOnMeta():
+            yield
 
 
 def state_shapes(module: nn.Module) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:

@@ -51,6 +51,7 @@ from masklab import Mask, load_mask
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, get_model_config, model_class, subnet_kwargs
 from sdp_train.models.subnet import check_held, held_tensors, residual_blocks
+from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.masking import shared_inside
 from sdp_train.planning.activations import ActivationModel, activation_model
 from sdp_train.planning.comm import predict_comm, process_group_holder_sets
@@ -379,7 +380,7 @@ def _meta_model(config: ModelConfig, level: str | None, row: np.ndarray | None) 
             _CACHE.clear()
         with _no_init():
             structure = {} if level is None else subnet_kwargs(config, check_held(config, row, level), level)
-            with torch.device("meta"):
+            with on_meta():
                 _CACHE[key] = model_class(config)(config, **structure)
     return _CACHE[key]
 

@@ -55,6 +55,7 @@ from masklab.io import atomic_write_text, mask_to_dict
 from sdp_train.data import build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import model_class
+from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.dist import default_device, get_dist_info, print0
 from sdp_train.parallel.grads import local
 from sdp_train.parallel.wire import WIRE_MODEL
@@ -352,7 +353,7 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
             model = prep.model_config.build(run.device).to(run.device)
             model.load_state_dict(full, strict=True)
         else:
-            with torch.device("meta"):
+            with on_meta():
                 model = model_class(prep.model_config)(prep.model_config)
             model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
             model.to(run.device)  # assembled on CPU (`full_state_dict`): a no-op there, one copy on a GPU

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from sdp_train.errors import ConfigError
+from sdp_train.parallel.blockmap import on_meta
 
 NEURON_GROUPS = 4
 """Neuron groups per MLP of a user model at N-SDP (the library API's default)."""
@@ -91,7 +92,7 @@ def build_user_model(name: str, overrides: Mapping[str, Any], device: torch.devi
         if device is None:
             model = factory(**overrides)
         else:
-            with torch.device(device):
+            with on_meta(device):  # torch.device(device), skipping random initialisers on meta
                 model = factory(**overrides)
     except Exception as exc:  # the user's code: report what failed where, not a traceback per rank
         raise ConfigError(f"--model {name!r}: {call} raised {type(exc).__name__}: {exc}") from exc
