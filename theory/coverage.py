@@ -3,8 +3,11 @@
 A run is described by its mode (the runtime's ``ddp``, ``fsdp``, ``bsdp``, ``nsdp``, ``bbsdp``),
 its mask and schedule, its local steps H and whether it averages stepwise (every holder gets the
 same value, and non-holders receive it) or by overlap averaging (copies kept, holders average,
-non-holders keep theirs). Forward-masked SDP (``bsdp``, ``nsdp``) is covered by no theorem: a held
-block's gradient is then taken at a point other than the iterate, which Lemma 1 does not allow.
+non-holders keep theirs), and by its training rule: every theorem is for plain SGD with a constant
+step, so a run with another optimizer (AdamW), a step-size schedule (warm-up, cosine decay) or
+gradient clipping is covered by none. Forward-masked SDP (``bsdp``, ``nsdp``) is covered by no
+theorem either: a held block's gradient is then taken at a point other than the iterate, which
+Lemma 1 does not allow.
 This module only classifies and evaluates; the bounds are in `theory.bounds` and
 `theory.consensus`.
 """
@@ -23,6 +26,8 @@ from theory.constants import worst_case_constants
 from theory.errors import TheoryError
 
 RUN_MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "warmup", "cosine", "warmup+cosine")
 _FORWARD_MASKED = ("bsdp", "nsdp")
 _FULL_MODEL = ("ddp", "fsdp")
 
@@ -40,20 +45,32 @@ class Coverage:
 
 
 def covering_theorem(
-    mode: str, schedule: Schedule | None = None, *, local_steps: int = 1, overlap: bool = False
+    mode: str, schedule: Schedule | None = None, *, local_steps: int = 1, overlap: bool = False,
+    optimizer: str = "sgd", lr_schedule: str = "constant", clipping: bool = False,
 ) -> Coverage:
-    """Which theorem bounds a run of `mode` with `schedule` (static if None).
+    """Which theorem bounds a run of `mode` with `schedule` (static if None) and its training rule.
 
     >>> covering_theorem("bbsdp", Schedule("permute", 1)).theorem
     "Theorem 2'"
     >>> covering_theorem("bsdp").covered
     False
+    >>> covering_theorem("ddp", optimizer="adamw", lr_schedule="warmup+cosine", clipping=True).theorem is None
+    True
     """
     if mode not in RUN_MODES:
         raise TheoryError(f"mode={mode!r} is not one of {RUN_MODES}")
     if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
         raise TheoryError(f"local_steps={local_steps!r} must be an integer >= 1")
+    if optimizer not in OPTIMIZERS:
+        raise TheoryError(f"optimizer={optimizer!r} is not one of {OPTIMIZERS}")
+    if lr_schedule not in LR_SCHEDULES:
+        raise TheoryError(f"lr_schedule={lr_schedule!r} is not one of {LR_SCHEDULES}")
     schedule = Schedule() if schedule is None else schedule
+    rule = [w for w, off in ((optimizer, optimizer != "sgd"), (f"{lr_schedule} step size", lr_schedule != "constant"),
+                             ("gradient clipping", clipping)) if off]
+    if rule:
+        return Coverage(None, f"{', '.join(rule)}: no theorem covers it (every theorem is for plain SGD with a "
+                              "constant step, docs/theory.md)")
     if mode in _FULL_MODEL:
         if local_steps > 1:
             return Coverage("Theorem 3", "DDP with local steps (every block held by all K workers)")
@@ -62,7 +79,9 @@ def covering_theorem(
         return Coverage(None, "forward masking: no theorem covers it (docs/theory.md §6)")
     if overlap:
         return Coverage("Theorem 6", f"backward masking, overlap averaging every {local_steps} local steps, "
-                                     f"{_schedule_words(schedule)}; consensus by Theorem 4")
+                                     f"{_schedule_words(schedule)}; consensus by Theorem 4; bounds the mean of "
+                                     "all K copies (the exported model, each block its holders' mean: "
+                                     "Corollary 6.1)")
     redrawn = schedule.kind == "permute" and schedule.every == local_steps
     drawn = "mask redrawn every update" if redrawn else f"mask in force at each update ({_schedule_words(schedule)})"
     if local_steps > 1:
@@ -71,14 +90,17 @@ def covering_theorem(
 
 
 def covered_bound_ratio(
-    mode: str, mask: Mask | None, *, steps: int, local_steps: int = 1, overlap: bool = False
+    mode: str, mask: Mask | None, *, steps: int, local_steps: int = 1, overlap: bool = False,
+    optimizer: str = "sgd", lr_schedule: str = "constant", clipping: bool = False,
 ) -> float | None:
     """The covering theorem's bound over DDP's, each at its best step size; None if not covered.
 
     Unit constant totals (L = sigma = zeta = D = 1, and G = 1 for local steps or overlap averaging)
     split across blocks in the worst way (docs/theory.md, Proposition 1), as `sdp verify` does.
     ``inf`` when the theorem gives no finite bound (e.g. overlap averaging with a static mask).
-    `mask` may be None for ``ddp``/``fsdp``, whose ratio is 1.
+    `mask` may be None for ``ddp``/``fsdp``, whose ratio is 1. The training rule (`optimizer`,
+    `lr_schedule`, `clipping`) is as in `covering_theorem`: None for any but constant-step SGD.
+    With overlap averaging the bound is Theorem 6's, for the mean of all K copies.
 
     >>> m = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
     >>> covered_bound_ratio("bsdp", m, steps=100) is None
@@ -87,7 +109,7 @@ def covered_bound_ratio(
     True
     """
     coverage = covering_theorem(mode, None if mask is None else mask.schedule, local_steps=local_steps,
-                                overlap=overlap)
+                                overlap=overlap, optimizer=optimizer, lr_schedule=lr_schedule, clipping=clipping)
     if not coverage.covered:
         return None
     if mode in _FULL_MODEL and local_steps == 1:

@@ -3,11 +3,13 @@
 The report is the dict `sdp_train.compare.runner.build_report` makes; this module only renders it and
 imports nothing of `sdp_train.compare.runner` (one direction: compare -> compare_report).
 
-Every ratio is to the DDP run of the same comparison. ``bound x DDP`` is the bound of the theorem
-of docs/theory.md that covers the run (`theory.coverage.covered_bound_ratio`) under unit problem
-constants (L = sigma = zeta = 1, f(x0) - f* = 1) at the bound-optimal step size, divided by DDP's:
-it ranks masks, it does not predict a language model's loss. Runs no theorem covers (forward-masked
-B-/N-SDP) get none. Validation loss is that of the full assembled model on the same
+Every ratio is to the DDP run of the same comparison. ``bound x`` is the bound of the theorem of
+docs/theory.md that covers the run (`theory.coverage.covered_bound_ratio`) under unit problem
+constants (L = sigma = zeta = 1, f(x0) - f* = 1) at the bound-optimal step size, divided by DDP's.
+No theorem covers an ``sdp train`` run (AdamW, warm-up, cosine decay, clipping; every theorem is
+for constant-step SGD), so the column shows in parentheses the same ratio for plain constant-step
+SGD with the run's mask (``sgd_bound_vs_ddp``): a design figure that ranks masks, labelled as such,
+not a guarantee; '-' where no theorem covers even that (forward masking). Validation loss is that of the full assembled model on the same
 held-out batches for every run.
 
 Plots: ``compare_loss.png`` (validation loss against steps and against training FLOPs per rank)
@@ -48,6 +50,17 @@ def _ratio(row: dict[str, Any], key: str, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _bound_cell(row: dict[str, Any]) -> str:
+    """The covering theorem's ratio, else the constant-step-SGD design figure in parentheses, else '-'."""
+    if row.get("bound_infinite"):
+        return "inf"
+    if row["bound_vs_ddp"] is not None:
+        return f"{row['bound_vs_ddp']:.2f}"
+    if row.get("sgd_bound_infinite"):
+        return "(inf)"
+    return "-" if row.get("sgd_bound_vs_ddp") is None else f"({row['sgd_bound_vs_ddp']:.2f})"
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     """The comparison as a Markdown table, one row per run, with ratios to DDP."""
     s = report["settings"]
@@ -59,8 +72,11 @@ def markdown_table(report: dict[str, Any]) -> str:
         "passed to collectives per rank; wire MiB/step: what one rank sends under the ring model "
         "(all-reduce 2(c-1)/c of its buffer, all-gather / reduce-scatter / broadcast (c-1)/c; docs/design.md). "
         "bound x: the bound of the theorem that covers the run (docs/theory.md), over DDP's, under unit "
-        "constants; '-' where no theorem covers it (forward-masked B-/N-SDP, whose subnetworks are not the "
-        "backward-masked algorithm the theorems bound), 'inf' where it gives no finite bound.",
+        "constants. In parentheses, for runs no theorem covers (AdamW, warm-up, cosine decay or clipping: every "
+        "theorem is for constant-step SGD), the same ratio for constant-step SGD with the run's mask: a design "
+        "figure (heuristic), not a guarantee for the run; for overlap averaging it is Theorem 6's, for the mean "
+        "of all K copies. '-' where no theorem covers even that (forward-masked B-/N-SDP, whose subnetworks are "
+        "not the backward-masked algorithm the theorems bound), 'inf' where it gives no finite bound.",
         "",
         "| run | C | steps | val loss | x | train FLOPs x | peak MiB | x | P / G / O / A | buffer MiB/step | x "
         "| wire MiB/step | x | step s | x | bound x |",
@@ -70,7 +86,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         p = r["peak_memory_bytes"]
         parts = " / ".join(f"{p.get(c, 0) / 2**20:.1f}" for c in CATEGORIES[:4])
         active = "1" if r["active"] is None else f"{r['active']:.3g}"
-        bound = "inf" if r.get("bound_infinite") else "-" if r["bound_vs_ddp"] is None else f"{r['bound_vs_ddp']:.2f}"
+        bound = _bound_cell(r)
         lines.append(
             f"| {name} | {active} | {r['steps']} | {r['final_val_loss']:.4f} | {_ratio(r, 'final_val_loss', 3)} "
             f"| {_ratio(r, 'training_flops')} | {_mib(p.get('total', 0))} | {_ratio(r, 'peak_memory')} | {parts} "

@@ -2,8 +2,10 @@
 
 1. Design: every SDP run's mask is designed here (``sdp train``'s own `design_for_model`), saved to
    ``DIR/masks/NAME.json`` and certified (`masklab.analyze`: coverage, connectivity, spectral gap)
-   and checked against what the theorems of docs/theory.md need (every block held; for the runs a
-   theorem covers, a finite bound ratio to DDP under unit constants). A mask that fails is reported
+   and checked against what the theorems of docs/theory.md need (every block held; where a theorem
+   covers constant-step SGD with the mask, a finite bound ratio to DDP under unit constants). No
+   theorem covers the runs themselves (AdamW, warm-up, cosine decay, clipping): they print no bound,
+   only that ratio as a labelled design figure. A mask that fails is reported
    and its run is not started.
 2. Train: each system is one real ``sdp train --config DIR/runs/NAME/config.json`` (its own
    torchrun-launched ranks) writing into ``DIR/runs/NAME``. A run whose ``summary.json`` records
@@ -200,7 +202,15 @@ def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
 
 
 # -- design and verification ---------------------------------------------------------------------
-def certify(mask, steps: int, mode: str, *, local_steps: int = 1) -> dict[str, Any]:
+def training_rule(cfg: TrainConfig) -> dict[str, Any]:
+    """``sdp train``'s optimizer, step-size schedule and clipping, in `theory.coverage.covering_theorem`'s terms."""
+    warmup, cosine = cfg.warmup_steps > 0, cfg.min_lr_ratio < 1
+    schedule = "warmup+cosine" if warmup and cosine else "warmup" if warmup else "cosine" if cosine else "constant"
+    return {"optimizer": "adamw", "lr_schedule": schedule, "clipping": cfg.grad_clip > 0}
+
+
+def certify(mask, steps: int, mode: str, *, local_steps: int = 1,
+            training: dict[str, Any] | None = None) -> dict[str, Any]:
     """masklab's certificate of `mask`, the conditions a theorem needs of it, and the covering bound ratio.
 
     The one condition every theorem of docs/theory.md needs is that every block is held. The
@@ -208,10 +218,16 @@ def certify(mask, steps: int, mode: str, *, local_steps: int = 1) -> dict[str, A
     only overlap averaging (mode ``overlap``, backward masking with its copies kept: Theorems 4
     and 6), whose ``consensus_gap`` is Theorem 4's per-period gap g = min_j g_j of the schedule's
     expected mixing operator (``consensus_period`` rounds of ``local_steps`` steps; 0 for a static
-    mask, whose non-holders never mix) and whose bound is infinite without one. ``bound_vs_ddp``
-    is the covering theorem's bound over DDP's (`theory.coverage.covered_bound_ratio`), None where
-    no theorem covers the run (forward-masked B-/N-SDP) or, with ``bound_infinite``, where the
-    covering theorem gives no finite bound (overlap averaging with a static mask).
+    mask, whose non-holders never mix) and whose bound is infinite without one.
+
+    `training` is the run's rule (`training_rule`; None: plain constant-step SGD). ``bound_vs_ddp``
+    and ``theorem`` are the covering theorem's bound over DDP's (`theory.coverage.covered_bound_ratio`)
+    and its name, None where no theorem covers the run (``not_covered`` says why: forward masking, or
+    AdamW, warm-up, cosine decay, clipping, which every ``sdp train`` run uses) or, with
+    ``bound_infinite``, where it gives no finite bound. ``sgd_bound_vs_ddp``, ``sgd_theorem`` and
+    ``sgd_bound_infinite`` are the same for plain constant-step SGD with this mask: a design figure
+    that ranks masks, not a guarantee for the run (for overlap averaging, Theorem 6's, which bounds
+    the mean of all K copies).
     """
     from masklab import Schedule, analyze
     from theory.consensus import consensus_period, consensus_rate
@@ -220,15 +236,20 @@ def certify(mask, steps: int, mode: str, *, local_steps: int = 1) -> dict[str, A
     cert = analyze(mask).to_dict()
     overlap = mode == "overlap"
     theory_mode = "bbsdp" if overlap else mode  # overlap averaging is backward masking, copies kept
-    ratio = covered_bound_ratio(theory_mode, mask, steps=steps, local_steps=local_steps, overlap=overlap)
+    sgd_ratio = covered_bound_ratio(theory_mode, mask, steps=steps, local_steps=local_steps, overlap=overlap)
     conditions = {"every block held (coverage >= 1)": cert["coverage_min"] >= 1}
-    if ratio is not None and not overlap:  # a static overlap mask has no finite bound, and is compared for that
-        conditions["finite bound (unit constants)"] = math.isfinite(ratio)
-    coverage = covering_theorem(theory_mode, mask.schedule, local_steps=local_steps, overlap=overlap)
-    infinite = ratio is not None and not math.isfinite(ratio)  # kept out of the JSON report as null
+    if sgd_ratio is not None and not overlap:  # a static overlap mask has no finite bound, and is compared for that
+        conditions["finite bound (unit constants)"] = math.isfinite(sgd_ratio)
+    sgd = covering_theorem(theory_mode, mask.schedule, local_steps=local_steps, overlap=overlap)
+    coverage = covering_theorem(theory_mode, mask.schedule, local_steps=local_steps, overlap=overlap,
+                                **(training or {}))
+    infinite = sgd_ratio is not None and not math.isfinite(sgd_ratio)  # kept out of the JSON report as null
     verification = {"certificate": cert, "conditions": conditions, "verified": all(conditions.values()),
-                    "bound_vs_ddp": None if infinite else ratio, "bound_infinite": infinite,
-                    "theorem": coverage.theorem if coverage.covered else None}
+                    "bound_vs_ddp": None if infinite or not coverage.covered else sgd_ratio,
+                    "bound_infinite": infinite and coverage.covered, "theorem": coverage.theorem,
+                    "not_covered": None if coverage.covered else coverage.regime,
+                    "sgd_bound_vs_ddp": None if infinite else sgd_ratio, "sgd_bound_infinite": infinite,
+                    "sgd_theorem": sgd.theorem}
     if overlap:  # the certificate's gap is the schedule's expectation (the same for every mask under permute)
         verification["matrix_spectral_gap"] = analyze(mask.replace(schedule=Schedule())).spectral_gap
         verification["consensus_gap"] = consensus_rate(mask, local_steps=local_steps)
@@ -237,17 +258,20 @@ def certify(mask, steps: int, mode: str, *, local_steps: int = 1) -> dict[str, A
 
 
 def _bound_text(verification: dict[str, Any]) -> str:
-    ratio = verification["bound_vs_ddp"]
-    if verification["bound_infinite"]:
-        ratio = math.inf
-    elif ratio is None:
-        return "no theorem covers this mode (forward masking): no bound"
     consensus = (f", gamma of the matrix {verification['matrix_spectral_gap']:.3f}, Theorem 4 consensus gap "
                  f"{verification['consensus_gap']:.3f} per "
                  f"{verification['consensus_period']} round(s)" if "consensus_gap" in verification else "")
-    if not math.isfinite(ratio):
-        return f"no finite bound ({verification['theorem']}: the copies never reach consensus){consensus}"
-    return f"bound x DDP {ratio:.2f} ({verification['theorem']}){consensus}"
+    copies = " for the mean of all K copies" if consensus else ""
+    if verification["theorem"] is not None:
+        if verification["bound_infinite"]:
+            return f"no finite bound ({verification['theorem']}: the copies never reach consensus){consensus}"
+        return f"bound x DDP {verification['bound_vs_ddp']:.2f} ({verification['theorem']}{copies}){consensus}"
+    said = f"no bound: {verification['not_covered']}"
+    if verification["sgd_theorem"] is None:
+        return said + consensus
+    figure = "inf" if verification["sgd_bound_infinite"] else f"{verification['sgd_bound_vs_ddp']:.2f}"
+    return (f"{said}; design figure (heuristic, not a guarantee for this run): x DDP {figure} by "
+            f"{verification['sgd_theorem']} for constant-step SGD{copies}{consensus}")
 
 
 def flops_per_step(cfg: TrainConfig, mask) -> float:
@@ -300,7 +324,8 @@ def plan_runs(preset: Preset, out: Path) -> list[Planned]:
             if not mask_path.is_file() or mask_path.read_bytes() != _mask_bytes(mask):
                 save_mask(mask, mask_path)
             cfg = replace(cfg, mask=str(mask_path), active=None)
-            verification = certify(mask, cfg.steps, cfg.mode, local_steps=cfg.local_steps)
+            verification = certify(mask, cfg.steps, cfg.mode, local_steps=cfg.local_steps,
+                                   training=training_rule(cfg))
             if spec.name.startswith("bsdp-C"):
                 duplicate = next((p.spec.name for p in planned if p.mask is not None and p.config.mode == "bsdp"
                                   and not p.spec.heterogeneous and np.array_equal(p.mask.matrix, mask.matrix)), None)
@@ -383,6 +408,8 @@ def _rows(preset: Preset, planned: list[Planned],
                                                          "val_loss": s["final_val_loss"]}],
             "bound_vs_ddp": None if p.verification is None else p.verification["bound_vs_ddp"],
             "bound_infinite": p.verification is not None and p.verification["bound_infinite"],
+            "sgd_bound_vs_ddp": None if p.verification is None else p.verification["sgd_bound_vs_ddp"],
+            "sgd_bound_infinite": p.verification is not None and p.verification["sgd_bound_infinite"],
             "mask_file": s["config"].get("mask"),
         }
         if p.spec.mode == "overlap":

@@ -4,7 +4,9 @@
   DIR/mask.json`` trains with it again, ``sdp inspect DIR/mask.json`` prints its certificate);
 - ``certificate.json``: masklab's certificate of that mask (`masklab.analyze`, the keys of
   ``sdp inspect --json``: coverage, masking error, variance inflation, spectral gap against its
-  bound, optimality ratio, co-training gap, each with the theorem that uses it);
+  bound, optimality ratio, co-training gap, each with the theorem that uses it); printed by
+  `mask_lines` as properties of the mask, gamma's optimality ratio as a design figure (no
+  stepwise theorem uses gamma, and no theorem covers ``sdp train``'s AdamW runs);
 - ``model.safetensors``: the final full model, assembled from the workers' subnetworks as
   validation assembles it (each slice from its lowest-ranked holder), under the built-in model's
   own state-dict names; ``load_state_dict`` of that model takes it with every key matching.
@@ -56,10 +58,12 @@ def mask_lines(mask: Mask, report: MaskReport) -> list[str]:
         width = len(str(mask.workers - 1))
         lines += [f"  worker {k:>{width}}: {''.join('1' if x else '0' for x in row)}"
                   for k, row in enumerate(mask.matrix.tolist())]
-    lines.append(f"  certificate: masking error {report.masking_error:.4g}, variance inflation "
+    lines.append(f"  certificate (properties of the mask, not guarantees for this run: no theorem covers AdamW, warm-up, "
+                 f"cosine decay or clipping): masking error {report.masking_error:.4g}, variance inflation "
                  f"{report.variance_inflation:.4g}, spectral gap {report.spectral_gap:.4g} of at most "
-                 f"{report.spectral_gap_bound:.4g} (optimality ratio {report.optimality_ratio:.4g}), "
-                 f"co-training gap {report.cotraining_gap:.4g}")
+                 f"{report.spectral_gap_bound:.4g} (optimality ratio {report.optimality_ratio:.4g}; a design figure: "
+                 f"no stepwise theorem uses gamma, overlap averaging contracts at the schedule's gap, docs/theory.md "
+                 f"§8), co-training gap {report.cotraining_gap:.4g} (a diagnostic)")
     return lines
 
 

@@ -95,3 +95,19 @@ def test_a_failed_runslog_tail_shows_the_ranks_error_not_the_launchers_lines():
     tail = log_tail(log, lines=2)
     assert tail.splitlines() == ["sdp train: error: config.json: no such file",
                                  "sdp: worker failed: rank 0 (exit code 2); stopped by the launcher after it: ranks 1, 2"]
+
+
+def test_bound_column_is_a_guarantee_only_where_a_theorem_covers_the_run():
+    report = {
+        "command": "sdp compare --preset x", "machine": "test", "date": "2026-12-07",
+        "settings": {"model": "llama-debug", "workers": 4, "batch_size": 2, "seq_len": 16, "lr": 1e-3},
+        "runs": {"sgd": _row("bbsdp", 1.0, 1.0, bound_vs_ddp=1.5),
+                 "adamw": _row("bbsdp", 1.0, 1.0, sgd_bound_vs_ddp=1.5),
+                 "adamw-static-overlap": _row("overlap", 1.0, 1.0, sgd_bound_vs_ddp=None, sgd_bound_infinite=True),
+                 "forward": _row("bsdp", 1.0, 1.0, sgd_bound_vs_ddp=None)},
+    }
+    lines = markdown_table(report).splitlines()
+    cells = {line.split("|")[1].strip(): line.strip("|").split("|")[-1].strip() for line in lines
+             if line.startswith("| ") and not line.startswith("| run")}
+    assert cells == {"sgd": "1.50", "adamw": "(1.50)", "adamw-static-overlap": "(inf)", "forward": "-"}
+    assert "design figure (heuristic), not a guarantee" in lines[0] and "AdamW" in lines[0]

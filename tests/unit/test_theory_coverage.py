@@ -59,3 +59,24 @@ def test_overlap_averaging_ratio_is_infinite_without_a_gap_and_finite_with_a_sch
 def test_unknown_mode_is_refused_naming_it():
     with pytest.raises(TheoryError, match="mode='sgd' is not one of"):
         covering_theorem("sgd")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "bbsdp"])
+@pytest.mark.parametrize(("rule", "named"), [
+    ({"optimizer": "adamw"}, "adamw"), ({"lr_schedule": "warmup"}, "warmup step size"),
+    ({"lr_schedule": "cosine"}, "cosine step size"), ({"clipping": True}, "gradient clipping"),
+    ({"optimizer": "adamw", "lr_schedule": "warmup+cosine", "clipping": True}, "adamw, warmup+cosine step size"),
+])
+def test_no_theorem_covers_adamw_warmup_cosine_or_clipping(mode, rule, named):
+    for overlap in (False, True):
+        coverage = covering_theorem(mode, Schedule("permute", 1), overlap=overlap, **rule)
+        assert coverage.theorem is None and named in coverage.regime and "constant step" in coverage.regime
+        assert covered_bound_ratio(mode, _ring(Schedule("permute", 1)), steps=120, overlap=overlap, **rule) is None
+    assert covering_theorem(mode).covered  # plain constant-step SGD stays covered
+
+
+def test_unknown_training_rule_is_refused_naming_it():
+    with pytest.raises(TheoryError, match="optimizer='adam' is not one of"):
+        covering_theorem("bbsdp", optimizer="adam")
+    with pytest.raises(TheoryError, match="lr_schedule='step' is not one of"):
+        covering_theorem("bbsdp", lr_schedule="step")
