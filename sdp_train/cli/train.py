@@ -31,7 +31,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
-    "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--schedule": ("schedule", str),
+    "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--mlp": ("mlp", str), "--schedule": ("schedule", str),
     "--every": ("every", int), "--local-steps": ("local_steps", int),
 }
 _CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS}
@@ -49,21 +49,70 @@ _OVERWRITE_HELP = ("replace the results of an earlier run in --out (summary, met
                    "certificate, tensorboard)")
 
 
+_MODES_HELP = """modes (--mode):
+  ddp      torch DDP: every worker trains the full model (baseline)
+  fsdp     FSDP2 fully_shard of each block and the root (baseline)
+  bsdp     B-SDP: each worker trains the blocks of its mask row, forward masking
+  nsdp     N-SDP: each worker trains some neuron groups of every MLP, forward masking
+  bbsdp    Bb-SDP: every worker runs the full model, trains its blocks (backward masking)
+  overlap  overlap averaging: own copies, --local-steps H, then holder averages"""
+
+_EXAMPLES = """your own model: --model FILE.py:FACTORY imports FILE.py and trains FACTORY(**model_overrides),
+an nn.Module (token ids -> logits for text data, images -> class logits), through
+SubnetworkDataParallel; --blocks and --mlp name its blocks and MLP when discovery cannot.
+
+examples:
+  sdp train --model llama-debug --mode bsdp --active 0.5 --workers 2
+  sdp train --model examples/sdp_train_models.py:byte_lm --mode nsdp --workers 2
+  sdp train --model my_model.py:build --mode nsdp --mlp "mlp.w1,mlp.w3:mlp.w2" --workers 4
+
+Every flag is a TrainConfig field; --config FILE (JSON) sets any of them, flags override it.
+docs/api.md ("sdp train with your own model") and README.md ("The sdp command") say more."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("train", help="train with SDP (or the DDP baseline) on torch.distributed",
-                              description="Train a model with DDP, FSDP, B-SDP, N-SDP, Bb-SDP or overlap averaging.")
+    from sdp_train.models import model_names
+
+    p = subparsers.add_parser(
+        "train", help="train with SDP (or the DDP baseline) on torch.distributed",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a model with DDP, FSDP, B-SDP, N-SDP, Bb-SDP or overlap averaging.\n\n"
+                    f"built-in models (--model): {', '.join(model_names())}\n\n{_MODES_HELP}",
+        epilog=_EXAMPLES)
     p.add_argument("--config", metavar="FILE", help="JSON file of TrainConfig fields; flags override it")
     docs = {f.name: f for f in fields(TrainConfig)}
+    texts = field_help(TrainConfig)
+    metavars = {"model": "NAME|FILE.py:FACTORY", "mlp": "IN[,IN...]:OUT"}
     for flag, (name, typ) in _FLAGS.items():
         kwargs = {"choices": _CHOICES[name]} if name in _CHOICES else {}
-        p.add_argument(flag, dest=name, type=typ, default=None, metavar=name.upper(),
-                       help=f"(default {docs[name].default!r})", **kwargs)
+        p.add_argument(flag, dest=name, type=typ, default=None, metavar=metavars.get(name, name.upper()),
+                       help=f"{texts.get(name, '')} (default {docs[name].default!r})".lstrip(), **kwargs)
     for flag, (name, text) in _SWITCHES.items():
         p.add_argument(flag, dest=name, action="store_true", default=None, help=text)
     for flag, (name, text) in _OFF_SWITCHES.items():
         p.add_argument(flag, dest=name, action="store_const", const=False, default=None, help=text)
     p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     p.set_defaults(func=run)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body) as plain one-line text, for
+    ``--help``: one place says what a setting does, the config class."""
+    import ast
+    import inspect
+    import re
+
+    try:
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+    except (OSError, TypeError):  # no source (a frozen build): flags keep their defaults only
+        return {}
+    texts = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            text = " ".join(after.value.value.split()).replace("``", "")
+            texts[node.target.id] = re.sub(r"`([^`]*)`", r"\1", text).replace("%", "%%")
+    return texts
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -282,7 +282,7 @@ def find_mlp(block: nn.Module, block_name: str, mlp: MLPSpec | None = None) -> M
     raise ConfigError(f"found no MLP in block {block_name!r} ({type(block).__name__}); tried "
                       f"{[(s.inputs, s.output) for s in KNOWN_MLPS]}; its projections are "
                       f"{[n for n, m in modules.items() if is_projection(m)][:12]}; "
-                      "pass mlp=MLPSpec(inputs=..., output=...)")
+                      "pass mlp=MLPSpec(inputs=..., output=...) (sdp train: --mlp IN[,IN...]:OUT)")
 
 
 def is_projection(module: nn.Module) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_train.errors import ConfigError
-from sdp_train.trainer.user_model import is_user_model
+from sdp_train.trainer.user_model import is_user_model, parse_mlp
 
 MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp", "overlap")
 BASELINES = ("ddp", "fsdp")  # modes that train the full model on every worker, without a mask
@@ -39,6 +39,10 @@ class TrainConfig:
     blocks: str | None = None
     """``FILE.py:FACTORY`` models only: the maskable residual blocks, as a pattern whose ``*``
     matches one name component (``"model.layers.*"``) or comma-separated names; found when omitted."""
+    mlp: str | None = None
+    """``FILE.py:FACTORY`` models in mode ``nsdp`` only: each block's MLP, as the projections into the
+    hidden layer and the one out of it, relative to the block: ``IN[,IN...]:OUT``
+    (``"mlp.w1,mlp.w3:mlp.w2"``); found among the usual layouts when omitted."""
     mode: str = "bsdp"
     """``ddp`` (torch DDP baseline), ``fsdp`` (FSDP2 ``fully_shard`` baseline), ``bsdp`` (block,
     forward masking), ``nsdp`` (neurons, forward masking), ``bbsdp`` (blocks, backward masking) or
@@ -136,7 +140,7 @@ class TrainConfig:
         for name in ("model", "construction", "data", "out"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
-        for name in ("mask", "resume", "blocks", "schedule"):
+        for name in ("mask", "resume", "blocks", "mlp", "schedule"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string or null")
         for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model"):
@@ -151,6 +155,11 @@ class TrainConfig:
             raise ConfigError(f"blocks={self.blocks!r} (--blocks) names no block")
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {MODES}")
+        if self.mlp is not None:
+            if not is_user_model(self.model) or self.mode != "nsdp":
+                raise ConfigError(f"mlp={self.mlp!r} (--mlp) names the MLP that N-SDP cuts in your own model "
+                                  f"(--model FILE.py:FACTORY --mode nsdp), got model {self.model!r}, mode {self.mode!r}")
+            parse_mlp(self.mlp)
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
         _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
                           "keep_checkpoints", "max_restarts", "log_every")

@@ -47,7 +47,7 @@ from sdp_train.parallel.wire import ByteCount
 from sdp_train.parallel.wrapper import SubnetworkDataParallel
 from sdp_train.trainer.config import BASELINES
 from sdp_train.trainer.user_model import NEURON_GROUPS as USER_NEURON_GROUPS
-from sdp_train.trainer.user_model import UserModel, user_blocks
+from sdp_train.trainer.user_model import UserModel, user_blocks, user_mlp
 
 
 class ModeSync:
@@ -347,7 +347,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     if user:
         sdp = SubnetworkDataParallel(
             model, mask=prep.mask, blocks=_blocks(model, prep), level=cfg.level, masking=masking,
-            neuron_groups=USER_NEURON_GROUPS, seed=cfg.seed, device=device,
+            neuron_groups=USER_NEURON_GROUPS, mlp=user_mlp(cfg), seed=cfg.seed, device=device,
             activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp, local_steps=cfg.local_steps)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
     if not prep.mask.schedule.is_static and masking == "forward":

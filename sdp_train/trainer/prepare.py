@@ -32,7 +32,14 @@ from sdp_train.parallel.parts import resolve_mask
 from sdp_train.trainer.checkpoint import check_resumable, find_checkpoint
 from sdp_train.trainer.config import BASELINES, SCHEDULED_MODES, TrainConfig
 from sdp_train.trainer.user_model import NEURON_GROUPS as USER_NEURON_GROUPS
-from sdp_train.trainer.user_model import build_user_model, describe_user_model, is_user_model, logits_of, user_blocks
+from sdp_train.trainer.user_model import (
+    build_user_model,
+    describe_user_model,
+    is_user_model,
+    logits_of,
+    user_blocks,
+    user_mlp,
+)
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ def _prepare_user_model(cfg: TrainConfig) -> Prepared:
     if cfg.mode not in BASELINES or cfg.blocks is not None or cfg.mode == "fsdp":
         names = find_blocks(model, user_blocks(cfg), example=inputs)
         if cfg.mode not in BASELINES:
-            layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS)
+            layout = describe(model, names, cfg.level, neuron_groups=USER_NEURON_GROUPS, mlp=user_mlp(cfg))
             mask = resolve_mask(cfg.mask, None if cfg.mask is not None else cfg.active, cfg.workers, layout,
                                 seed=cfg.seed, construction=cfg.construction, schedules=True)
             mask = with_schedule(cfg, mask, USER_NEURON_GROUPS)

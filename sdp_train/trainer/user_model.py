@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from sdp_train.errors import ConfigError
+from sdp_train.parallel.discovery import MLPSpec
 from sdp_train.parallel.blockmap import on_meta
 
 NEURON_GROUPS = 4
@@ -164,3 +165,22 @@ def user_blocks(cfg) -> str | list[str] | None:
     if cfg.blocks is None or "," not in cfg.blocks:
         return cfg.blocks
     return [name.strip() for name in cfg.blocks.split(",") if name.strip()]
+
+
+def parse_mlp(text: str) -> MLPSpec:
+    """``--mlp IN[,IN...]:OUT`` (`TrainConfig.mlp`) as an `MLPSpec`, names relative to each block.
+
+    >>> parse_mlp("mlp.w1, mlp.w3:mlp.w2")
+    MLPSpec(inputs=('mlp.w1', 'mlp.w3'), output='mlp.w2')
+    """
+    inputs, colon, output = text.partition(":")
+    names = tuple(n.strip() for n in inputs.split(","))
+    if not colon or not output.strip() or not all(names) or ":" in output:
+        raise ConfigError(f"mlp={text!r} (--mlp): expected the projections into the hidden layer, then the one "
+                          "out of it, relative to each block: IN[,IN...]:OUT, e.g. 'mlp.w1,mlp.w3:mlp.w2'")
+    return MLPSpec(names, output.strip())
+
+
+def user_mlp(cfg) -> MLPSpec | None:
+    """``--mlp`` (`TrainConfig.mlp`) as `SubnetworkDataParallel` takes it; None: found."""
+    return None if cfg.mlp is None else parse_mlp(cfg.mlp)
