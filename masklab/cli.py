@@ -17,6 +17,7 @@ import json
 from masklab.analysis import optimality_ratio, process_group_holder_sets, spectral_gap
 from masklab.costs import BlockCosts
 from masklab.errors import DesignError
+from masklab.failures import check_tolerates, checked_tolerate
 from masklab.mask import ROW_SCHEDULE_KINDS, Mask, Schedule
 from masklab.report import analyze
 
@@ -50,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-groups", type=int, metavar="G",
                    help="at most G process groups (distinct holder sets of 2 to K-1 workers, each an NCCL "
                         "communicator); prints the spectral gap of the masks tried against their groups")
+    p.add_argument("--tolerate", type=int, metavar="F",
+                   help="survive F simultaneous worker losses: every block on at least F + 1 workers (alone: "
+                        "coverage F + 1; with --costs: --min-coverage F + 1), or refuse")
     p.add_argument("--construction", default="auto", metavar="NAME",
                    help="auto (default), complete, cyclic, random, projective-plane, affine-plane, difference-set, search")
     p.add_argument("--schedule", default="static", choices=ROW_SCHEDULE_KINDS,
@@ -102,18 +106,20 @@ def _design_for_counts(args: argparse.Namespace) -> tuple[Mask, list[str], dict[
         if value is not None:
             raise DesignError(f"{flag} belongs to --costs FILE (a byte-balanced design); for block counts "
                               "give --active or --coverage")
-    if args.workers is None or args.blocks is None or (args.active is None and args.coverage is None):
-        raise DesignError("give -K WORKERS -B BLOCKS and one of --active C, --coverage c (or --costs FILE)")
+    if args.workers is None or args.blocks is None or (args.active is None and args.coverage is None
+                                                       and args.tolerate is None):
+        raise DesignError("give -K WORKERS -B BLOCKS and one of --active C, --coverage c, --tolerate F "
+                          "(or --costs FILE)")
     if args.active is not None and not 0.0 < args.active <= 1.0:
         raise DesignError(f"--active {args.active} must be in (0, 1]")
     _check_size(args.workers, args.blocks)
     if args.max_groups is None:
         return design(args.workers, args.blocks, active=args.active, coverage=args.coverage,
-                      construction=args.construction, seed=args.seed), [], {}
+                      construction=args.construction, tolerate=args.tolerate, seed=args.seed), [], {}
     if args.construction != "auto":
         raise DesignError(f"--max-groups applies to --construction auto, not {args.construction}")
     masks = group_tradeoff(args.workers, args.blocks, active=args.active, coverage=args.coverage,
-                           max_groups=args.max_groups, seed=args.seed)
+                           max_groups=args.max_groups, tolerate=args.tolerate, seed=args.seed)
     mask = pick_within_groups(masks, args.max_groups)
     rows = [{"process_groups": len(process_group_holder_sets(m)), "spectral_gap": spectral_gap(m),
              "optimality_ratio": optimality_ratio(m), "construction": m.construction, "chosen": m is mask}
@@ -150,10 +156,21 @@ def _design_for_costs(args: argparse.Namespace) -> tuple[Mask, BlockCosts, list[
     if args.blocks is not None and args.blocks != costs.blocks:
         raise DesignError(f"-B {args.blocks} but {args.costs} gives the bytes of {costs.blocks} blocks")
     _check_size(workers, costs.blocks)
-    min_coverage = 2 if args.min_coverage is None else args.min_coverage
+    min_coverage = _min_coverage(args.min_coverage, args.tolerate, workers)
     mask = design_for_costs(costs, workers, min_coverage=min_coverage, budgets=budgets, max_groups=args.max_groups,
                             seed=args.seed)
-    return mask, costs, budgets
+    return (mask if args.tolerate is None else check_tolerates(mask, args.tolerate)), costs, budgets
+
+
+def _min_coverage(min_coverage: int | None, tolerate: int | None, workers: int) -> int:
+    """``--min-coverage`` (default 2, or F + 1 with ``--tolerate F``), refused below F + 1."""
+    if tolerate is None:
+        return 2 if min_coverage is None else min_coverage
+    tolerate = checked_tolerate(tolerate, workers)
+    if min_coverage is not None and min_coverage < tolerate + 1:
+        raise DesignError(f"--tolerate {tolerate} needs every block on at least {tolerate + 1} workers, but "
+                          f"--min-coverage is {min_coverage}: drop it or give at least {tolerate + 1}")
+    return tolerate + 1 if min_coverage is None else min_coverage
 
 
 def _bytes_report(mask: Mask, args: argparse.Namespace, costs: BlockCosts,

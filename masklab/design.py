@@ -30,6 +30,7 @@ from masklab.constructions import (
     random_balanced,
 )
 from masklab.errors import DesignError
+from masklab.failures import check_tolerates, checked_tolerate
 from masklab.fields import is_prime_power
 from masklab.mask import Mask
 from masklab.search import OPTIMAL_TOLERANCE, search
@@ -87,6 +88,7 @@ def design(
     coverage: int | None = None,
     construction: str = "auto",
     max_groups: int | None = None,
+    tolerate: int | None = None,
     seed: SeedLike = None,
 ) -> Mask:
     """A balanced K x B mask with coverage c and, for ``"auto"``, the largest spectral gap found.
@@ -98,6 +100,7 @@ def design(
     active, coverage : float or int
         Exactly one: the active fraction C in (0, 1], turned into c by `coverage_from_active`, or
         the number of holders per block c in [1, K]. B * c >= K is required so no worker is empty.
+        With `tolerate` and neither, c = tolerate + 1.
     construction : str
         ``"auto"``: an exact 2-design whose (K, B, c) matches (tried in the order of
         `EXACT_FAMILIES`, complements and either orientation included, accepted only when its
@@ -108,6 +111,10 @@ def design(
         With ``"auto"``: at most this many process groups, i.e. distinct holder sets of 2 to K - 1
         workers (`masklab.analysis.process_group_holder_sets`). The ``"auto"`` mask when it has
         few enough, else the mask of `group_tradeoff` with the largest gap among those that do.
+    tolerate : int, optional
+        The simultaneous worker losses the mask must survive with every block still held
+        (`masklab.failures`): every c_j >= tolerate + 1, else a `DesignError` that says which
+        coverage (or active fraction) would do; 0 <= tolerate <= K - 1.
     seed : int, numpy.random.Generator or None
         Turned once into a generator by ``numpy.random.default_rng`` and handed on.
 
@@ -132,16 +139,39 @@ def design(
     ('search', True)
     >>> design(7, 14, coverage=3, max_groups=7).construction  # 14 blocks on the Fano plane's 7 lines
     'projective-plane-repeated'
+    >>> int(design(8, 8, tolerate=2, seed=0).coverage.min())  # any 2 workers may be lost
+    3
     """
     if construction not in CONSTRUCTIONS:
         raise DesignError(f"construction={construction!r} is not one of {CONSTRUCTIONS}")
     _check_sizes(K, B)
+    c = _requested_coverage(K, B, active, coverage, tolerate)
+    if tolerate is not None:
+        return check_tolerates(_design(K, B, c, construction, max_groups, seed), tolerate)
+    return _design(K, B, c, construction, max_groups, seed)
+
+
+def _requested_coverage(K: int, B: int, active: float | None, coverage: int | None, tolerate: int | None) -> int:
+    """The checked coverage c of (active | coverage | tolerate alone), at least tolerate + 1."""
+    if tolerate is not None:
+        tolerate = checked_tolerate(tolerate, K)
+        if active is None and coverage is None:
+            coverage = tolerate + 1
     if (active is None) == (coverage is None):
         raise DesignError(
             f"give exactly one of active (C in (0, 1]) and coverage (c in [1, K]); "
             f"got active={active!r}, coverage={coverage!r}"
         )
     c = _check_balanced(K, B, coverage_from_active(K, active) if coverage is None else coverage)
+    if tolerate is not None and c < tolerate + 1:
+        asked = f"coverage={c}" if active is None else f"active={active} gives coverage {c} of K={K}"
+        raise DesignError(f"tolerate={tolerate} needs every block on at least {tolerate + 1} workers, but {asked}: "
+                          f"ask for coverage >= {tolerate + 1} (active >= {(tolerate + 1) / K:.4g})")
+    return c
+
+
+def _design(K: int, B: int, c: int, construction: str, max_groups: int | None, seed: SeedLike) -> Mask:
+    """`design` with checked sizes and coverage."""
     rng = np.random.default_rng(seed)
     if max_groups is not None:
         if construction != "auto":
@@ -172,6 +202,7 @@ def group_tradeoff(
     active: float | None = None,
     coverage: int | None = None,
     max_groups: int,
+    tolerate: int | None = None,
     seed: SeedLike = None,
 ) -> list[Mask]:
     """The masks ``design(K, B, ..., max_groups=G)`` chooses from, the unconstrained design first.
@@ -186,7 +217,8 @@ def group_tradeoff(
     otherwise the first B mod g sets serve one block more. g is tried at min(G, B), at the largest
     divisor of B not above it, and wherever an exact design (K, g, c) exists, for
     g >= ceil(K / c) (so that every worker is in some set). The gap against the number of groups
-    is the trade-off `sdp design --max-groups` prints.
+    is the trade-off `sdp design --max-groups` prints. `tolerate` is `design`'s: every mask then
+    has coverage at least tolerate + 1.
 
     Raises
     ------
@@ -201,9 +233,7 @@ def group_tradeoff(
     [(14, 0.3333), (7, 0.3333)]
     """
     _check_sizes(K, B)
-    if (active is None) == (coverage is None):
-        raise DesignError(f"give exactly one of active and coverage; got active={active!r}, coverage={coverage!r}")
-    c = _check_balanced(K, B, coverage_from_active(K, active) if coverage is None else coverage)
+    c = _requested_coverage(K, B, active, coverage, tolerate)
     return _group_candidates(K, B, c, _checked_groups(max_groups), np.random.default_rng(seed))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from masklab import analysis
+from masklab import analysis, failures
 from masklab.mask import Mask
 
 
@@ -32,6 +32,10 @@ USED_BY: dict[str, str] = {
     "cotraining_gap": "diagnostic, used by no theorem: whether the blocks were ever trained together",
     "connected": "overlap averaging only (Theorem 4): necessary, not sufficient, for copies of a static mask to agree; "
                  "not a condition of Theorems 1-3",
+    "failures_survived": "diagnostic, used by no theorem: min c_j - 1 workers may be lost at once with every block "
+                         "still held by a survivor (the redundancy a run could continue from without rollback, "
+                         "docs/design.md §7, not built yet); fatal_sets lists the smallest sets of "
+                         "workers whose loss leaves a block without holder (its holder set)",
     "schedule": "which theorem: permute redrawn every step -> Theorem 2/2'; static, cyclic, sequence or held R > 1 -> "
                 "Theorem 1 at the mask in force; overlap averaging -> Theorems 4 and 6 with the schedule's period",
 }
@@ -56,6 +60,9 @@ class MaskReport:
     construction: str | None
     schedule: str
     schedule_every: int
+    failures_survived: int = 0
+    fatal_sets: tuple[tuple[int, ...], ...] = ()
+    fatal_sets_total: int = 0
 
     @property
     def masking_error_regime(self) -> str:
@@ -63,6 +70,15 @@ class MaskReport:
         if self.schedule == "permute" and self.schedule_every == 1:
             return "mask redrawn every step: expectation over the schedule (Theorem 2)"
         return "mask in force at each step (Theorem 1; cyclic, sequence and held schedules too)"
+
+    @property
+    def fatal_sets_text(self) -> str:
+        """The smallest fatal sets as ``{0,1} {0,2} ... (N sets of s workers, n shown)``."""
+        shown = " ".join("{" + ",".join(map(str, s)) + "}" for s in self.fatal_sets)
+        more = f", {len(self.fatal_sets)} shown" if self.fatal_sets_total > len(self.fatal_sets) else ""
+        size = self.failures_survived + 1
+        sets, workers = "s" * (self.fatal_sets_total != 1), "s" * (size != 1)
+        return f"{shown} ({self.fatal_sets_total} set{sets} of {size} worker{workers}{more})"
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -87,11 +103,13 @@ class MaskReport:
             ("optimality ratio", f"{self.optimality_ratio:.6f}", USED_BY["optimality_ratio"]),
             ("co-training gap", f"{self.cotraining_gap:.6g}", USED_BY["cotraining_gap"]),
             ("mixing graph connected", "yes" if self.connected else "NO", USED_BY["connected"]),
+            ("failures survived", f"{self.failures_survived}", USED_BY["failures_survived"]),
         ]
         width = max(len(k) for k, _, _ in rows)
         value_width = max(len(v) for _, v, _ in rows)
         lines = [f"{k:<{width}}  {v:<{value_width}}  {u}".rstrip() for k, v, u in rows]
         lines.append(f"masking error regime: {self.masking_error_regime}")
+        lines.append(f"smallest fatal sets (losing one leaves a block without holder): {self.fatal_sets_text}")
         return "\n".join(lines)
 
 
@@ -120,4 +138,7 @@ def analyze(mask: Mask) -> MaskReport:
         construction=mask.construction,
         schedule=mask.schedule.kind,
         schedule_every=mask.schedule.every,
+        failures_survived=failures.failures_survived(mask),
+        fatal_sets=failures.smallest_fatal_sets(mask, limit=failures.FATAL_SETS_SHOWN),
+        fatal_sets_total=failures.count_smallest_fatal_sets(mask),
     )

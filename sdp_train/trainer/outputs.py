@@ -58,6 +58,11 @@ def mask_lines(mask: Mask, report: MaskReport) -> list[str]:
         width = len(str(mask.workers - 1))
         lines += [f"  worker {k:>{width}}: {''.join('1' if x else '0' for x in row)}"
                   for k, row in enumerate(mask.matrix.tolist())]
+    f = report.failures_survived
+    lines.append(f"  redundancy (a property of the mask): every block keeps a holder after any {f} simultaneous worker "
+                 f"loss{'es' * (f != 1)} (min coverage - 1); fatal: {report.fatal_sets_text}; continuing without "
+                 "rollback is not built: a lost worker stops the run or, with --max-restarts, restarts it from the last "
+                 "checkpoint (RELIABILITY.md)")
     lines.append(f"  certificate (properties of the mask, not guarantees for this run: no theorem covers AdamW, warm-up, "
                  f"cosine decay or clipping): masking error {report.masking_error:.4g}, variance inflation "
                  f"{report.variance_inflation:.4g}, spectral gap {report.spectral_gap:.4g} of at most "

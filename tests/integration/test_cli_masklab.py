@@ -46,6 +46,24 @@ def test_design_out_then_inspect_gives_the_same_certificate(tmp_path, capsys):
     assert load_mask(out).schedule.every == 4
 
 
+def test_design_tolerate_survives_f_losses_and_inspect_reports_the_fatal_sets(tmp_path, capsys):
+    out = tmp_path / "mask.json"
+    designed = _run_json(capsys, ["design", "-K", "8", "-B", "8", "--tolerate", "2", "--out", str(out), "--json"])
+    assert designed["coverage_min"] == 3 and designed["failures_survived"] == 2
+    assert designed["fatal_sets_total"] == len(designed["fatal_sets"]) == 8  # 8 distinct holder sets of 3
+    assert _run_json(capsys, ["inspect", str(out), "--json"]) == designed
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "failures survived" in text and "(8 sets of 3 workers)" in text
+
+
+def test_design_costs_tolerate_sets_the_min_coverage_or_refuses_a_lower_one(capsys, costs_file):
+    report = _run_json(capsys, ["design", "--costs", str(costs_file), "-K", "6", "--tolerate", "2", "--json"])
+    assert report["failures_survived"] >= 2
+    assert main(["design", "--costs", str(costs_file), "-K", "6", "--tolerate", "2", "--min-coverage", "2"]) == 2
+    assert "--tolerate 2 needs every block on at least 3 workers, but --min-coverage is 2" in capsys.readouterr().err
+
+
 def test_design_plot_writes_a_png(tmp_path, capsys):
     png = tmp_path / "mask.png"
     assert main(["design", "-K", "6", "-B", "9", "--coverage", "2", "--plot", str(png)]) == 0
@@ -68,6 +86,9 @@ def test_design_plot_writes_a_png(tmp_path, capsys):
         (["design", "-K", "4", "-B", "4", "--coverage", "2", "--every", "0"], "every=0"),
         (["design", "-K", "4", "-B", "4", "--coverage", "2", "--plot", "x.jpg"], ".png"),
         (["inspect", "/nonexistent/mask.json"], "no such mask file"),
+        (["design", "-K", "8", "-B", "8", "--active", "0.25", "--tolerate", "2"],
+         "tolerate=2 needs every block on at least 3 workers, but active=0.25 gives coverage 2 of K=8"),
+        (["design", "-K", "4", "-B", "4", "--tolerate", "4"], "tolerate=4 is impossible with K=4 workers"),
     ],
 )
 def test_bad_arguments_exit_non_zero_with_one_clear_line(capsys, tmp_path, monkeypatch, argv, message):
