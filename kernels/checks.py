@@ -109,8 +109,11 @@ def prepare_pack_out(
     scale: torch.Tensor | None,
     out_dtype: torch.dtype | None,
     partials: torch.Tensor | None = None,
+    *,
+    aliasing: bool = True,
 ) -> torch.Tensor:
-    """Run every check of `pack`; return `out`, allocated when None."""
+    """Run every check of `pack`; return `out`, allocated when None. ``aliasing=False`` leaves
+    `check_no_aliasing` to the caller (`kernels.triton_ops` runs it once per address set)."""
     dtype = check_tensors(tensors, layout)
     check_scale(scale, layout)
     check_partials(partials, layout)
@@ -118,13 +121,14 @@ def prepare_pack_out(
         raise KernelInputError(f"out_dtype={out_dtype} is not supported: {SUPPORTED_DTYPES}")
     if out is None:
         out = torch.empty(layout.total_numel, dtype=out_dtype or dtype, device=layout.device)
-        if partials is not None:
+        if partials is not None and aliasing:
             check_no_aliasing(out, tensors, "out", partials)
         return out
     check_buffer(out, layout, "out")
     if out_dtype is not None and out.dtype != out_dtype:
         raise KernelInputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-    check_no_aliasing(out, tensors, "out", partials)
+    if aliasing:
+        check_no_aliasing(out, tensors, "out", partials)
     return out
 
 
@@ -135,15 +139,18 @@ def check_unpack(
     mode: str,
     scale: torch.Tensor | None,
     partials: torch.Tensor | None = None,
+    *,
+    aliasing: bool = True,
 ) -> None:
-    """Run every check of `unpack`."""
+    """Run every check of `unpack` (``aliasing=False``: all but `check_no_aliasing`)."""
     if mode not in UNPACK_MODES:
         raise KernelInputError(f"mode={mode!r} is not one of {UNPACK_MODES}")
     check_tensors(tensors, layout)
     check_scale(scale, layout)
     check_partials(partials, layout)
     check_buffer(buffer, layout, "buffer")
-    check_no_aliasing(buffer, tensors, "buffer", partials)
+    if aliasing:
+        check_no_aliasing(buffer, tensors, "buffer", partials)
 
 
 def average_scales(layout: BucketLayout, divide: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,8 @@ MAX_BLOCK_SIZE = 2**14
 # Address sets whose pointer table a layout keeps: set_to_none and the caching allocator give one to
 # three in a steady state; more than that reuploads (a small copy that does not block).
 POINTER_TABLES_PER_LAYOUT = 8
+# Launch plans a layout keeps (`BucketLayout.launch_plan`): one per operation (pack, unpack, a norm) and address set.
+LAUNCH_PLANS_PER_LAYOUT = 3 * POINTER_TABLES_PER_LAYOUT
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -253,6 +255,7 @@ class BucketLayout:
         self.total_numel = offset
         self._build_metadata()
         self._pointer_tables: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._launch_plans: OrderedDict[tuple, Any] = OrderedDict()
 
     def _build_metadata(self) -> None:
         key = (self.device, self.block_size, self.shapes, self.gaps,
@@ -299,6 +302,19 @@ class BucketLayout:
         if len(self._pointer_tables) > POINTER_TABLES_PER_LAYOUT:
             self._pointer_tables.popitem(last=False)
         return table
+
+    def launch_plan(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()`` for a launch whose operands `key` describes, cached for the last
+        `LAUNCH_PLANS_PER_LAYOUT` keys (see `kernels.triton_ops`): a launch on operands the layout
+        has seen skips the checks and work whose outcome `key` determines."""
+        plan = self._launch_plans.get(key)
+        if plan is not None:
+            self._launch_plans.move_to_end(key)
+            return plan
+        plan = self._launch_plans[key] = build()
+        if len(self._launch_plans) > LAUNCH_PLANS_PER_LAYOUT:
+            self._launch_plans.popitem(last=False)
+        return plan
 
     def __repr__(self) -> str:
         kinds = {k: sum(s.kind == k for s in self.segments) for k in SEGMENT_KINDS}

@@ -13,7 +13,7 @@ writer (the layout rejects overlapping segments), so accumulate mode needs no at
 Compiled launches fix FP fusion off (``enable_fp_fusion=False``): a scaled accumulate is a float32
 multiply then add, rounded as in `kernels.reference`, whatever Triton's default. Aligned runs
 take the vector branch only when every tensor and the buffer are 16-byte aligned (checked on the
-host each launch; otherwise every run takes the scalar branch).
+host once per address set, see `_launch_plan`; otherwise every run takes the scalar branch).
 
 Whether the kernels run interpreted is fixed when this module is imported (Triton reads
 TRITON_INTERPRET when `@triton.jit` decorates), see `INTERPRETED`. Not handled here: input checks
@@ -275,6 +275,25 @@ def _options(layout: BucketLayout) -> dict[str, Any]:
     return dict(num_warps=num_warps_for(layout.block_size), enable_fp_fusion=False)
 
 
+def _launch_plan(tensors: Sequence[torch.Tensor], layout: BucketLayout, buffer: torch.Tensor, name: str,
+                 partials: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """(pointer table, compile-time constants and options) of a launch, after its aliasing check.
+
+    All three follow from the key alone: the operands' addresses, dtypes and the buffer's size (the
+    checks that run every launch fix the tensors' shapes and the partials' size). So they are
+    cached per layout and key (`BucketLayout.launch_plan`), and a steady-state step, whose
+    gradients come back at one of a few addresses, validates none of it again.
+    """
+    key = (tuple(t.data_ptr() for t in tensors), tensors[0].dtype if tensors else None, buffer.data_ptr(),
+           buffer.numel(), buffer.dtype, None if partials is None else partials.data_ptr())
+
+    def build() -> tuple[torch.Tensor, dict[str, Any]]:
+        check_no_aliasing(buffer, tensors, name, partials)
+        return layout.pointer_table(tensors), {**kernel_constexprs(tensors, layout, buffer), **_options(layout)}
+
+    return layout.launch_plan(key, build)
+
+
 def pack(
     tensors: Sequence[torch.Tensor],
     layout: BucketLayout,
@@ -286,14 +305,14 @@ def pack(
 ) -> torch.Tensor:
     """Fused gather of every segment of the bucket into ``out``, and the held slices' squared norm
     into `partials` if given; one launch. See `kernels.pack`."""
-    out = prepare_pack_out(out, tensors, layout, scale, out_dtype, partials)
+    out = prepare_pack_out(out, tensors, layout, scale, out_dtype, partials, aliasing=False)
+    pointers, constants = _launch_plan(tensors, layout, out, "out", partials)
     if layout.num_tiles:
         _pack_kernel[(layout.num_tiles,)](
-            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
+            pointers, layout.descriptors, layout.column_offsets,
             layout.inverse_coverage if scale is None else scale, out, partials,
             SRC_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None,
-            OP=OP_PACK if partials is None else OP_PACK_NORM,
-            **kernel_constexprs(tensors, layout, out), **_options(layout),
+            OP=OP_PACK if partials is None else OP_PACK_NORM, **constants,
         )
     return out
 
@@ -309,14 +328,14 @@ def unpack(
 ) -> None:
     """Fused scatter of ``buffer`` into every segment of the bucket, and the squared norm of what it
     wrote into `partials` if given; one launch. See `kernels.unpack`."""
-    check_unpack(buffer, tensors, layout, mode, scale, partials)
+    check_unpack(buffer, tensors, layout, mode, scale, partials, aliasing=False)
+    pointers, constants = _launch_plan(tensors, layout, buffer, "buffer", partials)
     if layout.num_data_tiles:
         _unpack_kernel[(layout.num_data_tiles,)](
-            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets,
+            pointers, layout.descriptors, layout.column_offsets,
             layout.inverse_coverage if scale is None else scale, buffer, partials,
             DST_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None, ACCUMULATE=mode == "accumulate",
-            OP=OP_UNPACK if partials is None else OP_UNPACK_NORM,
-            **kernel_constexprs(tensors, layout, buffer), **_options(layout),
+            OP=OP_UNPACK if partials is None else OP_UNPACK_NORM, **constants,
         )
 
 
@@ -325,13 +344,12 @@ def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, parti
     `partials`, one sum). See `kernels.squared_norm`."""
     check_tensors(tensors, layout)
     check_partials(partials, layout)
-    if partials is not None:
-        check_no_aliasing(partials, tensors, "partials")
     out = torch.empty(layout.num_data_tiles, dtype=torch.float32, device=layout.device) if partials is None else partials
+    pointers, constants = _launch_plan(tensors, layout, out, "partials")
     if layout.num_data_tiles:
         _squared_norm_kernel[(layout.num_data_tiles,)](
-            layout.pointer_table(tensors), layout.descriptors, layout.column_offsets, out,
-            DTYPE=_TL_DTYPES[tensors[0].dtype], **kernel_constexprs(tensors, layout, out), **_options(layout),
+            pointers, layout.descriptors, layout.column_offsets, out,
+            DTYPE=_TL_DTYPES[tensors[0].dtype], **constants,
         )
     return out.sum() if partials is None else partials
 

@@ -90,6 +90,24 @@ def test_buffer_overlapping_a_tensor_in_memory_is_rejected(backend):
         unpack(storage[22:50], [weight, storage[10:22].view(4, 3)], BucketLayout([(4, 3), (4, 3)], device=DEVICE), backend=backend)
 
 
+def test_a_cached_launch_plan_never_lets_an_overlapping_buffer_or_partials_through():
+    # Triton checks aliasing once per operand key (addresses, dtypes, buffer length): the same
+    # addresses with a longer buffer, or partials elsewhere, are new keys and are checked again.
+    storage = torch.zeros(64, device=DEVICE)
+    weight = storage[20:32].view(4, 3)
+    layout = BucketLayout([(4, 3)], device=DEVICE)
+    partials = storage[40:40 + layout.num_norm_partials]
+    for _ in range(2):
+        pack([weight], layout, storage[8:20], partials=partials, backend="triton")
+        unpack(storage[8:20], [weight], layout, partials=partials, backend="triton")
+    with pytest.raises(KernelInputError, match=r"out \(bytes .* and tensor 0 .*overlap in memory"):
+        pack([weight], layout, storage[8:28], partials=partials, backend="triton")
+    with pytest.raises(KernelInputError, match=r"buffer \(bytes .* and tensor 0 .*overlap in memory"):
+        unpack(storage[8:28], [weight], layout, partials=partials, backend="triton")
+    with pytest.raises(KernelInputError, match=r"tensor 0 .* and partials .*overlap in memory"):
+        unpack(storage[8:20], [weight], layout, partials=storage[30:30 + layout.num_norm_partials], backend="triton")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_mode_divide_or_scale_is_rejected(bucket, backend):
     tensors, layout = bucket

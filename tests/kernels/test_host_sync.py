@@ -75,6 +75,21 @@ def test_steady_state_steps_with_alternating_gradient_addresses_never_sync_or_up
         assert launches == ["_pack_kernel", "_unpack_kernel", "_squared_norm_kernel"] * 6
 
 
+def test_steady_state_launches_check_aliasing_once_per_address_set(monkeypatch):
+    layout = BucketLayout(SHAPES, SPECS, device=DEVICE)
+    buffer = torch.empty(layout.total_numel, device=DEVICE)
+    partials = torch.zeros(2 * layout.num_norm_partials, device=DEVICE)
+    sets = [make_tensors(SHAPES, torch.float32, seed) for seed in range(6)]
+    checked = []
+    original = triton_ops.check_no_aliasing
+    monkeypatch.setattr(triton_ops, "check_no_aliasing", lambda *a, **k: checked.append(1) or original(*a, **k))
+    with recorded_launches() as launches:
+        for step in range(6):
+            _step(sets[step % 3], sets[3 + step % 3], layout, buffer, partials, "triton")
+    # pack, unpack and squared_norm on each of the three address sets: checked in the first three steps only
+    assert len(checked) == 9 and len(launches) == 18
+
+
 def test_a_layout_uploads_its_metadata_in_one_copy_and_an_identical_live_one_in_none():
     with HostSyncDetector(forbid=False) as detector:
         first = BucketLayout(SHAPES, SPECS, device=DEVICE)
