@@ -1,0 +1,208 @@
+"""A mask change on this worker: blocks gained and dropped, MLPs re-cut, optimizer state moved.
+
+`MaskChanges` makes the change `SubnetworkDataParallel`'s `Rounds` says is due, with the moves of
+`sdp_train.parallel.schedule`, and leaves the gradients' synchronisation to the wrapper's sync.
+Not here: when a change is due (`sdp_train.parallel.rounds`), how tensors and state are sent
+(`sdp_train.parallel.schedule`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from sdp_train.parallel import clip_guard
+from sdp_train.parallel.blockmap import SliceSpec, owned_parameters, owned_state
+from sdp_train.parallel.masking import ModelLayout, drop_blocks
+from sdp_train.parallel.parts import apply_checkpointing
+from sdp_train.parallel.schedule import OptimizerPlaces, gain_block, move_optimizer_state, recut_neurons, send_blocks
+from sdp_train.parallel.sync import holder_set_groups
+from sdp_train.parallel.wire import ByteCount
+
+
+class MaskChanges:
+    """Changes of this worker's part of `module` (cut by `masking` at `layout`'s level) from one round's
+    mask to the next; `watch_clipping` says whether new parameters join `clip_guard`'s watch."""
+
+    def __init__(self, module: nn.Module, layout: ModelLayout, rank: int, world_size: int, device: torch.device, *,
+                 masking: str, activation_checkpointing: bool, watch_clipping: bool) -> None:
+        self.module, self.layout, self.rank, self.world_size, self.device = module, layout, rank, world_size, device
+        self.moves_blocks = masking == "forward" and layout.level == "block"
+        self.recuts = masking == "forward" and layout.level == "neuron"
+        self.activation_checkpointing, self.watch_clipping = activation_checkpointing, watch_clipping
+        self.bytes = ByteCount()
+        """Bytes of the optimizer state (and blocks) moved, apart from gradient traffic."""
+        self._optimizers: list[weakref.ref] = []
+        self._places = OptimizerPlaces()  # forward masking under a schedule: where gained parameters go
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, *, scheduled: bool) -> None:
+        """Move `optimizer`'s state at changes (and, with forward masking, give it gained parameters)."""
+        self._optimizers.append(weakref.ref(optimizer))
+        if (self.moves_blocks or self.recuts) and scheduled:
+            self._places.add(optimizer, self.module, self.world_size)
+
+    def enter(self, old_matrix: np.ndarray, matrix: np.ndarray, old_held: Sequence[dict[str, SliceSpec]],
+              new_held: Sequence[dict[str, SliceSpec]], local_index: dict[str, SliceSpec], *,
+              move_state: bool) -> tuple[list[torch.Tensor], dict[str, SliceSpec]]:
+        """Change this worker's part from `old_matrix`'s round to `matrix`'s (every rank calls it); on
+        resume (not `move_state`) only the shapes change and the loaded state fills them. Returns the
+        parameters that left the part and the new `local_index`; requires_grad follows the new mask."""
+        optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
+        old_rows, new_rows = old_matrix.astype(bool), matrix.astype(bool)
+        if self.recuts:
+            retired = recut_neurons(self.module, self.layout, old_rows, new_rows, self.rank, optimizers,
+                                    self.bytes, send=move_state)
+            if self.watch_clipping:
+                clip_guard.watch(self.module.parameters())
+        elif self.moves_blocks:
+            retired = self._move_blocks(old_rows, new_rows, old_held, new_held, optimizers, move_state)
+        else:
+            retired = []
+            if move_state:
+                move_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
+                                     self.rank, self.bytes)
+        held = new_held[self.rank]
+        for name, param in self.module.named_parameters():
+            param.requires_grad_(name in held)
+            if name not in held:
+                param.grad = None
+        return retired, (dict(held) if self.moves_blocks or self.recuts else local_index)
+
+    def _move_blocks(self, old_rows: np.ndarray, new_rows: np.ndarray, old_held, new_held,
+                     optimizers: list[torch.optim.Optimizer], move_state: bool) -> list[torch.Tensor]:
+        """Build the blocks this worker gains, receive their values and optimizer state (`move_state`),
+        free those it drops."""
+        blocks = self.layout.blocks
+        gained = [b for j, b in enumerate(blocks) if new_rows[self.rank, j] and not old_rows[self.rank, j]]
+        dropped = [b for j, b in enumerate(blocks) if old_rows[self.rank, j] and not new_rows[self.rank, j]]
+        for name in gained:  # a block's shared children (a shortcut) stay as they are: every worker holds them
+            block = gain_block(self.module, name, self.device)
+            if self.activation_checkpointing:
+                apply_checkpointing([block])
+            owned = dict(owned_parameters(block))
+            self._places.insert({f"{name}.{n}": p for n, p in owned.items()}, self.module)
+            if self.watch_clipping:
+                clip_guard.watch(owned.values())
+        if move_state:
+            send_blocks(self.module, blocks, old_rows, new_rows, self.rank, self.device, self.bytes)
+            move_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
+                                 self.rank, self.bytes)
+        retired: list[torch.Tensor] = []
+        for name in dropped:
+            block = self.module.get_submodule(name)
+            params = [p for _, p in owned_parameters(block)]
+            self._places.remove(params)
+            for param in params:
+                param.grad = None
+            retired += params
+            block.__dict__.pop("forward", None)  # activation checkpointing's wrapper, if any
+            tensors = [t for _, t in owned_state(block)]
+            drop_blocks(self.module, [name], np.zeros(1, dtype=bool))  # the module keeps meta copies
+            for tensor in tensors:  # free the memory even where something else still holds the tensor
+                if not tensor.is_meta:
+                    tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return retired
+
+
+class RoundsMixin:
+    """A `SubnetworkDataParallel`'s steps and rounds: what follows each optimizer step (the sync's
+    broadcasts or averages) and the mask changes its `Rounds` makes due (with its `MaskChanges`)."""
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer, *, hook: bool = True) -> None:
+        """Backward masking: after each ``optimizer.step()``, send held blocks' new values to the others
+        and, under a schedule, count the step that fixes the round (`step_done`; the mask changes when
+        the next step begins, `enter_next_round`).
+
+        With ``hook=False`` nothing is registered on `optimizer`: call `step_done` yourself after
+        each step (``sdp train`` does, so that its memory meter, which files what a step allocates as
+        optimizer state, sees the broadcast's buffers as temporaries of their own). Under a schedule
+        the optimizer must step every parameter (build it over all of ``model.parameters()``): its
+        state moves to a block's new holders at a mask change.
+        """
+        if self._steps_matter and hook:
+            optimizer.register_step_post_hook(_weak_step_done(weakref.ref(self)))
+        self.changes.add_optimizer(optimizer, scheduled=not self.mask.schedule.is_static)
+        self.optimizers_registered += 1
+
+    def step_done(self) -> None:
+        """After each optimizer step (every rank): `broadcast_held`; with local steps, after every H-th
+        step, `average`; under a schedule, count the step. When it ends a round whose successor holds
+        other blocks, the change is due, and made when the next step begins (`enter_next_round`), so a
+        run's last step moves nothing for a round that never trains."""
+        if self.rounds.counts:
+            self.rounds.step_done()
+        self.sync.step_done(self.steps)
+
+    def enter_next_round(self) -> None:
+        """Make the mask change due since the last `step_done` (nothing when none is): the next
+        round's mask from now on (`sdp_train.parallel.schedule`). With forward masking the blocks a worker
+        gains are built and receive their parameters, buffers and optimizer state from their
+        lowest-ranked old holder, and the blocks it stops holding are freed (N-SDP: the MLPs are
+        re-cut); with backward masking only the optimizer state moves. The gradient averages, the
+        broadcasts and requires_grad follow the new mask.
+
+        A training ``forward`` (and `no_sync`) calls it, so a loop need not; call it yourself right
+        after `step_done` when another step follows to keep the change apart from the forward pass
+        (``sdp train`` does, for its memory meter). Every rank must call it (a collective when due).
+        """
+        matrix = self.rounds.take_due()
+        if matrix is not None:
+            self._enter_round(matrix, step=self.steps, move_state=True)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (counted under a schedule or with local steps)."""
+        return self.rounds.steps
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Local steps: replace every held tensor (block, neuron slice, shared tensor) by its average
+        over its holders in the mask in force, and the floating-point buffers likewise. Every rank
+        must call it (`step_done` does after every H-th step)."""
+        self.sync.average()
+
+    def schedule_state(self) -> dict[str, int]:
+        """``{"steps": optimizer steps taken}`` under a schedule or with local steps (it fixes the
+        round and the next average), ``{}`` otherwise: save it with each worker's model and
+        optimizer state. When a mask change is due (`enter_next_round`), the state is still the
+        round's that ended: ``"mask_step"`` then names a step of that round."""
+        return self.rounds.state()
+
+    def load_schedule_state(self, state: dict[str, int]) -> None:
+        """Continue from `schedule_state`; every rank calls it, after `register_optimizer` and *before*
+        loading this worker's model and optimizer state: with forward masking it rebuilds the
+        subnetwork of the saved round (blocks gained are empty until the state is loaded, and their
+        parameters join the optimizer's groups in the saved order)."""
+        saved = self.rounds.load(state, f"a {self.mask.schedule.kind!r} mask with local_steps={self.local_steps}")
+        if saved is not None:  # the state to be loaded is the saved round's
+            self._enter_round(saved[0], step=saved[1], move_state=False)
+
+    def _enter_round(self, matrix: np.ndarray, *, step: int, move_state: bool) -> None:
+        """Train under `matrix`, the mask of step `step`'s round, from now on (every rank calls it)."""
+        new_held = [self.layout.held(matrix[r]) for r in range(self.world_size)]
+        retired, self.local_index = self.changes.enter(self.rounds.matrix, matrix, self.held_by_rank, new_held,
+                                                       self.local_index, move_state=move_state)
+        self.held_by_rank = new_held
+        self.rounds.entered(matrix, step)
+        held = self._plan()
+        missing = sorted({p.holders for p in [*held.plans, *held.buffer_plans]} - set(self.groups))
+        if missing:  # every rank reaches this with the same sets (the schedule is computed, not sent)
+            made = holder_set_groups(missing, self.world_size, singletons=False) if self.world_size > 1 else {}
+            self.groups.update({h: None if len(h) == 1 else made.get(h) for h in missing})
+        self.sync.restart(held, retired)
+
+
+def _weak_step_done(wrapper: weakref.ref) -> Callable[..., None]:
+    """An optimizer step hook that calls the wrapper's `step_done` while the wrapper exists (weak, as
+    the gradient hooks are: an optimizer kept after the wrapper must not keep its groups alive)."""
+
+    def hook(*_) -> None:
+        alive = wrapper()
+        if alive is not None:
+            alive.step_done()
+
+    return hook
