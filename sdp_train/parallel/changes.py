@@ -1,9 +1,10 @@
-"""A mask change on this worker: blocks gained and dropped, MLPs re-cut, optimizer state moved.
+"""Between optimizer steps: the mask's rounds and their changes on this worker.
 
-`MaskChanges` makes the change `SubnetworkDataParallel`'s `Rounds` says is due, with the moves of
-`sdp_train.parallel.schedule`, and leaves the gradients' synchronisation to the wrapper's sync.
-Not here: when a change is due (`sdp_train.parallel.rounds`), how tensors and state are sent
-(`sdp_train.parallel.schedule`).
+`MaskChanges` makes the change `SubnetworkDataParallel`'s `Rounds` says is due (blocks gained and
+dropped, MLPs re-cut, optimizer state moved); `RoundsMixin` is the wrapper's API around it
+(``register_optimizer``, ``step_done``, ``enter_next_round``, the schedule state), after which the
+wrapper's sync restarts over the new buckets. Not here: when a change is due
+(`sdp_train.parallel.rounds`), how tensors and state are sent (`sdp_train.parallel.schedule`).
 """
 
 from __future__ import annotations

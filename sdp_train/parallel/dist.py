@@ -43,6 +43,13 @@ def get_dist_info() -> DistInfo:
     return DistInfo(0, 1, 0)
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This rank and the world size of the default group, ``(0, 1)`` without one (the library's view)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", get_dist_info().local_rank)

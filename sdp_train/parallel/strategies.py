@@ -71,9 +71,11 @@ class Sync:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients only."""
         yield
 
     def local_sq_norm(self, module: nn.Module, device: torch.device) -> torch.Tensor:
+        """This rank's share of the squared gradient norm (by default its own gradients' norm)."""
         return grads.squared_norm(grads.grads_of(module.parameters()), device)
 
     def step_done(self, steps: int) -> None:
@@ -90,6 +92,7 @@ class Sync:
 
     @property
     def bytes(self) -> ByteCount:
+        """Buffer and wire bytes of this sync's collectives so far."""
         return ByteCount()
 
     def close(self) -> None:

@@ -27,12 +27,14 @@ from torch import nn
 from masklab import Mask
 from sdp_train.errors import ConfigError
 from sdp_train.parallel import clip_guard, grads
-from sdp_train.parallel.blockmap import WHOLE, SliceSpec
+from sdp_train.parallel.blockmap import SliceSpec
 from sdp_train.parallel.changes import MaskChanges, RoundsMixin
+from sdp_train.parallel.cut import cut_subnetwork
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
+from sdp_train.parallel.dist import rank_and_world
 from sdp_train.parallel.fullmodel import FullModelMixin
-from sdp_train.parallel.masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
-from sdp_train.parallel.parts import apply_checkpointing, broadcast_from_holders, resolve_mask
+from sdp_train.parallel.masking import ModelLayout
+from sdp_train.parallel.parts import apply_checkpointing, broadcast_from_holders
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.strategies import Holdings, Sync, choose_sync
 from sdp_train.parallel.sync import SyncEngine, holder_set_groups, plan_buckets, unpin_default_group
@@ -107,27 +109,11 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
                  comm_dtype: torch.dtype | None = None, local_steps: int = 1) -> None:
         super().__init__()
         sync = _choose_sync(level, masking, fsdp, comm_dtype, local_steps)
-        rank, world_size = _rank_and_world()
-        # 1. blocks, the full model's layout and the mask (identical on every rank)
-        block_names = find_blocks(module, blocks)
-        layout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
-        mask = resolve_mask(mask, active, world_size, layout, seed=seed, schedules=sync.trains_schedules)
-        matrix = mask.round_matrix(0, seed=seed)  # a schedule's first round
-        held_by_rank = [layout.held(matrix[r]) for r in range(world_size)]
-        row = matrix[rank]
-        # 2. this worker's subnetwork (state-dict names stay the full model's)
-        if masking == "backward":
-            freeze_blocks(module, layout, row)
-            local_index: dict[str, SliceSpec] = {n: WHOLE for n in layout.tensors}
-        else:
-            if level == "block":
-                drop_blocks(module, block_names, row)
-            else:
-                slice_neurons(module, layout, row)
-            local_index = dict(held_by_rank[rank])
-        # 3. values: materialise a meta model, take the part of init_state (else agree among holders, in 4.)
-        device = _materialise(module, device, init, init_state is not None)
-        self._setup(module, layout, mask, held_by_rank, local_index, device, masking=masking,
+        # 1. to 3. (blocks, mask, this worker's subnetwork, materialised): `cut_subnetwork`
+        part = cut_subnetwork(module, mask=mask, active=active, blocks=blocks, level=level, masking=masking,
+                              neuron_groups=neuron_groups, mlp=mlp, seed=seed, init=init, device=device,
+                              has_init_state=init_state is not None, schedules=sync.trains_schedules)
+        self._setup(*part, masking=masking,
                     activation_checkpointing=activation_checkpointing, autocast_dtype=autocast_dtype,
                     init_state=init_state, values_agree=False, seed=seed, sync=sync,
                     options=(fsdp, comm_dtype, local_steps))
@@ -168,7 +154,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
                autocast_dtype: torch.dtype | None, init_state: Mapping[str, torch.Tensor] | None,
                values_agree: bool, seed: int, sync: Sync, options: tuple) -> None:
         """Steps 3 (values) to 5 (the sync), for a module already cut to this worker's part."""
-        self.rank, self.world_size = _rank_and_world()
+        self.rank, self.world_size = rank_and_world()
         sync.check(mask)
         self.sync = sync
         self.fsdp, self.comm_dtype, self.local_steps = options  # as given; `sync` is what they chose
@@ -344,40 +330,6 @@ def _choose_sync(level: str, masking: str, fsdp: bool, comm_dtype, local_steps: 
     if comm_dtype is not None and fsdp:
         raise ConfigError("comm_dtype applies to the sync engine; with fsdp=True FSDP's own buffers are used")
     return choose_sync(masking=masking, fsdp=fsdp, local_steps=local_steps, comm_dtype=comm_dtype)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _materialise(module: nn.Module, device, init, has_init_state: bool) -> torch.device:
-    tensors = list(module.parameters()) + list(module.buffers())
-    on_meta = any(t.is_meta for t in tensors)
-    if device is None:
-        if on_meta or not tensors:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        else:
-            device = tensors[0].device
-    device = torch.device(device)
-    if on_meta:
-        if init is None and not has_init_state:
-            raise ConfigError("the model is on the meta device: pass init_state= (a full state dict) or init= "
-                              "(a function that initialises its parameters and buffers)")
-        unsaved = sorted(set(dict(module.named_buffers())) - set(module.state_dict()))
-        if init is None and unsaved:  # e.g. Hugging Face's rotary inv_freq: no state dict carries them
-            raise ConfigError(f"the meta-device model has non-persistent buffers {unsaved[:3]} that init_state= "
-                              "cannot fill: pass init= to compute them, or build the model on a real device")
-        module.to_empty(device=device)
-        if init is not None:
-            init(module)
-    else:
-        module.to(device)
-        if init is not None:
-            init(module)
-    return device
-
 
 
 __all__ = ["MLPSpec", "SDP", "SubnetworkDataParallel", "find_blocks"]

@@ -38,6 +38,7 @@ from sdp_train.models import ModelConfig, block_map, build_model, model_class
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
 from sdp_train.parallel import grads
 from sdp_train.parallel.blockmap import on_meta
+from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
 from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.masking import ModelLayout, shared_inside
@@ -208,7 +209,7 @@ class SubnetworkSync(ModeSync):
     def norms(self, summed_sq: torch.Tensor, own_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stepwise: the averaged gradient's norm. Local steps: each worker trains its own subnetwork,
         so the root mean square of the workers' own norms, clipped by this worker's own."""
-        if self.sdp.local_steps == 1:
+        if self.sdp.sync.shared_norm:
             return super().norms(summed_sq, own_sq)
         return (summed_sq / self.info.world_size).sqrt(), own_sq
 
@@ -316,7 +317,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         torch.manual_seed(cfg.seed)
         model = mc.build(device).to(device)
     elif cfg.mode in ("bsdp", "nsdp") and not prep.mask.schedule.is_static:
-        # blocks move between workers: the full model on meta, cut by the wrapper (below), each dropped
+        # blocks move between workers: the full model on meta, cut by the library (below), each dropped
         # block a pass-through that keeps its meta copy for the worker that gains it later
         with on_meta():
             model = model_class(mc)(mc)
@@ -344,30 +345,25 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps, seed=cfg.seed)
         return OverlapSync(overlap, info)
     masking = "backward" if cfg.mode == "bbsdp" else "forward"
-    if user:
-        sdp = SubnetworkDataParallel(
-            model, mask=prep.mask, blocks=_blocks(model, prep), level=cfg.level, masking=masking,
-            neuron_groups=USER_NEURON_GROUPS, mlp=user_mlp(cfg), seed=cfg.seed, device=device,
-            activation_checkpointing=cfg.activation_checkpointing, fsdp=cfg.fsdp, local_steps=cfg.local_steps)
-        return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
-    if not prep.mask.schedule.is_static and masking == "forward":
-        # seeded values: B-SDP's equal the family path's; N-SDP's sliced tensors are drawn at their
-        # local shape, then each neuron group takes its lowest-ranked holder's values
-        sdp = SubnetworkDataParallel(
-            model, mask=prep.mask, blocks=list(block_map(mc).block_names("block")), seed=cfg.seed, device=device,
-            level=cfg.level, neuron_groups=getattr(mc, "neuron_groups", 1),
-            mlp=LLAMA_MLP if cfg.level == "neuron" else None,
-            init=lambda m: m.init_weights(cfg.seed), activation_checkpointing=cfg.activation_checkpointing,
-            local_steps=cfg.local_steps)
-        return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
-    rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
-    held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
+    library_cut = user or (not prep.mask.schedule.is_static and masking == "forward")
+    if library_cut:
+        # the full model, cut by the library; a family's seeded values: B-SDP's equal the family path's,
+        # N-SDP's sliced tensors are drawn at their local shape, then each neuron group takes its
+        # lowest-ranked holder's values (values_agree=False)
+        part = cut_subnetwork(
+            model, mask=prep.mask, blocks=_blocks(model, prep), level=cfg.level, masking=masking, seed=cfg.seed,
+            device=device, neuron_groups=USER_NEURON_GROUPS if user else getattr(mc, "neuron_groups", 1),
+            mlp=user_mlp(cfg) if user else LLAMA_MLP if cfg.level == "neuron" else None,
+            init=None if user else lambda m: m.init_weights(cfg.seed))
+    else:  # the family built this worker's part: every rank from the same seed, so holders agree
+        rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
+        held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
+        part = Subnetwork(model, family_layout(mc, cfg.level), prep.mask, held_by_rank, model.full_index(), device)
     sdp = SubnetworkDataParallel.from_subnetwork(
-        model, layout=family_layout(mc, cfg.level), mask=prep.mask, held_by_rank=held_by_rank,
-        local_index=model.full_index(), masking=masking, activation_checkpointing=cfg.activation_checkpointing,
-        fsdp=cfg.fsdp, values_agree=True, seed=cfg.seed,  # every rank built its part from the same seed
-        local_steps=cfg.local_steps)
-    return SubnetworkSync(sdp, model, info, fsdp=cfg.fsdp)
+        part.module, layout=part.layout, mask=part.mask, held_by_rank=part.held_by_rank,
+        local_index=part.local_index, masking=masking, activation_checkpointing=cfg.activation_checkpointing,
+        fsdp=cfg.fsdp, values_agree=not library_cut, seed=cfg.seed, local_steps=cfg.local_steps)
+    return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
 
 
 LLAMA_MLP = MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down")
