@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# The project's checks on a real GPU, in one run of under 8 minutes, everything written to $OUT.
+# The project's one check on a real GPU: under 7 minutes on one H100/H200 with a cold Triton cache.
 #
-#   OUT=/path/to/results PYTHONPATH=. scripts/gpu_check.sh [--dry-run] [--modes "ddp bsdp nsdp bbsdp"]
+#   OUT=/path/to/results PYTHONPATH=. scripts/gpu_check.sh [--dry-run] [--configs "ddp bsdp fsdp+ac bsdp+fsdp+ac"]
 #
 # For a GPU machine with torch and triton preinstalled and no internet, run from the checkout
-# (nothing is installed). Steps, each with its own time limit; one failing does not stop the
-# others, and steps.tsv records every exit status and duration:
-#   env          versions, nvidia-smi
-#   kernel_tests tests/kernels on the device: the compiled kernels bit-exact against the
-#                reference, dispatch, and the sm_90/sm_80 codegen contract
-#   bench        benchmarks/bench_kernels.py --quick, eager baselines (bench_kernels.json holds every row)
-#   train_MODE   a short `sdp train` of each mode: one process per mode on one device, or one
-#                rank per device (torch's elastic launcher, as torchrun) when there are several
-#   plan         `sdp plan` for the same model, workers, batch and sequence length
-#   memory       memory.md: measured peak per rank of each run against the plan's prediction
-#   bench_compiled  the benchmark's torch.compile baselines (bf16 buffers), in the time left
+# (nothing is installed). Every step has its own time limit, and the limits plus each one's kill
+# grace add up to at most the 420 s budget (the script refuses to start otherwise), so the run ends
+# in time even if every step hits its limit. One failing step does not stop the others; steps.tsv
+# records each one's exit status, duration and limit, and summary.md gathers every result:
+#   env           versions, nvidia-smi
+#   kernel_tests  tests/kernels on the device: the compiled kernels bit-exact against the reference,
+#                 the no-sync steady state under torch.cuda.set_sync_debug_mode("error"), dispatch
+#   bench         benchmarks/bench_kernels.py --quick: pack/unpack bandwidth against torch copies of the
+#                 same bytes and the eager baselines (bench_kernels.json holds every row)
+#   step_host     benchmarks/bench_step_host.py on the device: the sync engine's host time per step on
+#                 the llama-1b K=8 C=0.5 bucket plan, B-SDP and N-SDP, beside torch DDP's reducer
+#   sync_debug    scripts/sync_debug_steps.py: steps 3-5 of `sdp train`'s loop in every mode under
+#                 torch.cuda.set_sync_debug_mode("error")
+#   memory_CONFIG scripts/memory_ranks.py: per-rank peak memory of each configuration on llama-134m,
+#                 2 ranks sharing the GPU over gloo, measured by `sdp train`'s loop
+#   plan          `sdp plan` for the same model, ranks, batch and sequence length (plain, and --ac --fsdp)
+#   summary       summary.md: the steps, kernel bandwidth, host time, sync check, measured vs predicted memory
 # --dry-run runs every step on the CPU (TRITON_INTERPRET=1, CUDA hidden), small and short: it
 # proves the script works without a GPU (tests/kernels/test_gpu_check.py runs it).
-# Exit status: 0 if every step passed, 1 otherwise.
+# Exit status: 0 if every step passed, 1 otherwise, 2 for bad arguments or limits over the budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 dry_run=0
-modes="ddp bsdp nsdp bbsdp"
+configs="ddp bsdp fsdp+ac bsdp+fsdp+ac"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry_run=1 ;;
-        --modes) modes="$2"; shift ;;
+        --configs) configs="$2"; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -37,37 +43,58 @@ mkdir -p "$OUT"
 python=${PYTHON:-python}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=0  # the kernels set it per launch; this silences Triton's warning elsewhere
+# A cold Triton cache, as on a fresh machine: the limits must hold with every kernel compiled anew.
+TRITON_CACHE_DIR=$(mktemp -d)
+export TRITON_CACHE_DIR
+trap 'rm -rf "$TRITON_CACHE_DIR"' EXIT
+
+budget=420  # seconds: 7 minutes, the limits of every step and their kill grace included
+grace=5     # seconds between a step's TERM and its KILL
+# Limits in seconds, in run order; the memory steps share `memory_limit` each.
+declare -A limit=([env]=15 [kernel_tests]=65 [bench]=50 [step_host]=40 [sync_debug]=40 [plan]=25 [summary]=10)
+memory_limit=30
+read -r -a config_list <<< "$configs"
+total=$(( memory_limit * ${#config_list[@]} + (${#config_list[@]} + ${#limit[@]}) * grace ))
+for name in "${!limit[@]}"; do total=$(( total + limit[$name] )); done
+if [ "$total" -gt "$budget" ]; then
+    echo "gpu_check.sh: the step limits and kill grace add up to $total s, over the $budget s budget" >&2
+    exit 2
+fi
 
 if [ "$dry_run" = 1 ]; then
     export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 OMP_NUM_THREADS=1
-    device=cpu workers=1 steps=1 batch=2 seq=16
+    device=cpu
     test_args=(tests/kernels/test_dispatch.py)  # the suite runs the rest of tests/kernels on the CPU
     bench_args=(--device cpu --smoke --no-compile --buffer-dtype float32)
-    train_args=(--max-data-bytes 200000 --eval-batches 1)
-    train_env=(env TRITON_INTERPRET=0)  # the sync engine on the reference backend: interpreting it is slow
-    memory_per_device=8GiB
+    # the sync engine on the reference backend and the host-path benchmark need compiled (not interpreted) kernels
+    host_env=(env TRITON_INTERPRET=0)
+    step_host_args=(--device cpu --model llama-debug --workers 2 --steps 2 --shrink 1)
+    sync_args=(--device cpu --modes bsdp)
+    model=llama-debug batch=2 seq=16 memory_per_device=8GiB
+    memory_args=(--device cpu --max-data-bytes 200000 --steps 1)
 else
-    device=cuda steps=20 batch=8 seq=64
-    workers=$("$python" -c "import torch; print(torch.cuda.device_count())")
-    test_args=(tests/kernels)
+    device=cuda
+    test_args=(tests/kernels/test_pack_unpack.py tests/kernels/test_norms.py tests/kernels/test_host_sync.py
+               tests/kernels/test_errors.py tests/kernels/test_dispatch.py)
     bench_args=(--device cuda --quick)
-    train_args=(--eval-batches 2)
-    train_env=()
-    memory_per_device=$("$python" -c "import torch; print(torch.cuda.mem_get_info()[1])")
+    host_env=()
+    step_host_args=(--device cuda --steps 20)
+    sync_args=(--device cuda)
+    model=llama-134m batch=8 seq=256
+    memory_per_device=device  # the device's capacity, read inside the plan step (within its limit)
+    memory_args=(--device cuda --steps 2)
 fi
-printf 'step\texit\tseconds\n' > "$OUT/steps.tsv"
-SECONDS=0
-budget=470  # seconds: the whole run stays under 8 minutes
+printf 'step\texit\tseconds\tlimit\n' > "$OUT/steps.tsv"
 failed=0
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...: output in $OUT/NAME.txt, status in steps.tsv
-    local name=$1 limit=$2 start rc
+    local name=$1 seconds=$2 start rc
     shift 2
     start=$(date +%s)
-    echo "== $name: $*"
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "== $name (limit ${seconds} s): $*"
+    timeout --kill-after="$grace" "$seconds" "$@" > "$OUT/$name.txt" 2>&1
     rc=$?
-    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" >> "$OUT/steps.tsv"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$seconds" >> "$OUT/steps.tsv"
     if [ "$rc" != 0 ]; then
         failed=1
         echo "   failed (exit $rc), last lines of $OUT/$name.txt:"
@@ -83,54 +110,32 @@ environment() {
     git log -1 --format="commit %H %s" 2>/dev/null || true
 }
 
-export python
-export -f environment
-step env 30 bash -c environment
-step kernel_tests 160 "$python" -m pytest "${test_args[@]}" -q -p no:cacheprovider \
-    --ignore=tests/kernels/test_gpu_check.py --junitxml="$OUT/kernel_tests.xml"
-step bench 90 "$python" -u benchmarks/bench_kernels.py "${bench_args[@]}" --no-compile --json "$OUT/bench_kernels.json"
-for mode in $modes; do
-    step "train_$mode" 40 ${train_env[@]+"${train_env[@]}"} "$python" -m sdp_train.cli train --mode "$mode" --workers "$workers" --steps "$steps" \
-        --batch-size "$batch" --seq-len "$seq" --out "$OUT/train/$mode" "${train_args[@]}"
-done
-step plan 30 "$python" -m sdp_train.cli plan --model llama-debug --workers "$workers" --memory-per-device "$memory_per_device" \
-    --batch-size "$batch" --seq-len "$seq" --device "$device" --json
-step memory 20 "$python" - "$OUT" "$device" << 'EOF'
-"""memory.md: each run's measured peak per rank against `sdp plan`'s prediction for its mode and C."""
-import json, sys
-from pathlib import Path
+plans() {  # the plain plan (DDP, FSDP, B-SDP, ...) and the one with --ac --fsdp (FSDP+AC, B-SDP+FSDP+AC, ...)
+    local capacity=$memory_per_device
+    if [ "$capacity" = device ]; then capacity=$("$python" -c "import torch; print(torch.cuda.mem_get_info()[1])") || return; fi
+    local common=(--model "$model" --workers 2 --memory-per-device "$capacity" --batch-size "$batch"
+                  --seq-len "$seq" --device "$device" --active 0.5 --json)
+    "$python" -m sdp_train.cli plan "${common[@]}" > "$OUT/plan.json" &
+    "$python" -m sdp_train.cli plan "${common[@]}" --ac --fsdp > "$OUT/plan_ac.json" || return
+    wait $!
+}
 
-out, device = Path(sys.argv[1]), sys.argv[2]
-text = (out / "plan.txt").read_text()
-plan = json.loads(text[text.index("["):])
-lines = [f"# Measured vs predicted peak memory per rank ({device})", "",
-         "| mode | C | ranks | measured max MiB | predicted MiB | measured / predicted |", "|---|---|---|---|---|---|"]
-missing = []
-for summary in sorted(out.glob("train/*/summary.json")):
-    s = json.loads(summary.read_text())
-    mode, active = s["config"]["mode"], s["config"]["active"] or 1.0
-    rows = [r for r in plan if r["mode"] == mode and not r.get("fsdp")] or [r for r in plan if r["mode"] == mode]
-    if not rows:
-        missing.append(mode)
-        continue
-    row = min(rows, key=lambda r: abs(r["active"] - (1.0 if mode == "ddp" else active)))
-    measured = max(r["total"] for r in s["peak_memory_bytes"])
-    predicted = row["total"] - row["communicators"]  # NCCL's memory is outside what the allocator reports
-    lines.append(f"| {mode} | {row['active']:g} | {s['world_size']} | {measured / 2**20:.1f} | {predicted / 2**20:.1f} "
-                 f"| {measured / predicted:.2f} |")
-(out / "memory.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-if missing or len(lines) == 4:
-    sys.exit(f"no prediction or no run for: {missing or 'every mode'}")
-EOF
-# Last, in whatever remains of the 8 minutes: the torch.compile baselines (each bucket compiles anew).
-remaining=$(( budget - SECONDS ))
-if [ "$dry_run" = 1 ] || [ "$remaining" -lt 30 ]; then
-    printf 'bench_compiled\tskipped\t0\n' >> "$OUT/steps.tsv"
-else
-    step bench_compiled "$remaining" "$python" -u benchmarks/bench_kernels.py "${bench_args[@]}" --buffer-dtype bfloat16 \
-        --json "$OUT/bench_kernels_compiled.json"
-fi
-echo "== done: $OUT/steps.tsv"
+export python OUT model memory_per_device batch seq device
+export -f environment plans
+step env "${limit[env]}" bash -c environment
+step kernel_tests "${limit[kernel_tests]}" "$python" -m pytest "${test_args[@]}" -q -p no:cacheprovider \
+    --junitxml="$OUT/kernel_tests.xml"
+step bench "${limit[bench]}" "$python" -u benchmarks/bench_kernels.py "${bench_args[@]}" --no-compile --json "$OUT/bench_kernels.json"
+step step_host "${limit[step_host]}" ${host_env[@]+"${host_env[@]}"} "$python" -u benchmarks/bench_step_host.py \
+    "${step_host_args[@]}" --json "$OUT/step_host.json"
+step sync_debug "${limit[sync_debug]}" ${host_env[@]+"${host_env[@]}"} "$python" -u scripts/sync_debug_steps.py "${sync_args[@]}"
+for config in "${config_list[@]}"; do
+    step "memory_$config" "$memory_limit" ${host_env[@]+"${host_env[@]}"} "$python" -u scripts/memory_ranks.py "$config" \
+        --out "$OUT/memory/$config" --model "$model" --workers 2 --batch-size "$batch" --seq-len "$seq" \
+        "${memory_args[@]}"
+done
+step plan "${limit[plan]}" bash -c plans
+step summary "${limit[summary]}" "$python" scripts/gpu_check_summary.py "$OUT" --device "$device" --model "$model"
+echo "== done: $OUT/summary.md"
 cat "$OUT/steps.tsv"
 exit "$failed"
