@@ -174,7 +174,10 @@ def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str],
         holders = tuple(int(k) for k in mask.holder_set(j))
         if rank in holders:
             block = module.get_submodule(name)
-            fully_shard(block, mesh=DeviceMesh.from_group(groups[holders], device.type))
+            group = groups[holders]
+            if group is None and dist.get_world_size() == 1:  # a one-rank world makes no groups: its own
+                group = dist.group.WORLD
+            fully_shard(block, mesh=DeviceMesh.from_group(group, device.type))
             without_backward_prefetch(block)
     fully_shard(module, mesh=world)
     without_backward_prefetch(module)

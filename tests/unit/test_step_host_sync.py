@@ -56,11 +56,14 @@ LIBRARY = {
     "backward": {"masking": "backward"},
     "local_steps": {"local_steps": 2},
     "comm_dtype": {"comm_dtype": torch.bfloat16},
+    "fsdp": {"fsdp": True},  # a one-rank world: its only holder set is the world
 }
 
 
 @pytest.mark.parametrize("case", LIBRARY)
-def test_library_steps_3_to_5_never_read_the_device_on_the_host(case):
+def test_library_steps_3_to_5_never_read_the_device_on_the_host(case, request):
+    if LIBRARY[case].get("fsdp"):
+        request.getfixturevalue("one_rank_group")  # FSDP needs a process group, one rank is enough
     options = LIBRARY[case]
     torch.manual_seed(0)
     columns = BLOCKS * options.get("neuron_groups", 1)
