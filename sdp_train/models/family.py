@@ -22,6 +22,7 @@ from torch import nn
 
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import BlockMap
+from sdp_train.parallel.discovery import MLPSpec
 
 DATA_KINDS: tuple[str, ...] = ("text", "images")
 
@@ -90,6 +91,8 @@ class ModelFamily:
     """``"text"`` (token ids in, next-token logits out) or ``"images"`` (images in, class logits out)."""
     activations: ActivationFn
     """The activation-memory model `sdp plan` uses for a (worker) model of this family."""
+    mlp: MLPSpec | None = None
+    """Each block's MLP projections, for N-SDP cut by the library (under a schedule); None: no N-SDP there."""
 
     def __post_init__(self) -> None:
         if self.data not in DATA_KINDS:

@@ -33,6 +33,7 @@ from sdp_train.parallel.blockmap import (
     on_meta,
     state_shapes,
 )
+from sdp_train.parallel.discovery import MLPSpec
 
 MLP_ROW_WEIGHTS: tuple[str, ...] = ("w_gate", "w_up")
 MLP_COL_WEIGHTS: tuple[str, ...] = ("w_down",)
@@ -357,4 +358,4 @@ def activations(model: Llama, frozen: frozenset[str], *, batch_size: int, seq_le
 
 FAMILY = ModelFamily(name="llama", config_class=LlamaConfig, model_class=Llama, presets=llama_configs,
                      num_params=num_params, block_map=block_map, subnet_kwargs=subnet_kwargs, data="text",
-                     activations=activations)
+                     activations=activations, mlp=MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down"))

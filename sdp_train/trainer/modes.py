@@ -34,12 +34,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp_train.errors import ConfigError
-from sdp_train.models import ModelConfig, block_map, build_model, model_class
+from sdp_train.models import ModelConfig, block_map, build_model, family_of, model_class
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
 from sdp_train.parallel import grads
 from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
-from sdp_train.parallel.discovery import MLPSpec, find_blocks
+from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.masking import ModelLayout, shared_inside
 from sdp_train.parallel.overlap import OverlapAveraging
@@ -363,7 +363,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         part = cut_subnetwork(
             model, mask=prep.mask, blocks=_blocks(model, prep), level=cfg.level, masking=masking, seed=cfg.seed,
             device=device, neuron_groups=USER_NEURON_GROUPS if user else getattr(mc, "neuron_groups", 1),
-            mlp=user_mlp(cfg) if user else LLAMA_MLP if cfg.level == "neuron" else None,
+            mlp=user_mlp(cfg) if user else family_of(mc).mlp if cfg.level == "neuron" else None,
             init=None if user else lambda m: m.init_weights(cfg.seed))
     else:  # the family built this worker's part: every rank from the same seed, so holders agree
         rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
@@ -375,9 +375,6 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         fsdp=cfg.fsdp, values_agree=not library_cut, seed=cfg.seed, local_steps=cfg.local_steps)
     return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
 
-
-LLAMA_MLP = MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down")
-"""The built-in LLaMA's MLP (N-SDP under a schedule cuts it through the library's generic path)."""
 
 
 def _blocks(model: nn.Module, prep: Any) -> list[str]:
