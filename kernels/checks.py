@@ -76,30 +76,26 @@ def check_no_aliasing(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], nam
 
 def check_scale(scale: torch.Tensor | None, layout: BucketLayout) -> None:
     """`scale` is None or a (n_segments,) float32 tensor on the layout's device."""
-    if scale is None:
-        return
-    expected = (len(layout.segments),)
-    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != expected or scale.dtype != torch.float32:
-        got = f"{scale.dtype} of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise KernelInputError(f"scale must be a float32 tensor of shape {expected} (one factor per segment), got {got}")
-    if scale.device != layout.device:
-        raise KernelInputError(f"scale is on {scale.device}, the layout is on {layout.device}")
-    if not scale.is_contiguous():
-        raise KernelInputError(f"scale must be contiguous, got strides {scale.stride()}")
+    _check_float32_vector("scale", scale, len(layout.segments), "one factor per segment", layout)
 
 
 def check_partials(partials: torch.Tensor | None, layout: BucketLayout) -> None:
     """`partials` is None or a 1-D contiguous float32 tensor of ``layout.num_norm_partials`` on the layout's device."""
-    if partials is None:
+    _check_float32_vector("partials", partials, layout.num_norm_partials, "layout.num_norm_partials", layout)
+
+
+def _check_float32_vector(name: str, t: torch.Tensor | None, length: int, meaning: str, layout: BucketLayout) -> None:
+    """`t` is None or a contiguous float32 tensor of shape ``(length,)`` on the layout's device."""
+    if t is None:
         return
-    expected = (layout.num_norm_partials,)
-    if not isinstance(partials, torch.Tensor) or tuple(partials.shape) != expected or partials.dtype != torch.float32:
-        got = f"{partials.dtype} of shape {tuple(partials.shape)}" if isinstance(partials, torch.Tensor) else type(partials).__name__
-        raise KernelInputError(f"partials must be a float32 tensor of shape {expected} (layout.num_norm_partials), got {got}")
-    if partials.device != layout.device:
-        raise KernelInputError(f"partials is on {partials.device}, the layout is on {layout.device}")
-    if not partials.is_contiguous():
-        raise KernelInputError(f"partials must be contiguous, got strides {partials.stride()}")
+    expected = (length,)
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected or t.dtype != torch.float32:
+        got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise KernelInputError(f"{name} must be a float32 tensor of shape {expected} ({meaning}), got {got}")
+    if t.device != layout.device:
+        raise KernelInputError(f"{name} is on {t.device}, the layout is on {layout.device}")
+    if not t.is_contiguous():
+        raise KernelInputError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
 def prepare_pack_out(
