@@ -276,10 +276,10 @@ def _bound_text(verification: dict[str, Any]) -> str:
 
 def flops_per_step(cfg: TrainConfig, mask) -> float:
     """Training FLOPs per step per rank (mean over ranks), by the dense estimate of the module doc."""
-    from sdp_train.models import get_model_config, model_class, num_params, subnet_kwargs
+    from sdp_train.models import data_kind, get_model_config, model_class, num_params, subnet_kwargs
 
     model_config = get_model_config(cfg.model, **cfg.model_overrides)
-    tokens = cfg.batch_size * (cfg.seq_len if hasattr(model_config, "vocab_size") else 1)
+    tokens = cfg.batch_size * (cfg.seq_len if data_kind(model_config) == "text" else 1)
     full = num_params(model_config)
     forwards = 2 if cfg.activation_checkpointing else 1
     if mask is None:

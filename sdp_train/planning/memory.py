@@ -49,7 +49,7 @@ from torch import nn
 
 from masklab import Mask, load_mask
 from sdp_train.errors import ConfigError
-from sdp_train.models import ModelConfig, block_map, get_model_config, model_class, subnet_kwargs
+from sdp_train.models import ModelConfig, block_map, data_kind, get_model_config, model_class, subnet_kwargs
 from sdp_train.models.subnet import check_held, held_tensors, residual_blocks
 from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.masking import shared_inside
@@ -297,7 +297,7 @@ def _model_config(model: str | ModelConfig, overrides: Mapping[str, Any] | None,
         if unknown:
             raise ConfigError(f"{model.name}: unknown config fields {unknown}")
     data: dict[str, Any] = {}
-    if not hasattr(base, "vocab_size"):
+    if data_kind(base) == "images":
         data["in_channels"] = 1 if image_size == 8 else 3
         if hasattr(base, "image_size"):
             data["image_size"] = image_size

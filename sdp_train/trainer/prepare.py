@@ -23,7 +23,7 @@ from masklab import Mask, Schedule, design, load_mask
 from sdp_train.data import DataConfig
 from sdp_train.data.text import token_beyond
 from sdp_train.errors import ConfigError
-from sdp_train.models import ModelConfig, block_map, get_model_config
+from sdp_train.models import ModelConfig, block_map, data_kind, get_model_config
 from sdp_train.models.llama import LlamaConfig
 from sdp_train.models.subnet import held_tensors
 from sdp_train.parallel.discovery import find_blocks
@@ -63,7 +63,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     if is_user_model(cfg.model):
         return _prepare_user_model(cfg)
     preset = get_model_config(cfg.model)
-    is_lm = hasattr(preset, "vocab_size")
+    is_lm = data_kind(preset) == "text"
     data = _data_config(cfg, is_lm)
     model_config = get_model_config(cfg.model, **{**_image_fields(preset, data), **cfg.model_overrides})
     if is_lm and cfg.seq_len > model_config.max_seq_len:

@@ -8,6 +8,7 @@ in a function body or a type annotation is still one (the review of 2026-12-03 f
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,14 @@ def test_importing_every_masklab_module_loads_neither_sdp_train_nor_theory():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_family_knowledge_stays_in_models():
+    """Outside `sdp_train.models` no module tells a family by its attributes or classes: it asks
+    `models.data_kind` and the family's own declarations (issue 31: ``hasattr(..., "vocab_size")``
+    in three places, ``isinstance(model, ResNet)`` and ``LLAMA_MLP`` outside `models/`)."""
+    probes = (r'hasattr\([^()]*, "vocab_size"\)', r"isinstance\([^()]*, ResNet\)", r"\bLLAMA_MLP\b")
+    found = sorted(f"{path.relative_to(ROOT)}: {probe}" for name, path in project_modules().items()
+                   if name.startswith("sdp_train.") and not name.startswith("sdp_train.models")
+                   for probe in probes if re.search(probe, path.read_text()))
+    assert found == []
