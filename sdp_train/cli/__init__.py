@@ -26,6 +26,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "sdp_train.cli.compare",
     "sdp_train.cli.plan",
     "sdp_train.cli.estimate",
+    "sdp_train.cli.data",
 )
 
 

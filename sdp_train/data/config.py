@@ -17,6 +17,7 @@ import torch
 
 from sdp_train.data.batches import Batches
 from sdp_train.data.images import ImageBatches, digits_split, load_cifar_batches, normalize
+from sdp_train.data.shards import DTYPES
 from sdp_train.data.text import TokenBatches, load_token_shard, stdlib_corpus
 from sdp_train.errors import ConfigError, DataError, DataFileError
 
@@ -40,9 +41,13 @@ class DataConfig:
     heterogeneous: bool = False
     """Shard by file (text) or by class (images) instead of interleaving: non-iid workers."""
     train_files: tuple[str, ...] = ()
-    """token-bin / cifar: training files (uint16 .bin shards / CIFAR pickles the user trusts)."""
+    """token-bin / cifar: training files (.bin token shards / CIFAR pickles the user trusts)."""
     val_files: tuple[str, ...] = ()
     """token-bin / cifar: validation files."""
+    token_dtype: str = "uint16"
+    """token-bin: the shards' id type, ``uint16`` or ``uint32`` (their ``shards.json``; uint16 without one)."""
+    token_vocab: int | None = None
+    """token-bin: the tokenizer's vocabulary size from ``shards.json``; None when unknown."""
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -54,6 +59,8 @@ class DataConfig:
         if isinstance(self.val_every, bool) or not isinstance(self.val_every, int) or self.val_every < 2:
             raise ConfigError(f"val_every must be an int >= 2, got {self.val_every!r}")
         self.train_files, self.val_files = tuple(map(str, self.train_files)), tuple(map(str, self.val_files))
+        if self.token_dtype not in DTYPES:
+            raise ConfigError(f"token_dtype {self.token_dtype!r} is not one of {', '.join(DTYPES)}")
         if self.dataset in ("token-bin", "cifar") and not self.train_files:
             raise ConfigError(f"dataset {self.dataset!r} needs train_files")
 
@@ -86,7 +93,7 @@ def _build(config: DataConfig, split: str, files: tuple[str, ...], *, seed: int,
         segments = stdlib_corpus(split=split, max_bytes=config.max_bytes, val_every=config.val_every)
         return TokenBatches(segments, seq_len=config.seq_len, **stream)
     if config.dataset == "token-bin":
-        return TokenBatches([load_token_shard(f) for f in files], seq_len=config.seq_len, **stream)
+        return TokenBatches([load_token_shard(f, config.token_dtype) for f in files], seq_len=config.seq_len, **stream)
     if config.dataset == "digits":
         images, labels = digits_split(split, val_every=config.val_every)
         return ImageBatches(images, labels, **stream)

@@ -1,4 +1,5 @@
-"""Language-modelling data: bytes of the Python standard library, and pre-tokenized ``.bin`` shards.
+"""Language-modelling data: bytes of the Python standard library, and pre-tokenized ``.bin`` shards
+(their format: `sdp_train.data.shards`).
 
 Both are lists of 1-D token arrays ("segments", one per file) cut into windows of ``seq_len + 1``
 tokens starting every ``seq_len`` tokens (a window never crosses files). A window gives inputs
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from sdp_train.data.batches import Batches, shard_items
+from sdp_train.data.shards import DTYPES
 from sdp_train.errors import ConfigError, DataError, DataFileError
 
 EXCLUDED_DIRS: frozenset[str] = frozenset({"site-packages", "dist-packages"})
@@ -61,36 +63,39 @@ def stdlib_corpus(*, split: str, max_bytes: int, val_every: int = 10) -> list[np
     return segments
 
 
-def load_token_shard(path: str | Path) -> np.ndarray:
-    """Memory-map a pre-tokenized shard: raw little-endian uint16 token ids, no header.
+def load_token_shard(path: str | Path, dtype: str = "uint16") -> np.ndarray:
+    """Memory-map a pre-tokenized shard: raw little-endian token ids of `dtype` (``uint16`` or
+    ``uint32``; `sdp_train.data.shards`), no header.
 
     Raises
     ------
     DataFileError
-        The path does not exist, is not a file, is empty or has an odd number of bytes.
+        The path does not exist, is not a file, is empty or not a whole number of ids.
     """
-    path = Path(path)
+    path, code = Path(path), DTYPES[dtype]
+    itemsize = np.dtype(code).itemsize
     try:
         if not path.is_file():
             raise DataFileError(f"token shard {path} does not exist or is not a file")
         size = path.stat().st_size
-        if size == 0 or size % 2:
-            raise DataFileError(f"token shard {path} has {size} bytes; a uint16 shard needs a positive even size")
-        return np.memmap(path, dtype="<u2", mode="r")
+        if size == 0 or size % itemsize:
+            raise DataFileError(f"token shard {path} has {size} bytes; a {dtype} shard needs a positive multiple "
+                                f"of {itemsize}")
+        return np.memmap(path, dtype=code, mode="r")
     except OSError as exc:  # unreadable, name too long, ...
         raise DataFileError(f"token shard {path} cannot be read: {exc.strerror or exc}") from None
 
 
-def token_beyond(paths: Sequence[str | Path], vocab_size: int) -> tuple[str, int, int] | None:
-    """The first token id >= `vocab_size` in the shards `paths`, as (path, position, id), or None.
+def token_beyond(paths: Sequence[str | Path], vocab_size: int, dtype: str = "uint16") -> tuple[str, int, int] | None:
+    """The first token id >= `vocab_size` in the shards `paths` of `dtype`, as (path, position, id), or None.
 
     One pass over each shard's memory map (the position is looked up only when there is one);
-    nothing to read when `vocab_size` exceeds every uint16 id.
+    nothing to read when `vocab_size` exceeds every id of `dtype`.
     """
-    if vocab_size > np.iinfo(np.uint16).max:
+    if vocab_size > np.iinfo(dtype).max:
         return None
     for path in paths:
-        shard = load_token_shard(path)
+        shard = load_token_shard(path, dtype)
         if int(shard.max()) >= vocab_size:
             position = int(np.argmax(shard >= vocab_size))
             return str(path), position, int(shard[position])
@@ -103,7 +108,7 @@ class TokenBatches(Batches):
     Parameters
     ----------
     segments : sequence of numpy.ndarray
-        1-D token arrays (uint8 bytes or uint16 ids), one per file, in file order.
+        1-D token arrays (uint8 bytes, uint16 or uint32 ids), one per file, in file order.
     seq_len : int
         T, tokens per input row.
     batch_size : int

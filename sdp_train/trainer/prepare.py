@@ -21,6 +21,7 @@ from torch import nn
 
 from masklab import Mask, Schedule, design, load_mask
 from sdp_train.data import DataConfig
+from sdp_train.data.shards import SIDECAR, ShardFormat, check_listed, read_format
 from sdp_train.data.text import token_beyond
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, data_kind, get_model_config
@@ -146,7 +147,7 @@ def _probe_user_model(cfg: TrainConfig, model: nn.Module, data: DataConfig) -> t
 def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: DataConfig) -> None:
     """Refuse a model whose inputs or outputs cannot match the data (else a crash at step 0 on every rank).
 
-    Token-bin shards are uint16 of an unknown tokenizer: their ids are scanned by `check_token_ids`,
+    Token-bin shards may be of another tokenizer: their ids are scanned by `check_token_ids`,
     once in the launching process rather than here, on every rank.
     """
     if data.dataset == "stdlib-bytes" and model_config.vocab_size < 256:
@@ -170,7 +171,8 @@ def _check_model_fits_data(cfg: TrainConfig, model_config: ModelConfig, data: Da
 
 
 def check_token_ids(prep: Prepared) -> None:
-    """Refuse ``bin:DIR`` shards holding a token id the model cannot embed, naming the shard and position.
+    """Refuse ``bin:DIR`` shards of a larger vocabulary than the model's (their ``shards.json``), or
+    holding a token id the model cannot embed, naming the shard and position.
 
     Else every rank would end in ``IndexError: index out of range in self`` at the first batch that
     holds one (GPT-2 ids on a 32,000-word model). One pass over each shard's memory map: the
@@ -180,7 +182,12 @@ def check_token_ids(prep: Prepared) -> None:
     vocab = getattr(prep.model_config, "vocab_size", None)
     if prep.data.dataset != "token-bin" or vocab is None:
         return
-    found = token_beyond((*prep.data.train_files, *prep.data.val_files), vocab)
+    if prep.data.token_vocab is not None and prep.data.token_vocab > vocab:
+        where = Path(prep.data.train_files[0]).parent / SIDECAR
+        raise ConfigError(f"data {prep.config.data!r} (--data): {where} says the shards hold ids of a "
+                          f"{prep.data.token_vocab}-id vocabulary; model {prep.config.model!r} embeds "
+                          f"{vocab} (vocab_size); give the model vocab_size >= {prep.data.token_vocab}")
+    found = token_beyond((*prep.data.train_files, *prep.data.val_files), vocab, prep.data.token_dtype)
     if found is not None:
         path, position, token = found
         raise ConfigError(f"data {prep.config.data!r} (--data): token id {token} at position {position} of {path} "
@@ -276,6 +283,7 @@ def _data_config(cfg: TrainConfig, is_lm: bool, *, any_kind: bool = False) -> Da
     kind, colon, where = cfg.data.partition(":")
     files: tuple[str, ...] = ()
     val: tuple[str, ...] = ()
+    shards = ShardFormat()
     if kind not in ("auto", "stdlib", "digits", "bin", "cifar"):
         raise ConfigError(f"data {cfg.data!r} (--data) is not one of {', '.join(DATA_SOURCES)}")
     if kind in ("auto", "stdlib", "digits") and colon:
@@ -301,7 +309,11 @@ def _data_config(cfg: TrainConfig, is_lm: bool, *, any_kind: bool = False) -> Da
         if not val:
             raise ConfigError(f"data {cfg.data!r}: no validation files "
                               f"({'val*.bin' if kind == 'token-bin' else 'test_batch'}) in {root}")
+        if kind == "token-bin":
+            shards = read_format(root)
+            check_listed(root, shards, (*files, *val))
     if (kind in ("stdlib-bytes", "token-bin")) != is_lm and not any_kind:
         raise ConfigError(f"data {cfg.data!r} does not fit model {cfg.model!r}")
     return DataConfig(dataset=kind, batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_bytes=cfg.max_data_bytes,
-                      heterogeneous=cfg.heterogeneous, train_files=files, val_files=val)
+                      heterogeneous=cfg.heterogeneous, train_files=files, val_files=val, token_dtype=shards.dtype,
+                      token_vocab=shards.vocab_size)
