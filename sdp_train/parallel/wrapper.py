@@ -16,6 +16,8 @@ assembling the full model (`sdp_train.parallel.export`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,6 +45,34 @@ from sdp_train.parallel.wire import ByteCount
 unpin_default_group()  # before any user group exists, or undoing what an earlier import pinned
 
 MASKINGS = ("forward", "backward")
+MODEL_ATTRIBUTES = ("config", "generation_config", "main_input_name", "accepts_loss_kwargs", "loss_type",
+                    "_keys_to_ignore_on_save", "name_or_path", "model_tags")
+"""Attributes the wrapper reads from the wrapped model when it has none of its own: those Hugging Face's
+Trainer and Accelerate read to find the inputs, the loss and the config (methods such as
+``save_pretrained`` and ``generate`` would act on this worker's part alone: `save_full` saves the model)."""
+
+
+class _ForwardWithModelSignature:
+    """The wrapper's ``forward``, bound with the wrapped model's signature for `inspect.signature`.
+
+    Hugging Face's Trainer keeps only the batch columns that ``inspect.signature(model.forward)``
+    names; ``forward(*args, **kwargs)`` names none. A fresh ``functools.partial`` per access carries
+    the signature without the wrapper holding a reference to itself (it stays freed when dropped).
+    """
+
+    def __init__(self, function) -> None:
+        self.function = function
+        functools.update_wrapper(self, function)
+
+    def __get__(self, wrapper, owner=None):
+        if wrapper is None:
+            return self.function
+        bound = functools.partial(self.function, wrapper)
+        signature = wrapper.__dict__.get("_forward_signature")
+        if signature is not None:
+            bound.__signature__ = signature
+        return bound
+
 
 class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
     """Wrap ``module`` so that this rank trains its subnetwork and averages each block among its holders.
@@ -186,6 +216,16 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         sync.start(held, every, mask, values_agree=values_agree)
         if watch_clipping:
             clip_guard.watch(module.parameters())
+        self._forward_signature = _signature_of(module)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if name in MODEL_ATTRIBUTES and module is not None:
+                return getattr(module, name)
+            raise
 
     def _plan(self) -> Holdings:
         """The buckets of the mask in force (parameters, and floating-point buffers: one per holder set)."""
@@ -210,6 +250,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         return self.changes.bytes
 
     # -- the training step ---------------------------------------------------------------------
+    @_ForwardWithModelSignature
     def forward(self, *args, **kwargs):
         if self.training and not self.optimizers_registered and self._steps_matter:
             raise ConfigError("backward masking sends each block's new values after the optimizer step, a "
@@ -307,6 +348,14 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
 
 SDP = SubnetworkDataParallel
 """Short name of `SubnetworkDataParallel`."""
+
+
+def _signature_of(module: nn.Module) -> inspect.Signature | None:
+    """The signature of ``module.forward``, or None where Python cannot tell it (a builtin)."""
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
 
 
 def _choose_sync(level: str, masking: str, fsdp: bool, comm_dtype, local_steps: int) -> Sync:

@@ -1,0 +1,82 @@
+"""What Hugging Face's Trainer reads on a `SubnetworkDataParallel` model, in one process (issue 28).
+
+The forward signature (Trainer keeps only the batch columns it names: with ``forward(*args,
+**kwargs)`` it dropped them all, ``The batch received was empty``) and the attributes it reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from sdp_train import SubnetworkDataParallel
+from sdp_train.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, features: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        for block in self.blocks:
+            features = block(features)
+        return scale * features
+
+
+@pytest.mark.parametrize("build", [tiny_llama, Net], ids=["llama", "custom"])
+def test_the_wrapper_forward_has_the_wrapped_model_signature(build):
+    model = build()
+    sdp = SubnetworkDataParallel(model, active=1.0)
+    assert inspect.signature(sdp.forward) == inspect.signature(model.forward)
+    assert inspect.signature(SubnetworkDataParallel.forward) != inspect.signature(model.forward)  # per instance
+
+
+def test_the_wrapper_still_calls_its_own_forward_with_the_model_arguments():
+    net = Net()
+    sdp = SubnetworkDataParallel(net, active=1.0)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(sdp(features=x, scale=2.0), net(x, scale=2.0))
+
+
+def test_the_wrapper_reads_the_attributes_a_trainer_reads_from_the_model_and_no_method():
+    llama = tiny_llama()
+    sdp = SubnetworkDataParallel(llama, active=1.0)
+    assert sdp.config is llama.config and sdp.generation_config is llama.generation_config
+    assert sdp.main_input_name == "input_ids" and sdp._keys_to_ignore_on_save == llama._keys_to_ignore_on_save
+    for name in ("save_pretrained", "generate", "vocab_size"):  # a worker's part alone: not the model's
+        with pytest.raises(AttributeError, match=name):
+            getattr(sdp, name)
+
+
+def test_trainer_keeps_the_columns_the_model_takes_and_drops_the_others(tmp_path):
+    pytest.importorskip("accelerate")
+    sdp = SubnetworkDataParallel(tiny_llama(), active=1.0)
+    ids = torch.arange(8)
+    data = [{"input_ids": ids, "labels": ids, "path": "a.py"}] * 4
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                                          use_cpu=True)
+    batch = next(iter(transformers.Trainer(model=sdp, args=args, train_dataset=data).get_train_dataloader()))
+    assert sorted(batch) == ["input_ids", "labels"]
+
