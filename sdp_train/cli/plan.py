@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"estimate per communicator that {COMMUNICATOR_BYTES_ENV} overrides")
     p.add_argument("--image-size", type=int, default=8,
                    help="vision models: image side (default 8, the digits sdp train uses; 32 for CIFAR)")
+    p.add_argument("--loss-chunks", type=int, default=_DEFAULTS.loss_chunks, metavar="N",
+                   help="language models: the head and loss computed N chunks of tokens at a time, never the full "
+                        f"logits; 0: the plain loss (default {_DEFAULTS.loss_chunks}, as sdp train)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--active {c} must lie in (0, 1]")
     rows = plan_systems(args.model, workers=args.workers, memory_per_device=budget, ac=args.ac, fsdp=args.fsdp,
                         actives=tuple(args.active), batch_size=args.batch_size, seq_len=args.seq_len,
-                        dtype=args.dtype, image_size=args.image_size, device=args.device)
+                        dtype=args.dtype, image_size=args.image_size, device=args.device,
+                        loss_chunks=args.loss_chunks)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -132,7 +136,7 @@ def _run_budgets(args: argparse.Namespace) -> int:
         raise ConfigError("--budgets designs a B-SDP mask without FSDP: leave out --fsdp")
     plan = plan_for_budgets(args.model, budgets=budgets, min_coverage=args.min_coverage, seed=args.seed, ac=args.ac,
                             batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-                            image_size=args.image_size, device=args.device)
+                            image_size=args.image_size, device=args.device, loss_chunks=args.loss_chunks)
     if args.mask_out is not None:
         save_mask(plan.mask, args.mask_out)
     if args.costs_out is not None:

@@ -32,7 +32,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
     "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--mlp": ("mlp", str), "--schedule": ("schedule", str),
-    "--every": ("every", int), "--local-steps": ("local_steps", int),
+    "--every": ("every", int), "--local-steps": ("local_steps", int), "--loss-chunks": ("loss_chunks", int),
 }
 _CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS}
 _SWITCHES = {  # flag -> (TrainConfig field, help)

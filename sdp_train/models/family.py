@@ -59,7 +59,8 @@ class ActivationModel:
 
 
 ActivationFn = Callable[..., ActivationModel]
-"""``activations(model, frozen, *, batch_size, seq_len, image_size, elem) -> ActivationModel``."""
+"""``activations(model, frozen, *, batch_size, seq_len, image_size, elem) -> ActivationModel``, and
+``loss_chunks`` for a family with ``chunked_loss``."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ class ModelFamily:
     """The activation-memory model `sdp plan` uses for a (worker) model of this family."""
     mlp: MLPSpec | None = None
     """Each block's MLP projections, for N-SDP cut by the library (under a schedule); None: no N-SDP there."""
+    chunked_loss: bool = False
+    """The model's ``forward(inputs, targets, loss_chunks=N)`` returns the mean cross-entropy, its head
+    computed N chunks of tokens at a time (`sdp_train.models.lm_loss`), and `activations` takes
+    ``loss_chunks`` (0: the plain loss over the full logits)."""
 
     def __post_init__(self) -> None:
         if self.data not in DATA_KINDS:

@@ -20,6 +20,7 @@ from torch import nn
 
 from sdp_train.errors import ConfigError
 from sdp_train.models.family import ActivationModel, BlockActivations, ModelFamily
+from sdp_train.models.lm_loss import chunked_cross_entropy
 from sdp_train.parallel.blockmap import (
     WHOLE,
     Block,
@@ -236,8 +237,13 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab_size) for int64 tokens (B, T); position t sees tokens <= t only."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
+        """Logits (B, T, vocab_size) for int64 tokens (B, T); position t sees tokens <= t only.
+
+        With ``targets`` (B, T) instead the mean next-token cross-entropy, the head computed
+        ``loss_chunks`` chunks of tokens at a time without ever holding the full logits
+        (`sdp_train.models.lm_loss.chunked_cross_entropy`).
+        """
         seq_len = tokens.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ConfigError(f"{self.config.name}: sequence length {seq_len} > max_seq_len {self.config.max_seq_len}")
@@ -245,6 +251,8 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, D)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if targets is not None:
+            return chunked_cross_entropy(self.norm(h), self.output.weight, targets, loss_chunks)
         return self.output(self.norm(h))
 
     def full_index(self) -> dict[str, SliceSpec]:
@@ -323,7 +331,7 @@ def subnet_kwargs(config: LlamaConfig, held: np.ndarray, level: str) -> dict[str
 
 
 def activations(model: Llama, frozen: frozenset[str], *, batch_size: int, seq_len: int, image_size: int,
-                elem: int) -> ActivationModel:
+                elem: int, loss_chunks: int = 0) -> ActivationModel:
     """Activation bytes of a (worker) `Llama` over ``batch_size`` x ``seq_len`` tokens (N tokens).
 
     Per token, in elements (d width, h the block's MLP width, H heads, V vocabulary): a block saves
@@ -335,6 +343,11 @@ def activations(model: Llama, frozen: frozenset[str], *, batch_size: int, seq_le
     the product input is already freed, plus the block's output gradient); frozen +3h + d; without
     MLP +5d (SDPA's q, k, v gradients). Head 2d + 1 + V (final norm, log-softmax), loss backward 2V;
     the RoPE tables and the int64 batch are constant.
+
+    With ``loss_chunks`` = c >= 1 (`sdp_train.models.lm_loss`), chunks of m = ceil(N / c) tokens: the
+    head keeps d + 1 per token of the final norm and the gradient of its output, d, which the loss
+    computes in forward, and the head weight's gradient, V d in all; while the loss runs, the norm's
+    output (N d) and one chunk's logits (m V) are alive besides: counted as the loss's backward.
     """
     c = model.config
     n = batch_size * seq_len
@@ -352,10 +365,16 @@ def activations(model: Llama, frozen: frozenset[str], *, batch_size: int, seq_le
         blocks.append(BlockActivations(name, n * saved * elem, n * d * elem, n * backward * elem, grad))
     rope = 2 * seq_len * c.head_dim * 4  # cos, sin: float32 (T, head_dim)
     batch = 2 * n * 8  # int64 tokens and targets
-    return ActivationModel(stem=n * d * elem, blocks=tuple(blocks), head=n * (2 * d + 1 + v) * elem,
-                           loss_backward=2 * n * v * elem, constant=rope + batch, head_prefixes=("norm.", "output."))
+    if loss_chunks:
+        head = (n * (2 * d + 1) + v * d) * elem
+        loss_backward = (n * d + -(-n // loss_chunks) * v) * elem
+    else:
+        head, loss_backward = n * (2 * d + 1 + v) * elem, 2 * n * v * elem
+    return ActivationModel(stem=n * d * elem, blocks=tuple(blocks), head=head, loss_backward=loss_backward,
+                           constant=rope + batch, head_prefixes=("norm.", "output."))
 
 
 FAMILY = ModelFamily(name="llama", config_class=LlamaConfig, model_class=Llama, presets=llama_configs,
                      num_params=num_params, block_map=block_map, subnet_kwargs=subnet_kwargs, data="text",
-                     activations=activations, mlp=MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down"))
+                     activations=activations, mlp=MLPSpec(("mlp.w_gate", "mlp.w_up"), "mlp.w_down"),
+                     chunked_loss=True)

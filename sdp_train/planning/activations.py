@@ -32,7 +32,7 @@ __all__ = ["ActivationModel", "BlockActivations", "activation_model"]
 
 
 def activation_model(model: nn.Module, frozen: frozenset[str], *, batch_size: int, seq_len: int,
-                     image_size: int, elem: int) -> ActivationModel:
+                     image_size: int, elem: int, loss_chunks: int = 0) -> ActivationModel:
     """The activation model of ``model`` (a worker's model, built on the meta device).
 
     Parameters
@@ -45,11 +45,17 @@ def activation_model(model: nn.Module, frozen: frozenset[str], *, batch_size: in
         Sequences (images) per worker, tokens per sequence, image side in pixels.
     elem : int
         Bytes per activation element.
+    loss_chunks : int
+        ``sdp train --loss-chunks``: a family with a chunked loss (``ModelFamily.chunked_loss``)
+        computes its head that many chunks of tokens at a time; 0, and the other families, hold
+        the full logits.
 
     Raises
     ------
     ConfigError
         ``model`` belongs to no registered family.
     """
-    return family_of_model(model).activations(model, frozen, batch_size=batch_size, seq_len=seq_len,
-                                              image_size=image_size, elem=elem)
+    family = family_of_model(model)
+    chunks = {"loss_chunks": loss_chunks} if family.chunked_loss else {}
+    return family.activations(model, frozen, batch_size=batch_size, seq_len=seq_len, image_size=image_size,
+                              elem=elem, **chunks)

@@ -32,14 +32,15 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig
 from sdp_train.planning.activations import activation_model
 from sdp_train.planning.memory import DTYPE_BYTES, STEP_BYTES, _block_map, _meta_model, _model_config, predict
+from sdp_train.trainer.config import TrainConfig
 
 STATE_ELEMENTS = 5  # parameter, gradient, two AdamW moments, the sync engine's bucket copy
 DESIGN_ROUNDS = 6
 
 
 def block_costs(model: str | ModelConfig, *, batch_size: int = 8, seq_len: int = 64, image_size: int = 8,
-                ac: bool = False, dtype: str = "float32",
-                model_overrides: Mapping[str, Any] | None = None) -> BlockCosts:
+                ac: bool = False, dtype: str = "float32", model_overrides: Mapping[str, Any] | None = None,
+                loss_chunks: int = TrainConfig.loss_chunks) -> BlockCosts:
     """Bytes that holding each residual block costs a B-SDP worker, and the bytes no mask removes.
 
     Parameters are `plan.predict`'s; with `ac` a block's activations are its input only.
@@ -59,7 +60,7 @@ def block_costs(model: str | ModelConfig, *, batch_size: int = 8, seq_len: int =
 
     def forward_bytes(row: np.ndarray) -> int:
         acts = activation_model(_meta_model(config, "block", row), frozenset(), batch_size=batch_size,
-                                seq_len=seq_len, image_size=image_size, elem=elem)
+                                seq_len=seq_len, image_size=image_size, elem=elem, loss_chunks=loss_chunks)
         return acts.forward_bytes(ac=ac)
 
     buffers = {n: b.numel() * b.element_size() for n, b in _meta_model(config, None, None).named_buffers()}
@@ -103,7 +104,8 @@ class BudgetPlan:
 def plan_for_budgets(model: str | ModelConfig, *, budgets: Sequence[int], min_coverage: int = 2,
                      seed: int = 0, ac: bool = False, batch_size: int = 8, seq_len: int = 64,
                      dtype: str = "float32", image_size: int = 8, device: str = "cpu",
-                     model_overrides: Mapping[str, Any] | None = None) -> BudgetPlan:
+                     model_overrides: Mapping[str, Any] | None = None,
+                     loss_chunks: int = TrainConfig.loss_chunks) -> BudgetPlan:
     """A B-SDP mask with every block held `min_coverage` times whose predicted peak fits each budget.
 
     Parameters
@@ -133,9 +135,10 @@ def plan_for_budgets(model: str | ModelConfig, *, budgets: Sequence[int], min_co
     K = len(budgets)
     budgets = tuple(per_worker("budgets", budgets, K, minimum=1))
     config = _model_config(model, model_overrides, image_size)
-    costs = block_costs(config, batch_size=batch_size, seq_len=seq_len, image_size=image_size, ac=ac, dtype=dtype)
+    costs = block_costs(config, batch_size=batch_size, seq_len=seq_len, image_size=image_size, ac=ac, dtype=dtype,
+                        loss_chunks=loss_chunks)
     kwargs = dict(mode="bsdp", workers=K, ac=ac, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
-                  image_size=image_size, device=device)
+                  image_size=image_size, device=device, loss_chunks=loss_chunks)
     slack = [0] * K  # what each rank's peak adds to its costs, learnt from the predictions
     for _ in range(DESIGN_ROUNDS):
         fixed = [costs.fixed_bytes + s for s in slack]

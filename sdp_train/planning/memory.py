@@ -129,7 +129,8 @@ class _Worker:
 def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float | None = 0.5, ac: bool = False,
             fsdp: bool = False, batch_size: int = 8, seq_len: int = 64, dtype: str = "float32",
             mask: Mask | str | Path | None = None, model_overrides: Mapping[str, Any] | None = None,
-            image_size: int = 8, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+            image_size: int = 8, seed: int = 0, device: str = "cpu",
+            loss_chunks: int = TrainConfig.loss_chunks) -> dict[str, Any]:
     """Predicted peak memory of the largest rank, in bytes, with its breakdown.
 
     Parameters
@@ -159,6 +160,9 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
     device : {"cpu", "cuda"}
         Where the ranks run: on ``"cuda"`` each rank's NCCL communicators are counted
         (`communicator_bytes` each), on ``"cpu"`` gloo's are not.
+    loss_chunks : int
+        ``sdp train --loss-chunks``: a language model computes its head and loss this many chunks
+        of tokens at a time (`sdp_train.models.lm_loss`); 0: over the full logits.
 
     Returns
     -------
@@ -190,7 +194,7 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
     # the same checks as `sdp train` (the mask itself is checked against the model below)
     TrainConfig(model=config.name, mode=mode, workers=workers, active=active if mask is None else None,
                 mask=None if mask is None else "given", batch_size=batch_size, seq_len=seq_len, fsdp=fsdp,
-                activation_checkpointing=ac, seed=seed)
+                activation_checkpointing=ac, seed=seed, loss_chunks=loss_chunks)
     if hasattr(config, "max_seq_len") and seq_len > config.max_seq_len:
         raise ConfigError(f"seq_len={seq_len} exceeds {config.name}'s max_seq_len={config.max_seq_len}")
     per_communicator = communicator_bytes(device)
@@ -199,7 +203,7 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
     held = _held(config, mode, matrix, workers)
     groups = process_group_holder_sets(config, mode, held, workers, fsdp=fsdp)
     results = [_predict_rank(_worker(config, mode, matrix, r, workers, fsdp), config, mode, matrix, workers, ac,
-                             elem, batch_size, seq_len, image_size)
+                             elem, batch_size, seq_len, image_size, loss_chunks)
                for r in range(workers if matrix is not None else 1)]
     for r, result in enumerate(results):  # the world's communicator, and one per holder-set group it is in
         count = 1 + sum(r in s for s in groups) if workers > 1 else 0
@@ -393,9 +397,9 @@ def _sharded(shape: tuple[int, ...], mesh: int) -> tuple[int, int]:
 
 
 def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray | None, workers: int, ac: bool,
-                  elem: int, batch_size: int, seq_len: int, image_size: int) -> dict[str, Any]:
+                  elem: int, batch_size: int, seq_len: int, image_size: int, loss_chunks: int) -> dict[str, Any]:
     acts = activation_model(w.model, w.frozen_blocks, batch_size=batch_size, seq_len=seq_len,
-                            image_size=image_size, elem=elem)
+                            image_size=image_size, elem=elem, loss_chunks=loss_chunks)
     block_of = {name: block for name, block in residual_blocks(w.model)}
     # SDP+FSDP shards a block's shared children (a shortcut) over every rank: counted with the root
     shared = tuple(f"{n}." for n in shared_inside(w.model, list(block_of))) if mode != "fsdp" else ()

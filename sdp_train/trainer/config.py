@@ -104,6 +104,10 @@ class TrainConfig:
     """Recompute each residual block's activations in backward (torch.utils.checkpoint), any mode."""
     fsdp: bool = False
     """B-SDP only: shard each held block among its holders with FSDP2 (SDP and FSDP savings multiply)."""
+    loss_chunks: int = 8
+    """Language models of the built-in families, every mode: compute the head and cross-entropy this many
+    chunks of tokens at a time, never holding the whole batch's logits (`sdp_train.models.lm_loss`);
+    0: the plain loss over the full logits. Same loss and gradients to float32 rounding."""
     memory_steps: int = 2
     """Steps (the first of this run, or after resuming) whose peak memory is measured and reported in
     summary.json; 0 disables. On CPU the tracker slows these steps ~10x."""
@@ -162,7 +166,7 @@ class TrainConfig:
             parse_mlp(self.mlp)
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
         _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
-                          "keep_checkpoints", "max_restarts", "log_every")
+                          "keep_checkpoints", "max_restarts", "log_every", "loss_chunks")
         _positive_int(self, "max_consecutive_skips", "every", "local_steps")
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"schedule={self.schedule!r} is not one of {SCHEDULE_KINDS}")

@@ -1,5 +1,6 @@
 """One rank's run: its model, its mode's synchronisation and the optimizer (`Run`), the learning-rate
-schedule (`lr_at`) and the loss (`loss_fn`).
+schedule (`lr_at`) and the loss (`train_loss`: the model's chunked loss for the built-in language
+models, `loss_fn` of the logits otherwise).
 
 `Run` holds the mode's synchronisation as one `sdp_train.trainer.modes.ModeSync` (``ddp``: torch DDP;
 ``fsdp``: FSDP2 ``fully_shard``; ``bsdp``/``nsdp``/``bbsdp``: the library API
@@ -22,8 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from sdp_train.errors import NonFiniteError
+from sdp_train.models import family_of
 from sdp_train.parallel import grads
 from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.wire import ByteCount
@@ -31,7 +34,7 @@ from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.faults import InjectedFaults
 from sdp_train.trainer.modes import ModeSync, build_sync
 from sdp_train.trainer.prepare import Prepared
-from sdp_train.trainer.user_model import logits_of
+from sdp_train.trainer.user_model import UserModel, logits_of
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -47,6 +50,24 @@ def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of a model's logits (a tensor, or a user model's output: `logits_of`)."""
     logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def train_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_chunks: int) -> torch.Tensor:
+    """The training loss of one batch: with ``loss_chunks`` >= 1 the model's own, its head computed that
+    many chunks of tokens at a time (``forward(inputs, targets, loss_chunks=N)``, a family with
+    ``chunked_loss``), else `loss_fn` of its logits. Called through the mode's wrapper (DDP, FSDP,
+    `SubnetworkDataParallel`), so every mode computes its loss alike."""
+    if loss_chunks:
+        return model(inputs, targets, loss_chunks=loss_chunks)
+    return loss_fn(model(inputs), targets)
+
+
+def loss_chunks_of(prep: Prepared) -> int:
+    """``loss_chunks`` of the run's config for a built-in family with a chunked loss, else 0 (full logits)."""
+    model_config = prep.model_config
+    if isinstance(model_config, UserModel) or not family_of(model_config).chunked_loss:
+        return 0
+    return prep.config.loss_chunks
 
 
 class StepStats(Mapping):
@@ -80,6 +101,7 @@ class Run:
         cfg = prep.config
         self.cfg, self.model_config, self.info, self.device = cfg, prep.model_config, info, device
         self.mask = prep.mask
+        self.loss_chunks = loss_chunks_of(prep)
         self.run_bytes = ByteCount()  # the per-step stats all-reduce
         self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         self.sync: ModeSync | None = build_sync(prep, info, device)
@@ -149,7 +171,7 @@ class Run:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with sync.step_context():
-            loss = loss_fn(self.train_model(inputs), targets)
+            loss = train_loss(self.train_model, inputs, targets, self.loss_chunks)
             if self.faults.nan(step, self.info.rank):
                 loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()

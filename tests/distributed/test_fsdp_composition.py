@@ -1,8 +1,8 @@
 """FSDP2 as a baseline and composed with B-SDP, on real gloo ranks.
 
 The FSDP baseline must follow DDP's loss trajectory, B-SDP with ``fsdp=True`` (each block sharded
-among its holders) must follow B-SDP's, and activation checkpointing must change neither. One
-torchrun launch trains every configuration.
+among its holders) must follow B-SDP's, and activation checkpointing must change neither, nor the
+chunked loss (``loss_chunks``) against the plain one. One torchrun launch trains every configuration.
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ def runs(tmp_path_factory) -> Path:
     sdp = {"mode": "bsdp", "mask": mask, "active": None}
     configs = [
         _cfg(out / "ddp", mode="ddp"),
+        _cfg(out / "ddp-plain", mode="ddp", loss_chunks=0),
         _cfg(out / "fsdp", mode="fsdp"),
         _cfg(out / "fsdp-ac", mode="fsdp", activation_checkpointing=True),
         _cfg(out / "bsdp", **sdp),
         _cfg(out / "bsdp-fsdp", fsdp=True, **sdp),
+        _cfg(out / "bsdp-fsdp-plain", fsdp=True, loss_chunks=0, **sdp),
         _cfg(out / "bsdp-fsdp-ac", fsdp=True, activation_checkpointing=True, **sdp),
         _cfg(out / "resnet-bsdp", mode="bsdp", **RESNET),
         _cfg(out / "resnet-bsdp-fsdp-ac", mode="bsdp", fsdp=True, activation_checkpointing=True, **RESNET),
@@ -73,6 +75,17 @@ def test_fsdp_follows_the_loss_trajectory_of_the_same_run_without_it(runs, run, 
     np.testing.assert_allclose([m["grad_norm"] for m in got], [m["grad_norm"] for m in expected], rtol=1e-4)
     assert _summary(runs, run)["final_val_loss"] == pytest.approx(_summary(runs, reference)["final_val_loss"],
                                                                    rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("run", "reference"), [("ddp", "ddp-plain"), ("bsdp-fsdp", "bsdp-fsdp-plain")])
+def test_the_chunked_loss_follows_the_trajectory_of_the_plain_loss_over_the_full_logits(runs, run, reference):
+    """The default ``loss_chunks`` (the head in chunks, under DDP, and under the library API with the head
+    in FSDP's root unit) against ``loss_chunks=0``: the same losses and gradient norms, to rounding."""
+    got, expected = _metrics(runs, run), _metrics(runs, reference)
+    np.testing.assert_allclose([m["loss"] for m in got], [m["loss"] for m in expected], rtol=1e-5)
+    np.testing.assert_allclose([m["grad_norm"] for m in got], [m["grad_norm"] for m in expected], rtol=1e-4)
+    assert _summary(runs, run)["config"]["loss_chunks"] == TrainConfig.loss_chunks > 0
 
 
 @pytest.mark.slow

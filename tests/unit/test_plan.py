@@ -202,9 +202,12 @@ def test_skipped_downsampling_blocks_count_the_bytes_autograd_saves(side):
 
 
 def test_activation_bytes_scale_with_tokens():
-    small = predict("llama-134m", mode="ddp", workers=2, batch_size=1, seq_len=256)["activations"]
-    large = predict("llama-134m", mode="ddp", workers=2, batch_size=4, seq_len=256)["activations"]
+    small = predict("llama-134m", mode="ddp", workers=2, batch_size=1, seq_len=256, loss_chunks=0)["activations"]
+    large = predict("llama-134m", mode="ddp", workers=2, batch_size=4, seq_len=256, loss_chunks=0)["activations"]
     assert 3.99 < large / small < 4.0
+    # the chunked loss keeps the head weight's gradient, V d, whatever the tokens, instead of N V
+    chunked = [predict("llama-134m", mode="ddp", workers=2, batch_size=b, seq_len=256)["activations"] for b in (1, 4)]
+    assert chunked[1] - chunked[0] == large - small - 4 * 3 * 256 * 32000
 
 
 def test_bad_inputs_are_refused_naming_the_value():
