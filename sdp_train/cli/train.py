@@ -231,6 +231,9 @@ def report_mask(prep) -> None:
           f"coverage {report.coverage_min}..{report.coverage_max}, spectral gap {report.spectral_gap:.4g}"
           f"{'' if report.connected else ', mixing graph disconnected'}", flush=True)
     print("\n".join(mask_lines(mask, report)), flush=True)
+    line = unmaskable_line(prep)
+    if line is not None:
+        print(line, flush=True)
     print(f"sdp train: saved the mask to {mask_path} (--mask reuses it) and its certificate to {cert_path}",
           flush=True)
     if cfg.mask is None and cfg.active is not None and abs(mask.active_fraction - cfg.active) > 1e-9:
@@ -239,6 +242,28 @@ def report_mask(prep) -> None:
     if not report.connected:
         print("sdp train: warning: the mask's mixing graph is disconnected (spectral gap 0): some groups of "
               "workers share no block", file=sys.stderr, flush=True)
+
+
+def unmaskable_line(prep) -> str | None:
+    """The share of the largest rank's predicted peak that no mask removes, as ``sdp plan`` prints it
+    (`sdp_train.planning.memory.predict`'s ``unmaskable``); None where nothing is planned (overlap
+    averaging, a model of your own)."""
+    from sdp_train.planning.memory import PLANNED_MODES, predict
+    from sdp_train.trainer.memory import format_bytes
+    from sdp_train.trainer.prepare import image_side
+    from sdp_train.trainer.user_model import UserModel
+
+    cfg = prep.config
+    if cfg.mode not in PLANNED_MODES or isinstance(prep.model_config, UserModel):
+        return None
+    plan = predict(prep.model_config, mode=cfg.mode, workers=cfg.workers, mask=prep.mask, ac=cfg.activation_checkpointing,
+                   fsdp=cfg.fsdp, batch_size=cfg.batch_size, seq_len=cfg.seq_len, image_size=image_side(prep.data),
+                   seed=cfg.seed, loss_chunks=cfg.loss_chunks)
+    return (f"  no mask removes {format_bytes(plan['unmaskable'])} of the largest rank's predicted peak "
+            f"{format_bytes(plan['total'])} ({plan['unmaskable'] / plan['total']:.0%}): the parameters outside the "
+            f"blocks (embedding, final norm, head) with their gradients, optimizer state and buffers"
+            f"{', sharded over all ranks' if cfg.fsdp else ''}, the stem's and head's activations and the loss's "
+            f"(sdp plan's \"no mask\", docs/plan.md)")
 
 
 def check_outputs(cfg: TrainConfig) -> None:

@@ -90,6 +90,11 @@ def _image_fields(preset: ModelConfig, data: DataConfig) -> dict[str, int]:
     return {"in_channels": channels, **({"image_size": side} if hasattr(preset, "image_size") else {})}
 
 
+def image_side(data: DataConfig) -> int:
+    """The side of an image dataset's images (digits 8, CIFAR 32); 8, `sdp plan`'s default, for text."""
+    return _IMAGE_SHAPE.get(data.dataset, (1, 8))[1]
+
+
 def _prepare_user_model(cfg: TrainConfig) -> Prepared:
     """`prepare` for ``--model FILE.py:FACTORY``: import it, check it against the data, find its blocks
     and resolve the mask for its layout, all on a meta-device instance."""

@@ -20,3 +20,23 @@ def test_mask_lines_say_how_many_losses_the_mask_survives_and_that_recovery_is_n
     assert "any 1 simultaneous worker loss (min coverage - 1)" in line
     assert "fatal: {0,1} {0,2} {1,2} (3 sets of 2 workers)" in line
     assert "continuing without rollback is not built" in line
+
+
+def test_the_share_no_mask_removes_is_sdp_plans_for_the_run(tmp_path):
+    """Issue 27, item 5: `sdp train` prints `predict`'s ``unmaskable`` for the run it starts (its mask, AC,
+    FSDP, batch and loss chunks), and nothing where nothing is planned (overlap averaging)."""
+    from sdp_train.cli.train import unmaskable_line
+    from sdp_train.planning.memory import predict
+    from sdp_train.trainer.config import TrainConfig
+    from sdp_train.trainer.memory import format_bytes
+    from sdp_train.trainer.prepare import prepare
+
+    cfg = TrainConfig(model="llama-debug", mode="bsdp", active=0.5, workers=4, fsdp=True, activation_checkpointing=True,
+                      batch_size=2, seq_len=32, out=str(tmp_path))
+    prep = prepare(cfg)
+    plan = predict("llama-debug", mode="bsdp", workers=4, mask=prep.mask, ac=True, fsdp=True, batch_size=2, seq_len=32)
+    line = unmaskable_line(prep)
+    assert f"no mask removes {format_bytes(plan['unmaskable'])} of the largest rank's predicted peak " \
+           f"{format_bytes(plan['total'])} ({plan['unmaskable'] / plan['total']:.0%})" in line
+    assert "sharded over all ranks" in line
+    assert unmaskable_line(prepare(TrainConfig(model="llama-debug", mode="overlap", workers=4, out=str(tmp_path)))) is None
