@@ -80,6 +80,48 @@ def coverage_from_active(K: int, active: float) -> int:
     return int(min(K, max(1, math.floor(active * K + 0.5))))
 
 
+ACTIVE_TOLERANCE = 0.005
+"""How far c/K may lie from an active fraction C that `exact_coverage` accepts: half a unit of C's
+second decimal, so the paper's C = 0.69 is K = 16, c = 11 (0.6875) and never K = 4, c = 3 (0.75)."""
+
+
+def exact_coverage(K: int, active: float, *, tolerance: float = ACTIVE_TOLERANCE) -> int:
+    """The coverage c whose c/K is `active` within `tolerance`; else a `DesignError` naming the
+    fractions K workers realise nearest to it and the fewest workers (and the fewest that are a
+    multiple of K) that realise it.
+
+    `coverage_from_active` rounds to the nearest c whatever the distance; this is the check for
+    callers that promise the C asked for (``sdp train --active``).
+
+    >>> exact_coverage(16, 0.69), exact_coverage(8, 0.375), exact_coverage(3, 2 / 3)
+    (11, 3, 2)
+    >>> try:
+    ...     exact_coverage(4, 0.69)
+    ... except DesignError as exc:
+    ...     print(exc)
+    C = 0.69 is not c/K within 0.005 for K = 4 workers (nearest: C = 0.5 with c = 2, C = 0.75 with c = 3); it needs K = 13 (c = 9), or with a multiple of 4 workers K = 16 (c = 11)
+    """
+    c = coverage_from_active(K, active)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise DesignError(f"tolerance={tolerance!r} must be a number in [0, 1)")
+    if abs(c / K - active) <= tolerance:
+        return c
+
+    def realises(k: int) -> int | None:
+        ck = coverage_from_active(k, active)
+        return ck if abs(ck / k - active) <= tolerance else None
+
+    around = sorted({min(K, max(1, math.floor(active * K))), min(K, max(1, math.ceil(active * K)))})
+    nearest = ", ".join(f"C = {x / K:.4g} with c = {x}" for x in around)
+    fewest = next((k for k in range(1, 2**20) if realises(k) is not None), None)
+    multiple = next((k for k in range(K, 2**20, K) if realises(k) is not None), None)
+    needs = "no K up to 2^20 realises it" if fewest is None else f"it needs K = {fewest} (c = {realises(fewest)})"
+    if multiple is not None and multiple != fewest:
+        needs += f", or with a multiple of {K} workers K = {multiple} (c = {realises(multiple)})"
+    raise DesignError(f"C = {active:g} is not c/K within {tolerance:g} for K = {K} workers (nearest: {nearest}); "
+                      f"{needs}")
+
+
 def design(
     K: int,
     B: int,

@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from masklab.design import exact_coverage
+from masklab.errors import DesignError
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.config import TrainConfig
 
@@ -64,10 +66,10 @@ class Preset:
     lr: float
     warmup_steps: int
     active: float = 0.5
-    """C of the SDP runs."""
+    """C of the SDP runs: some c/K of the `workers` (`masklab.design.exact_coverage`), else refused."""
     sweep: tuple[float, ...] = ()
-    """Further B-SDP runs at these C (the paper's 0.375 / 0.69 / 1.0); a C whose designed mask
-    equals one already in the comparison is reported as such and not trained twice."""
+    """Further B-SDP runs at these C, each some c/K (the paper's 0.375 = 3/8 and 0.69 ~ 11/16 need 8
+    and 16 workers), labelled ``bsdp-C`` and the C realised."""
     heterogeneous: bool = False
     """Also run DDP and B-SDP with each worker on its own part of the data (by file)."""
     eval_every: int = 50
@@ -86,15 +88,19 @@ class Preset:
     """H of the overlap-averaging runs (their schedules change the mask every H steps)."""
 
 
+_PAPER_C = ("The paper's C = 3/8 and 0.69 are no c/K of 4 workers (every block has c of the K workers as "
+            "holders): C = 3/8 needs K = 8 (c = 3), C = 0.69 needs K = 16 (c = 11, C = 0.6875). Asked of 4 "
+            "workers they are refused, not rounded, so this preset sweeps the C that 4 workers realise.")
+
 PRESETS: dict[str, Preset] = {
     # 4 CPU ranks of the byte-level stdlib LM: the whole comparison in under 10 min on 2 cores.
     "cpu-small": Preset(model="llama-debug", workers=4, steps=120, batch_size=4, seq_len=64, lr=3e-3,
-                        warmup_steps=10, sweep=(0.375, 0.69), heterogeneous=True, eval_every=30,
+                        warmup_steps=10, sweep=(0.75,), heterogeneous=True, eval_every=30,
                         eval_batches=8, max_data_bytes=1_000_000,
                         notes=("C = 1.0 is left out of this preset to fit its time budget: B-SDP with a complete "
                                "mask follows DDP's trajectory to float32 rounding (tests/distributed/test_sdp_training.py), "
                                "so "
-                               "its loss is DDP's; the GPU presets train it.",)),
+                               "its loss is DDP's; the GPU presets train it.", _PAPER_C)),
     # GPU presets: the paper's LLaMA shapes on 4 GPUs (one per rank). The stdlib default data is
     # small; for real pre-training data pass uint16 token shards: sdp compare --data bin:DIR.
     # Overlap averaging, where the mask graph's spectral gap is said to matter: 7 CPU ranks of a
@@ -104,11 +110,11 @@ PRESETS: dict[str, Preset] = {
                           warmup_steps=10, active=3 / 7, heterogeneous=True, eval_every=10, eval_batches=4,
                           max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True),
     "gpu-134m": Preset(model="llama-134m", workers=4, steps=2000, batch_size=16, seq_len=1024, lr=6e-4,
-                       warmup_steps=100, sweep=(0.375, 0.69, 1.0), heterogeneous=True, eval_every=200,
-                       eval_batches=16, max_data_bytes=200_000_000),
+                       warmup_steps=100, sweep=(0.25, 0.75, 1.0), heterogeneous=True, eval_every=200,
+                       eval_batches=16, max_data_bytes=200_000_000, notes=(_PAPER_C,)),
     "gpu-1b": Preset(model="llama-1b", workers=4, steps=2000, batch_size=8, seq_len=1024, lr=3e-4,
-                     warmup_steps=100, sweep=(0.375, 0.69, 1.0), eval_every=200, eval_batches=16,
-                     max_data_bytes=200_000_000),
+                     warmup_steps=100, sweep=(0.25, 0.75, 1.0), eval_every=200, eval_batches=16,
+                     max_data_bytes=200_000_000, notes=(_PAPER_C,)),
 }
 
 
@@ -138,7 +144,7 @@ def run_specs(preset: Preset) -> list[RunSpec]:
     """The systems of a preset, baselines first."""
     if preset.overlap:
         return overlap_specs(preset)
-    c = preset.active
+    c = realised_active(preset, preset.active)
     specs = [
         RunSpec("ddp", "ddp"),
         RunSpec("fsdp", "fsdp"),
@@ -149,11 +155,21 @@ def run_specs(preset: Preset) -> list[RunSpec]:
         RunSpec("bsdp+fsdp+ac", "bsdp", c, ac=True, fsdp=True),
         RunSpec("bsdp-flop-matched", "bsdp", c, flop_matched=True),
     ]
-    specs += [RunSpec(f"bsdp-C{a:g}", "bsdp", a) for a in preset.sweep if a != c]
+    sweep = dict.fromkeys(realised_active(preset, a) for a in preset.sweep)
+    specs += [RunSpec(f"bsdp-C{a:.4g}", "bsdp", a) for a in sweep if a != c]
     if preset.heterogeneous:
         specs += [RunSpec("ddp-hetero", "ddp", heterogeneous=True),
                   RunSpec("bsdp-hetero", "bsdp", c, heterogeneous=True)]
     return specs
+
+
+def realised_active(preset: Preset, active: float) -> float:
+    """The C = c/K that `active` is on the preset's workers, which its runs train and its labels carry;
+    a C that no c/K realises (`masklab.design.exact_coverage`) is refused naming what would."""
+    try:
+        return exact_coverage(preset.workers, active) / preset.workers
+    except DesignError as exc:
+        raise ConfigError(f"preset {preset.model} on {preset.workers} workers: {exc}") from None
 
 
 def overlap_specs(preset: Preset) -> list[RunSpec]:
@@ -162,7 +178,7 @@ def overlap_specs(preset: Preset) -> list[RunSpec]:
     with local steps, ``bsdp-local``), on iid
     and heterogeneous data, and two masks of equal coverage but different spectral gap under
     ``permute`` (the designed one, a projective plane where one exists, and a random balanced one)."""
-    c = preset.active
+    c = realised_active(preset, preset.active)
     return [
         RunSpec("ddp", "ddp"),
         RunSpec("bsdp", "bsdp", c),
@@ -304,7 +320,6 @@ class Planned:
     mask: Any
     flops_per_step: float
     verification: dict[str, Any] | None
-    duplicate_of: str | None = None
 
 
 def plan_runs(preset: Preset, out: Path) -> list[Planned]:
@@ -318,7 +333,7 @@ def plan_runs(preset: Preset, out: Path) -> list[Planned]:
         cfg = base_config(preset, spec, out)
         # the mask `sdp train` would design, with every check it makes
         mask = prepare(replace(cfg, seed=spec.design_seed)).mask
-        verification = duplicate = None
+        verification = None
         if mask is not None:
             mask_path = out / "masks" / f"{spec.name}.json"
             if not mask_path.is_file() or mask_path.read_bytes() != _mask_bytes(mask):
@@ -326,10 +341,7 @@ def plan_runs(preset: Preset, out: Path) -> list[Planned]:
             cfg = replace(cfg, mask=str(mask_path), active=None)
             verification = certify(mask, cfg.steps, cfg.mode, local_steps=cfg.local_steps,
                                    training=training_rule(cfg))
-            if spec.name.startswith("bsdp-C"):
-                duplicate = next((p.spec.name for p in planned if p.mask is not None and p.config.mode == "bsdp"
-                                  and not p.spec.heterogeneous and np.array_equal(p.mask.matrix, mask.matrix)), None)
-        planned.append(Planned(spec, cfg, mask, flops_per_step(cfg, mask), verification, duplicate))
+        planned.append(Planned(spec, cfg, mask, flops_per_step(cfg, mask), verification))
     by_name = {p.spec.name: p for p in planned}
     for p in planned:
         if p.spec.flop_matched:
@@ -365,7 +377,7 @@ def build_report(preset_name: str, preset: Preset, planned: list[Planned],
     """
     from sdp_train.compare.stats import seed_statistics
 
-    rows = {seed: _rows(preset, planned, by_name) for seed, by_name in sorted(summaries.items())}
+    rows = {seed: _rows(planned, by_name) for seed, by_name in sorted(summaries.items())}
     runs, skipped = rows[0]
     masks = {p.spec.name: p.verification for p in planned if p.verification is not None}
     command = f"sdp compare --preset {preset_name}" + (f" --data {preset.data}" if preset.data != "auto" else "")
@@ -379,7 +391,7 @@ def build_report(preset_name: str, preset: Preset, planned: list[Planned],
     return report
 
 
-def _rows(preset: Preset, planned: list[Planned],
+def _rows(planned: list[Planned],
           summaries: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
     """One seed's report rows, ratios to that seed's DDP run, and the runs not run with why."""
     ddp = summaries.get("ddp")
@@ -387,9 +399,6 @@ def _rows(preset: Preset, planned: list[Planned],
     skipped: dict[str, str] = {}
     for p in planned:
         name = p.spec.name
-        if p.duplicate_of is not None:
-            skipped[name] = f"its designed mask equals {p.duplicate_of}'s (C={p.spec.active} with K={preset.workers})"
-            continue
         if name not in summaries:
             skipped[name] = "its mask failed verification"
             continue
@@ -483,7 +492,7 @@ def compare(preset_name: str, out: Path, *, data: str | None = None, seeds: int 
                 f"{cert['coverage_max']}, spectral gap {cert['spectral_gap']:.3f} (overlap averaging only), "
                 f"{_bound_text(p.verification)}: {status}")
     summaries: dict[int, dict[str, dict[str, Any]]] = {seed: {} for seed in range(seeds)}
-    todo = [p for p in planned if p.duplicate_of is None and (p.verification is None or p.verification["verified"])]
+    todo = [p for p in planned if p.verification is None or p.verification["verified"]]
     todo = [(seed, p) for seed in range(seeds) for p in seed_runs(todo, out, seed)]  # seed by seed
     for i, (seed, p) in enumerate(todo, 1):
         label = f"[{i}/{len(todo)}] {p.spec.name}" + (f" (seed {seed})" if seeds > 1 else "")

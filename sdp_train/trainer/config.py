@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from masklab.design import ACTIVE_TOLERANCE, exact_coverage
+from masklab.errors import DesignError
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.user_model import is_user_model, parse_mlp
 
@@ -50,7 +52,9 @@ class TrainConfig:
     it holds for `local_steps` steps, then each block becomes its holders' average;
     `sdp_train.parallel.overlap`)."""
     active: float | None = 0.5
-    """Active fraction C for a designed mask; ignored when `mask` is given or mode is ddp/fsdp."""
+    """Active fraction C for a designed mask; ignored when `mask` is given or mode is ddp/fsdp. Every
+    block gets c of the K `workers`, so C must be some c/K within ``masklab.design.ACTIVE_TOLERANCE``
+    (0.005): C = 0.69 needs K = 13 or 16 workers, and with 4 it is refused, not trained as 0.75."""
     mask: str | None = None
     """Path of a mask JSON file (``sdp design --out``); overrides `active`."""
     construction: str = "auto"
@@ -217,6 +221,12 @@ class TrainConfig:
                               "(mask design and its certificate use dense workers x workers matrices)")
         if self.seed >= 2**63:
             raise ConfigError(f"seed={self.seed} must be < 2**63 (torch seeds are 64-bit integers)")
+        if self.mode not in BASELINES and self.mask is None and self.active is not None:
+            try:
+                exact_coverage(self.workers, self.active, tolerance=ACTIVE_TOLERANCE)
+            except DesignError as exc:
+                raise ConfigError(f"active={self.active:g} (--active) with workers={self.workers} (--workers): "
+                                  f"{exc}") from None
 
     @property
     def level(self) -> str | None:

@@ -14,12 +14,14 @@ from sdp_train.cli import main
 from sdp_train.compare.runner import Preset, RunSpec, compare, flops_per_step, plan_runs
 from sdp_train.compare import runner as compare_mod
 from sdp_train.compare.stats import LARGER, WITHIN
+from sdp_train.errors import ConfigError
 from sdp_train.trainer.config import TrainConfig
 
 TINY = Preset(model="llama-debug", workers=3, steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1,
-              sweep=(0.375,), eval_every=2, eval_batches=1, max_data_bytes=100_000, memory_steps=1)
-SPECS = [RunSpec("ddp", "ddp"), RunSpec("bsdp", "bsdp", 0.5), RunSpec("bsdp-flop-matched", "bsdp", 0.5,
-         flop_matched=True), RunSpec("bsdp-C0.375", "bsdp", 0.375)]
+              active=2 / 3, sweep=(1 / 3,), eval_every=2, eval_batches=1, max_data_bytes=100_000, memory_steps=1)
+SPECS = [RunSpec("ddp", "ddp"), RunSpec("bsdp", "bsdp", 2 / 3), RunSpec("bsdp-flop-matched", "bsdp", 2 / 3,
+         flop_matched=True), RunSpec("bsdp-C0.3333", "bsdp", 1 / 3)]
+RUN_SPECS = compare_mod.run_specs  # the `tiny` fixture replaces it with SPECS
 
 
 @pytest.fixture
@@ -40,9 +42,27 @@ def test_flops_per_step_follow_the_dense_estimate():
     assert flops_per_step(ac, None) == 8 * 32 * n
 
 
+def test_preset_c_is_realised_exactly_or_refused_and_labels_carry_it():
+    sixteen = Preset(**{**TINY.__dict__, "workers": 16, "active": 0.5, "sweep": (0.375, 0.69, 0.6875, 1.0)})
+    swept = {s.name: s.active for s in RUN_SPECS(sixteen) if s.name.startswith("bsdp-C")}
+    assert swept == {"bsdp-C0.375": 6 / 16, "bsdp-C0.6875": 11 / 16, "bsdp-C1": 1.0}  # 0.69 is 11/16: one run
+    with pytest.raises(ConfigError, match=r"preset llama-debug on 4 workers: C = 0.69 is not c/K within 0.005 for "
+                                          r"K = 4 workers \(nearest: C = 0.5 with c = 2, C = 0.75 with c = 3\); it "
+                                          r"needs K = 13 \(c = 9\), or with a multiple of 4 workers K = 16 \(c = 11\)"):
+        RUN_SPECS(Preset(**{**TINY.__dict__, "workers": 4, "active": 0.5, "sweep": (0.69,)}))
+    for name, preset in compare_mod.PRESETS.items():  # every shipped preset trains the C its labels say
+        for spec in RUN_SPECS(preset):
+            if spec.active is not None:
+                c = round(spec.active * preset.workers)
+                assert spec.active == c / preset.workers, (name, spec)
+            if spec.name.startswith("bsdp-C"):
+                assert float(spec.name.removeprefix("bsdp-C")) == pytest.approx(spec.active, abs=5e-5), (name, spec)
+
+
 def test_plan_certifies_every_mask_and_matches_flops(tmp_path, tiny):
-    four = Preset(**{**TINY.__dict__, "workers": 4})
-    specs = compare_mod.run_specs(TINY) + [RunSpec("bsdp-hetero", "bsdp", 0.5, heterogeneous=True)]
+    four = Preset(**{**TINY.__dict__, "workers": 4, "active": 0.5, "sweep": (0.25,)})
+    specs = [RunSpec("ddp", "ddp"), RunSpec("bsdp", "bsdp", 0.5), RunSpec("bsdp-flop-matched", "bsdp", 0.5,
+             flop_matched=True), RunSpec("bsdp-hetero", "bsdp", 0.5, heterogeneous=True)]
     with pytest.MonkeyPatch.context() as m:
         m.setattr(compare_mod, "run_specs", lambda preset: specs)
         planned = {p.spec.name: p for p in plan_runs(four, tmp_path)}
@@ -55,11 +75,9 @@ def test_plan_certifies_every_mask_and_matches_flops(tmp_path, tiny):
     ratio = planned["ddp"].flops_per_step / bsdp.flops_per_step
     assert 1 < ratio < 2
     assert planned["bsdp-flop-matched"].config.steps == math.ceil(TINY.steps * ratio)
-    # with K=4, C=0.375 designs the same mask as C=0.5: reported, not trained twice
-    assert planned["bsdp-C0.375"].duplicate_of == "bsdp"
-    # with K=3 it designs a disconnected mask: the certificate says so, but no theorem of the
+    # with K=3, C=1/3 designs a disconnected mask: the certificate says so, but no theorem of the
     # stepwise regime needs a connected mixing graph, so it is not a failed condition
-    k3 = {p.spec.name: p for p in plan_runs(TINY, tmp_path / "k3")}["bsdp-C0.375"]
+    k3 = {p.spec.name: p for p in plan_runs(TINY, tmp_path / "k3")}["bsdp-C0.3333"]
     assert not k3.verification["certificate"]["connected"] and k3.verification["verified"]
     assert list(k3.verification["conditions"]) == ["every block held (coverage >= 1)"]
     # forward-masked B-SDP is covered by no theorem: no bound ratio is printed for it
@@ -93,8 +111,8 @@ def test_compare_trains_reports_and_resumes(tmp_path, tiny, capsys, monkeypatch)
     report = json.loads((out / "compare.json").read_text())
     runs = report["runs"]
     assert set(runs) == {"ddp", "bsdp", "bsdp-flop-matched"}
-    assert report["not_run"] == {"bsdp-C0.375": "its mask failed verification"}
-    assert "mask bsdp-C0.375: C=0.333" in printed and "FAILED: test: C below 0.4 refused" in printed
+    assert report["not_run"] == {"bsdp-C0.3333": "its mask failed verification"}
+    assert "mask bsdp-C0.3333: C=0.333" in printed and "FAILED: test: C below 0.4 refused" in printed
     assert runs["ddp"]["final_val_loss_vs_ddp"] == 1.0 and runs["ddp"]["peak_memory_vs_ddp"] == 1.0
     assert runs["bsdp"]["peak_memory_vs_ddp"] < 1.0 and runs["bsdp"]["comm_bytes_per_step_vs_ddp"] < 1.0
     assert runs["bsdp-flop-matched"]["training_flops_vs_ddp"] == pytest.approx(1.0, rel=0.3)
@@ -102,7 +120,7 @@ def test_compare_trains_reports_and_resumes(tmp_path, tiny, capsys, monkeypatch)
     for row in runs.values():
         assert math.isfinite(row["final_val_loss"]) and row["val_history"][-1]["step"] == row["steps"] - 1
     table = (out / "compare.md").read_text()
-    assert "| bsdp-flop-matched | 0.667 |" in table and "Not run: `bsdp-C0.375`" in table
+    assert "| bsdp-flop-matched | 0.667 |" in table and "Not run: `bsdp-C0.3333`" in table
     assert table in printed
     for png in ("compare_loss.png", "compare_cost.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

@@ -28,7 +28,7 @@ from sdp_train.trainer.prepare import prepare
 from sdp_train.trainer.rundir import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--model", "llama-debug", "--mode", "bsdp", "--active", "0.5", "--batch-size", "2", "--seq-len", "16",
+TINY = ["--model", "llama-debug", "--mode", "bsdp", "--active", "1", "--batch-size", "2", "--seq-len", "16",
         "--max-data-bytes", "100000", "--eval-batches", "1", "--memory-steps", "0"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
 
@@ -127,10 +127,10 @@ def test_abbreviated_flags_are_refused_and_version_exists(capsys):
 
 
 def test_the_mask_is_printed_and_a_rounded_active_fraction_or_disconnected_graph_warned(tmp_path, capsys):
-    report_mask(prepare(TrainConfig(model="llama-debug", mode="bsdp", workers=4, active=0.3, out=str(tmp_path))))
+    report_mask(prepare(TrainConfig(model="llama-debug", mode="bsdp", workers=16, active=0.69, out=str(tmp_path))))
     captured = capsys.readouterr()
-    assert "mask 4 workers x 4 blocks" in captured.out and "C = 0.25" in captured.out
-    assert "--active 0.3 became C = 0.25" in captured.err
+    assert "mask 16 workers x 4 blocks" in captured.out and "C = 0.6875" in captured.out
+    assert "--active 0.69 became C = 0.6875" in captured.err
     report_mask(prepare(TrainConfig(model="llama-debug", mode="bsdp", workers=2, active=0.5, out=str(tmp_path))))
     assert "disconnected" in capsys.readouterr().err
 
