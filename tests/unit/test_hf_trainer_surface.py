@@ -1,7 +1,8 @@
 """What Hugging Face's Trainer reads on a `SubnetworkDataParallel` model, in one process (issue 28).
 
 The forward signature (Trainer keeps only the batch columns it names: with ``forward(*args,
-**kwargs)`` it dropped them all, ``The batch received was empty``) and the attributes it reads.
+**kwargs)`` it dropped them all, ``The batch received was empty``), the attributes it reads, and
+`SDPTrainer`'s refusals. Training on 2 ranks: tests/distributed/test_hf_trainer.py.
 """
 
 from __future__ import annotations
@@ -80,3 +81,20 @@ def test_trainer_keeps_the_columns_the_model_takes_and_drops_the_others(tmp_path
     batch = next(iter(transformers.Trainer(model=sdp, args=args, train_dataset=data).get_train_dataloader()))
     assert sorted(batch) == ["input_ids", "labels"]
 
+
+def test_sdp_trainer_refuses_what_would_act_on_one_worker_part(tmp_path):
+    pytest.importorskip("accelerate")
+    from sdp_train.integrations.hf import SDPTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ConfigError, match="got model=LlamaForCausalLM"):
+        SDPTrainer(model=tiny_llama(), args=args)
+    sdp = SubnetworkDataParallel(tiny_llama(), active=1.0)
+    checkpointing = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                                   activation_checkpointing=True)
+    with pytest.raises(ConfigError, match=r"activation_checkpointing=True\) is not supported"):
+        SDPTrainer(model=sdp, args=checkpointing)
+    trainer = SDPTrainer(model=sdp, args=args)
+    assert trainer.model is sdp.module and trainer.model_wrapped is sdp
+    with pytest.raises(ConfigError, match="cannot resume from a Trainer checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))

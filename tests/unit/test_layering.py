@@ -93,6 +93,7 @@ SDP_ALLOWED = {
     "planning": {"parallel", "models", "data", "trainer"},
     "compare": {"parallel", "models", "data", "trainer", "planning"},
     "cli": {"parallel", "models", "data", "trainer", "planning", "compare"},
+    "integrations": {"parallel"},  # other libraries' loops (Hugging Face's Trainer) driving the wrapper
 }
 
 

@@ -1,0 +1,169 @@
+"""Hugging Face's ``Trainer`` trains a `SubnetworkDataParallel` LLaMA on 2 gloo ranks (`SDPTrainer`).
+
+One torchrun launch runs ``examples/train_hf_trainer.py``'s trainer (a tiny ``LlamaForCausalLM``,
+``active=0.5``, 2 micro-batches per step, Trainer's data loader, optimizer, LR schedule and
+clipping) for 3 steps under B-SDP and under Bb-SDP (backward masking, which needs the optimizer
+registered). Each rank records, and the tests check: the batch reached the model with the columns
+its forward names and without the one it does not (before the wrapper showed the model's
+signature, Trainer dropped every column: ``The batch received was empty``); the trainer did not
+wrap the model in DDP; the logged gradient norm is the global one, the same on both ranks, and
+after Trainer's clipping the global norm is ``max_grad_norm`` (clipped through the wrapper: torch's
+clipping, which warns, was never called); every holder's tensors equal the assembled full model's;
+the blocks trained; and ``save_model``'s directory, and the checkpoint Trainer writes at the last
+step, reload with ``from_pretrained``, every key matching and every value equal to the assembled
+model.
+
+Run by hand: ``python -m torch.distributed.run --standalone --nproc-per-node 2 THIS_FILE OUTDIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, MAX_GRAD_NORM = 3, 0.5
+MASKINGS = ("forward", "backward")
+
+
+def global_grad_norm(sdp) -> float:
+    """The 2-norm of the gradient as the parameters hold it now, computed with torch alone: the two
+    workers hold disjoint blocks and both hold every other tensor (the same averaged gradient), so
+    the sum of the local squared norms counts those shared tensors twice."""
+    import torch.distributed as dist
+
+    grads = {n: p.grad.float() for n, p in sdp.module.named_parameters() if p.grad is not None}
+    local_sq = sum(g.pow(2).sum() for g in grads.values())
+    shared_sq = sum(g.pow(2).sum() for n, g in grads.items() if not any(n.startswith(f"{b}.") for b in sdp.layout.blocks))
+    dist.all_reduce(local_sq)
+    return (local_sq - shared_sq).sqrt().item()
+
+
+def train_and_record(masking: str, out: Path, rank: int) -> dict:
+    """Train with `SDPTrainer` and return what this rank saw (a collective: every rank calls it)."""
+    import warnings
+
+    from transformers import LlamaForCausalLM, TrainerCallback
+    from transformers.trainer_utils import IntervalStrategy
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_hf_trainer import build_trainer
+
+    record: dict = {"columns": [], "clipped_norms": []}
+
+    class AfterClipping(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            record["clipped_norms"].append(global_grad_norm(trainer.sdp))  # every rank: a collective
+
+    trainer = build_trainer(str(out / masking), STEPS, masking=masking, hidden_size=32,
+                            max_grad_norm=MAX_GRAD_NORM, callbacks=[AfterClipping()])
+    trainer.args.save_strategy, trainer.args.save_steps = IntervalStrategy.STEPS, STEPS  # one checkpoint, at the end
+    sdp = trainer.sdp
+    sdp.register_forward_pre_hook(lambda m, args, kwargs: record["columns"].append(sorted(kwargs)), with_kwargs=True)
+    initial = sdp.full_state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    full = sdp.full_state_dict()
+    local = sdp.module.state_dict()
+    record.update(
+        clip_guard_warnings=[str(w.message) for w in caught if "different norm on every rank" in str(w.message)],
+        wrapped=type(trainer.model_wrapped).__name__,
+        ddp_inside=any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in trainer.model_wrapped.modules()),
+        logged_norms=[log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log],
+        losses=[log["loss"] for log in trainer.state.log_history if "loss" in log],
+        optimizers_registered=sdp.optimizers_registered,
+        held_blocks=list(sdp.held_blocks),
+        compared=len(local),
+        holders_differ=[n for n, t in local.items() if not torch.equal(t, sdp.local_index[n].take(full[n]))],
+        unchanged_blocks=[b for b in sdp.layout.blocks
+                          if all(torch.equal(initial[n], full[n]) for n in full if n.startswith(b + "."))],
+    )
+    trainer.save_model(str(out / masking / "final"))
+    if rank == 0:
+        for saved in ("final", f"checkpoint-{STEPS}"):  # save_model's, and the checkpoint Trainer wrote
+            reloaded, info = LlamaForCausalLM.from_pretrained(str(out / masking / saved), output_loading_info=True)
+            state = reloaded.state_dict()
+            record[saved] = {"load_info": {k: sorted(v) for k, v in info.items() if k != "error_msgs"},
+                             "keys_match": sorted(state) == sorted(full),
+                             "differ": [n for n in full if not torch.equal(state[n], full[n])]}
+    return record
+
+
+def main(out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        records = {masking: train_and_record(masking, Path(out), rank) for masking in MASKINGS}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(records))
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from tests.distributed.conftest import torchrun
+
+    out = tmp_path_factory.mktemp("hf_trainer")
+    torchrun(2, [__file__, str(out)])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_the_model_gets_the_columns_its_forward_names_and_no_other(ranks, masking):
+    for rank in ranks:
+        columns = rank[masking]["columns"]
+        assert len(columns) == 2 * STEPS  # 2 micro-batches per step, none empty
+        assert all({"input_ids", "labels"} <= set(c) and "path" not in c for c in columns), columns
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_the_trainer_does_not_wrap_the_wrapper_in_ddp(ranks, masking):
+    for rank in ranks:
+        assert rank[masking]["wrapped"] == "SubnetworkDataParallel" and not rank[masking]["ddp_inside"]
+        assert rank[masking]["optimizers_registered"] == 1
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_clipping_goes_through_the_wrapper_with_the_global_norm(ranks, masking):
+    a, b = ranks[0][masking], ranks[1][masking]
+    assert len(a["logged_norms"]) == STEPS and a["logged_norms"] == b["logged_norms"]  # one global norm
+    assert all(norm > MAX_GRAD_NORM for norm in a["logged_norms"])  # so clipping had work to do
+    for rank in (a, b):
+        assert rank["clipped_norms"] == pytest.approx([MAX_GRAD_NORM] * STEPS, rel=1e-4)
+        assert rank["clip_guard_warnings"] == []
+        assert all(math.isfinite(loss) for loss in rank["losses"]) and len(rank["losses"]) == STEPS
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_holders_are_identical_and_every_block_trained(ranks, masking):
+    a, b = ranks[0][masking], ranks[1][masking]
+    assert set(a["held_blocks"]).isdisjoint(b["held_blocks"])  # active=0.5 on 2 workers: a real cut
+    for rank in (a, b):
+        assert rank["compared"] > 0 and rank["holders_differ"] == []
+        assert rank["unchanged_blocks"] == []
+
+
+@pytest.mark.parametrize("saved", ["final", f"checkpoint-{STEPS}"])
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_the_saved_model_reloads_with_from_pretrained_and_equals_the_trained_one(ranks, masking, saved):
+    reloaded = ranks[0][masking][saved]
+    assert reloaded["load_info"] == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
+    assert reloaded["keys_match"] and reloaded["differ"] == []
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
