@@ -17,7 +17,15 @@ import sys
 from dataclasses import fields
 
 from sdp_train.errors import ConfigError
-from sdp_train.trainer.config import BASELINES, MODES, NONFINITE_POLICIES, SCHEDULE_KINDS, TrainConfig, load_config_file
+from sdp_train.trainer.config import (
+    BASELINES,
+    MODES,
+    NONFINITE_POLICIES,
+    SCHEDULE_KINDS,
+    WORKER_LOSS_POLICIES,
+    TrainConfig,
+    load_config_file,
+)
 from sdp_train.trainer.rundir import LOCKED_ENV, OutLock, check_out_dir, clear_previous_run, die_with_parent
 
 _FLAGS = {  # flag -> (TrainConfig field, type)
@@ -31,10 +39,12 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
+    "--on-worker-loss": ("on_worker_loss", str),
     "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--mlp": ("mlp", str), "--schedule": ("schedule", str),
     "--every": ("every", int), "--local-steps": ("local_steps", int), "--loss-chunks": ("loss_chunks", int),
 }
-_CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS}
+_CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS,
+            "on_worker_loss": WORKER_LOSS_POLICIES}
 _SWITCHES = {  # flag -> (TrainConfig field, help)
     "--heterogeneous": ("heterogeneous", "give each worker a different part of the data (by file / class)"),
     "--ac": ("activation_checkpointing", "recompute each residual block's activations in backward"),
@@ -157,13 +167,19 @@ def run(args: argparse.Namespace) -> int:
         if under_torchrun() or cfg.workers == 1:
             from sdp_train.trainer.train import train  # a launcher never loads the training loop
 
+            from sdp_train.trainer.membership import WorkerLossError
+
             try:
                 train(cfg)
-            except NonFiniteError:  # raised on every rank in the same step; `train` reported it once
+            except (NonFiniteError, WorkerLossError):  # `train` reported it once, on one rank
                 return 1
             return 0
         os.environ[LOCKED_ENV] = str(os.getpid())  # the ranks' launcher (this process) holds --out
         try:
+            if cfg.on_worker_loss == "continue":
+                from sdp_train.trainer.membership import launch_keeping_survivors
+
+                return launch_keeping_survivors(["train", *argv_of(args)], cfg.workers)
             return launch_local(["train", *argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
         finally:
             del os.environ[LOCKED_ENV]

@@ -26,6 +26,8 @@ SCHEDULED_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")  # modes that train a mas
 SCHEDULE_KINDS = ("static", "permute", "cyclic")  # masklab.mask.ROW_SCHEDULE_KINDS (a sequence: a mask file)
 MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
+WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_train.trainer.membership`)
+SURVIVABLE_MODES = ("bsdp",)  # modes whose survivors can continue without rollback (static masks)
 
 
 @dataclass(kw_only=True)
@@ -125,6 +127,12 @@ class TrainConfig:
     """Restarts of the whole worker group after a worker fails (``sdp train --workers N`` passes it to
     torch's elastic agent). A restarted group resumes from the latest valid checkpoint under
     ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
+    on_worker_loss: str = "stop"
+    """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
+    restarts every rank from the last checkpoint) or ``continue`` (mode ``bsdp`` with a static mask:
+    the survivors agree on who is left, train on with the dead rows dropped from the mask, rerunning
+    only the interrupted step, without a checkpoint; a loss that leaves a block without holder
+    stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
@@ -194,6 +202,7 @@ class TrainConfig:
         if self.schedule not in (None, "static") and self.every % self.local_steps:
             raise ConfigError(f"every={self.every} (--every) must be a multiple of local_steps={self.local_steps} "
                               f"(--local-steps): each round of {self.local_steps} steps trains under one mask")
+        self._check_worker_loss()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if self.active is not None and (isinstance(self.active, bool) or not (
@@ -227,6 +236,23 @@ class TrainConfig:
             except DesignError as exc:
                 raise ConfigError(f"active={self.active:g} (--active) with workers={self.workers} (--workers): "
                                   f"{exc}") from None
+
+    def _check_worker_loss(self) -> None:
+        if self.on_worker_loss not in WORKER_LOSS_POLICIES:
+            raise ConfigError(f"on_worker_loss={self.on_worker_loss!r} is not one of {WORKER_LOSS_POLICIES}")
+        if self.on_worker_loss == "stop":
+            return
+        why = None
+        if self.mode not in SURVIVABLE_MODES:
+            why = f"mode {self.mode!r}: continuing is built for {', '.join(SURVIVABLE_MODES)}"
+        elif self.schedule not in (None, "static") or self.fsdp or self.local_steps != 1:
+            why = "a static mask averaged every step without fsdp (no --schedule, --fsdp or --local-steps)"
+        elif self.max_restarts:
+            why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
+        elif self.workers < 2:
+            why = f"workers={self.workers}: a single worker has no survivor"
+        if why is not None:
+            raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
 
     @property
     def level(self) -> str | None:

@@ -23,7 +23,7 @@ Not here: the optimizer, the learning-rate schedule, clipping and the loop (`sdp
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
 
@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from masklab import Mask
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, build_model, family_of, model_class
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
@@ -128,6 +129,13 @@ class ModeSync:
 
     def close(self) -> None:
         """Release hooks and process-group references (after the last collective)."""
+
+    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo) -> ModeSync:
+        """This mode's sync over a new world of the survivors (`sdp_train.trainer.membership`): `rows` are
+        their ranks in the old world, in the order of their new ranks, `mask` the survivors' mask (the
+        old one's `rows`). Called after `close`, on the new default group; the model, its values and
+        the optimizer state stay."""
+        raise ConfigError(f"{type(self).__name__} cannot continue after losing a worker (--on-worker-loss continue)")
 
 
 class DataParallelSync(ModeSync):
@@ -264,6 +272,18 @@ class SubnetworkSync(ModeSync):
 
     def close(self) -> None:
         self.sdp.close()  # its gradient hooks live in C++ and hold the engine and its groups
+
+    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo) -> SubnetworkSync:
+        """A static mask: every survivor keeps its blocks, so only the wrapper is new (its holder groups,
+        buckets and hooks); activation checkpointing is already inside the module."""
+        old = self.sdp
+        if not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1:
+            return super().for_survivors(mask, rows, info)
+        sdp = SubnetworkDataParallel.from_subnetwork(
+            old.module, layout=old.layout, mask=mask, held_by_rank=[old.held_by_rank[r] for r in rows],
+            local_index=old.local_index, masking=old.masking, activation_checkpointing=False,
+            autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype, values_agree=True, seed=old.seed)
+        return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
 
 
 class OverlapSync(ModeSync):

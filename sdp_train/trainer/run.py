@@ -103,6 +103,8 @@ class Run:
         self.mask = prep.mask
         self.loss_chunks = loss_chunks_of(prep)
         self.run_bytes = ByteCount()  # the per-step stats all-reduce
+        self.retired_bytes = ByteCount()  # of syncs that a lost worker retired (`continue_with`)
+        self.steps_applied = 0  # optimizer steps this rank has taken (what survivors agree on)
         self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         self.sync: ModeSync | None = build_sync(prep, info, device)
         self.model, self.train_model = self.sync.model, self.sync.train_model
@@ -139,6 +141,7 @@ class Run:
         """Buffer and wire bytes of every collective this rank took part in so far (`sdp_train.parallel.wire`)."""
         total = ByteCount()
         total += self.run_bytes
+        total += self.retired_bytes
         total += self.sync.bytes
         return total
 
@@ -189,11 +192,23 @@ class Run:
         if cfg.nonfinite == "skip":
             self.optimizer.found_inf = nonfinite.float()
         self.optimizer.step()
+        self.steps_applied = step + 1
         sync.after_step()
         if step + 1 < cfg.steps:  # after the last step no round follows: nothing may move for one
             sync.enter_next_round()
         self.optimizer.zero_grad(set_to_none=False)
         return StepStats(stats[0] / self.info.world_size, grad_norm, lr, nonfinite)
+
+    def continue_with(self, mask, rows, info: DistInfo) -> None:
+        """Train on in a new world of survivors (`sdp_train.trainer.membership.Survival.recover`, after the
+        old sync's `close`): the mode's sync rebuilt for the survivors' `mask` (`ModeSync.for_survivors`),
+        the same model and optimizer, no gradient left of the interrupted step."""
+        self.retired_bytes += self.sync.bytes
+        self.sync = self.sync.for_survivors(mask, rows, info)
+        self.info, self.mask = info, mask
+        self.model, self.train_model = self.sync.model, self.sync.train_model
+        self.sync.attach(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=False)
 
     def finish(self, step: int, stats: Mapping[str, Any]) -> dict[str, float | bool]:
         """A step's values read on the host (a synchronisation: call it a step late); under

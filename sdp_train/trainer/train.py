@@ -17,6 +17,9 @@ and ``total`` (`sdp_train.OverlapAveraging.consensus_distance`), which the metri
 evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance``; under a
 schedule in B-SDP, N-SDP and Bb-SDP ``mask_change_bytes``: buffer bytes of what this rank's mask
 changes moved (rank 0's; not in ``comm_bytes``);
+with ``--on-worker-loss continue`` ``membership_changes``: per loss of workers, the step the
+survivors reran, the workers lost and those left (workers of the original run), the recovery's
+seconds and the survivors' mask (that step's metrics line has ``membership``; `sdp_train.trainer.membership`);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
 ``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
@@ -69,6 +72,7 @@ from sdp_train.trainer.checkpoint import (
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
+from sdp_train.trainer.membership import LAUNCHER_ENV, MembershipChange, Survival, WorkerLossError
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
@@ -95,12 +99,20 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     info = get_dist_info()
     if info.world_size != cfg.workers:
         raise ConfigError(f"--workers {cfg.workers} but the launcher started {info.world_size} ranks")
+    if cfg.on_worker_loss == "continue" and LAUNCHER_ENV not in os.environ:
+        raise ConfigError("on_worker_loss='continue' (--on-worker-loss) needs the ranks started by "
+                          "`sdp train --workers N` itself: torchrun's agent stops every rank when one fails")
     torch.manual_seed(cfg.seed)
     info = init_distributed(device, preload=modules_before_groups([cfg], device))
     try:
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
-        return train_prepared(prep, info, device)
+        survival = Survival.for_run(prep.mask, info) if cfg.on_worker_loss == "continue" else None
+        return train_prepared(prep, info, device, survival)
+    except WorkerLossError as exc:  # the survivors cannot continue: one of them says why
+        if exc.report:
+            print(f"sdp train: error: {exc}", file=sys.stderr, flush=True)
+        raise
     except NonFiniteError as exc:
         # Raised on every rank in the same step. Rank 0 reports it before any rank leaves: a
         # launcher stops the other ranks at the first exit, which could cut rank 0 off unprinted.
@@ -113,8 +125,12 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
 
 
-def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any] | None:
-    """`train` after its checks, on a process group that exists: rank 0 returns the summary."""
+def train_prepared(prep: Prepared, info, device: torch.device, survival: Survival | None = None
+                   ) -> dict[str, Any] | None:
+    """`train` after its checks, on a process group that exists: rank 0 returns the summary.
+
+    With `survival` (``--on-worker-loss continue``) a step that fails because workers were lost is
+    run again on its batch by the survivors, in their new world (`Survival.recover`)."""
     cfg = prep.config
     out = Path(cfg.out)
     run = Run(prep, info, device)
@@ -163,17 +179,33 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
         pending: tuple[int, dict[str, Any], Any] | None = None
         for step in range(start, cfg.steps):
             inputs, targets = (t.to(device) for t in next(batches))
-            bytes_before, wire_before = run.comm_bytes, run.wire_bytes
-            measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
-            t0 = time.perf_counter()
-            with measured:
-                stats = run.step(step, inputs, targets)
+            change = None
+            while True:  # once, unless workers are lost during the step (`survival`)
+                bytes_before, wire_before = run.comm_bytes, run.wire_bytes
+                measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
+                t0 = time.perf_counter()
+                try:
+                    with measured:
+                        stats = run.step(step, inputs, targets)
+                    break
+                except RuntimeError as exc:  # a collective with a lost peer fails; other errors re-raise
+                    if survival is None:
+                        raise
+                    change = survival.recover(run, step, exc, device)
+                    info = run.info
+                    if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
+                        metrics_file, history = open_metrics(out, start)
+                        metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
+                    report_change(change, info, cfg.steps)
             step_time = time.perf_counter() - t0
             tokens = targets.numel() * info.world_size
             record = {"step": step, "loss": None, "lr": None, "grad_norm": None,
                       "step_time_s": step_time, "tokens_per_s": tokens / step_time,
                       "comm_bytes": run.comm_bytes - bytes_before, "wire_bytes": run.wire_bytes - wire_before,
                       "skipped": None}
+            if change is not None:
+                record["membership"] = {"lost": list(change.lost), "workers": list(change.workers),
+                                        "recovery_s": change.recovery_s}
             if pending is not None:
                 close_step(*pending)
             pending = (step, record, stats)
@@ -229,6 +261,8 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
         summary["final_consensus_distance"] = final_consensus
     if mask_change_bytes is not None:
         summary["mask_change_bytes"] = mask_change_bytes
+    if survival is not None:
+        summary["membership_changes"] = [c.to_dict() for c in survival.changes]
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     final = summary["final_train_loss"]
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
@@ -237,6 +271,20 @@ def train_prepared(prep: Prepared, info, device: torch.device) -> dict[str, Any]
            f"{_peak_text(summary['peak_memory_bytes'])}"
            f"{f', {len(skipped)} step(s) skipped (non-finite)' if skipped else ''} -> {out}")
     return summary
+
+
+def report_change(change: MembershipChange, info, steps: int) -> None:
+    """Print, on the new rank 0, who was lost, who trains on and the survivors' mask with its certificate."""
+    if not info.is_main:
+        return
+    from masklab import analyze
+    from sdp_train.trainer.outputs import mask_lines
+
+    lost = ", ".join(map(str, change.lost))
+    print(f"sdp train: step {change.step + 1}/{steps}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
+          f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), rerunning "
+          f"this step under the survivors' mask:", flush=True)
+    print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
 
 
 def _peak_text(peaks: list[dict[str, int]]) -> str:
@@ -359,7 +407,7 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
             model.to(run.device)  # assembled on CPU (`full_state_dict`): a no-op there, one copy on a GPU
         if save_to is not None:
             save_model(save_to, full, config=getattr(model, "config", None))
-        total += validation_sums(model, prep, info.world_size, run.device)
+        total += validation_sums(model, prep, prep.config.workers, run.device)  # every worker's shard, lost or not
         del model, full
     if info.world_size > 1:
         dist.broadcast(total, src=0)

@@ -14,12 +14,12 @@ def test_certificate_line_prints_no_guarantee_and_labels_gamma_a_design_figure()
     assert "a design figure: no stepwise theorem uses gamma" in line[ratio:]
 
 
-def test_mask_lines_say_how_many_losses_the_mask_survives_and_that_recovery_is_not_built():
+def test_mask_lines_say_how_many_losses_the_mask_survives_and_what_a_loss_does():
     mask = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
     line = next(line for line in mask_lines(mask, analyze(mask)) if "redundancy" in line)
     assert "any 1 simultaneous worker loss (min coverage - 1)" in line
     assert "fatal: {0,1} {0,2} {1,2} (3 sets of 2 workers)" in line
-    assert "continuing without rollback is not built" in line
+    assert "with --on-worker-loss continue (B-SDP) the survivors go on without rollback" in line
 
 
 def test_the_share_no_mask_removes_is_sdp_plans_for_the_run(tmp_path):

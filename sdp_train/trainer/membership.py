@@ -1,0 +1,282 @@
+"""Losing a worker and training on (``sdp train --on-worker-loss continue``): the launcher that keeps
+the survivors' processes, and the survivors' agreement on who is left.
+
+`launch_keeping_survivors` starts the ranks as plain processes with torchrun's environment and hosts
+their TCP store itself (torch's elastic agent would stop every rank when one fails); it marks each
+rank that exits in the store. When a step fails on a rank (a collective with a dead peer raises),
+`Survival.recover` closes this rank's groups (so a peer blocked on one fails too), agrees with the
+other live ranks on the survivors through the store (`agree`: the first decision written wins),
+refuses a loss that leaves a block without holder (`decide`), re-forms the world over a new store
+prefix with the survivors renumbered in the old order, and has the run rebuild its holder groups
+and sync for the survivors' mask (`masklab.failures.survivors_mask`). The run then reruns the
+interrupted step on its batch. Why the store and not torchft: docs/design.md §7.
+
+Not here: what a mode rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`), the loop that
+reruns the step (`sdp_train.trainer.train`). Rejoining workers are not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from masklab import Mask
+from masklab.failures import survivors_mask
+from masklab.io import mask_to_dict
+from sdp_train.errors import EXIT_USAGE
+from sdp_train.parallel.dist import DistInfo, collective_timeout
+from sdp_train.trainer.launch import _INPUT_ERROR, _agent_store, destroy_distributed, restart_attempt
+
+LAUNCHER_ENV = "SDP_KEEPS_SURVIVORS"  # set for the ranks of `launch_keeping_survivors`
+MEMBERS_KEY = "sdp/members"  # the workers of the newest membership, comma-separated (the launcher reads it)
+
+
+def exited_key(worker: int) -> str:
+    """The store key the launcher sets, to the exit code, when worker `worker`'s process has ended."""
+    return f"sdp/exited/{worker}"
+
+
+class WorkerLossError(RuntimeError):
+    """Losing workers that the survivors cannot continue from: a block lost every holder, the
+    survivors applied different steps, or this worker was counted lost. One line; the run stops
+    and a checkpoint restart (``--resume``) is the way on. `report`: whether this rank prints it
+    (one survivor does; every survivor stops)."""
+
+    def __init__(self, message: str, *, report: bool = True) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """Who was lost at `step` (the step rerun by the survivors), as workers of the original run."""
+
+    step: int
+    lost: tuple[int, ...]
+    workers: tuple[int, ...]
+    """The survivors, in the order of their new ranks."""
+    rows: tuple[int, ...]
+    """The survivors' ranks in the world they leave (their rows of the mask in force)."""
+    mask: Mask
+    """The survivors' mask: the mask in force without the lost rows."""
+    recovery_s: float = 0.0
+    """Seconds from the failure to the new world and sync, this rank's."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "lost": list(self.lost), "workers": list(self.workers),
+                "recovery_s": self.recovery_s, "mask": mask_to_dict(self.mask)}
+
+
+def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, step: int) -> MembershipChange | None:
+    """The membership change when `joined` (worker -> optimizer steps it has applied) are the live ones
+    of `workers` (the current world's workers, rank order, whose rows `mask` has); None when no worker
+    was lost. Raises `WorkerLossError` in one line when the survivors cannot continue.
+
+    >>> m = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
+    >>> decide(m, [0, 1, 2], {0: 4, 2: 4}, step=4).mask.matrix.tolist()
+    [[1, 1, 0], [1, 0, 1]]
+    >>> decide(m, [0, 1, 2], {0: 4}, step=4)
+    Traceback (most recent call last):
+    ...
+    sdp_train.trainer.membership.WorkerLossError: step 4: lost workers [1, 2] held every copy of block 2 (block2): continuing is impossible; restart from a checkpoint (--resume)
+    """
+    lost = tuple(w for w in workers if w not in joined)
+    if not lost:
+        return None
+    steps = sorted(set(joined.values()))
+    if len(steps) > 1:
+        raise WorkerLossError(f"step {step}: after losing worker{'s' * (len(lost) > 1)} {list(lost)} the survivors "
+                              f"had applied different numbers of steps {steps}: no survivor can undo a step; "
+                              "restart from a checkpoint (--resume)")
+    rows = [k for k, w in enumerate(workers) if w in joined]
+    held = mask.matrix[rows].any(axis=0)
+    if not held.all():
+        j = int(np.flatnonzero(~held)[0])
+        raise WorkerLossError(f"step {step}: lost worker{'s' * (len(lost) > 1)} {list(lost)} held every copy of "
+                              f"block {j} ({mask.block_names[j]}): continuing is impossible; restart from a "
+                              "checkpoint (--resume)")
+    gone = [k for k, w in enumerate(workers) if w not in joined]
+    return MembershipChange(step, lost, tuple(workers[k] for k in rows), tuple(rows), survivors_mask(mask, gone))
+
+
+def agree(store: dist.Store, generation: int, worker: int, workers: Sequence[int], applied: int, *,
+          timeout: timedelta) -> dict[int, int]:
+    """The live workers of `workers` and the steps each applied, the same on every one of them.
+
+    Each live worker writes the steps it applied under this `generation`'s keys, then waits until
+    every worker has either written or been marked exited by the launcher (`exited_key`), or for
+    `timeout`. The first to finish waiting writes the decision (a compare-and-set: the first write
+    wins), which every worker then reads: a worker that joins after it is not in it.
+    """
+    prefix = f"sdp/loss{generation}/"
+    store.set(f"{prefix}joined{worker}", str(applied))
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        if all(store.check([f"{prefix}joined{w}"]) or store.check([exited_key(w)]) for w in workers):
+            break
+        time.sleep(0.02)
+    live = {w: int(store.get(f"{prefix}joined{w}")) for w in workers
+            if store.check([f"{prefix}joined{w}"]) and not store.check([exited_key(w)])}
+    decided = store.compare_set(f"{prefix}decision", "", json.dumps(sorted(live.items())))
+    return {int(w): int(s) for w, s in json.loads(decided)}
+
+
+class Survival:
+    """This rank's side of ``--on-worker-loss continue``: its worker number in the original run, the
+    workers of the current world (rank order), the mask in force and the changes so far."""
+
+    def __init__(self, store: dist.Store, worker: int, workers: Sequence[int], mask: Mask) -> None:
+        self.store, self.worker, self.workers, self.mask = store, worker, tuple(workers), mask
+        self.generation = 0
+        self.changes: list[MembershipChange] = []
+
+    @classmethod
+    def for_run(cls, mask: Mask, info: DistInfo) -> Survival:
+        """The survival of a run that `launch_keeping_survivors` started (its store is the launcher's)."""
+        store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size)
+        return cls(store, info.rank, range(info.world_size), mask)
+
+    def recover(self, run, step: int, error: BaseException, device: torch.device) -> MembershipChange:
+        """After `error` interrupted `step`: agree on the survivors and re-form the world and `run`'s sync
+        for them (every survivor calls it); re-raises `error` when no worker was lost.
+
+        A loss during the recovery (a survivor that dies before the new world forms) makes the new
+        world's forming fail; the agreement then starts again with the workers still alive.
+        """
+        began = time.perf_counter()
+        run.sync.close()  # its hooks hold the groups
+        while True:
+            destroy_distributed()  # closes this rank's connections: a peer waiting on one of them fails now
+            self.generation += 1
+            joined = agree(self.store, self.generation, self.worker, self.workers, run.steps_applied,
+                           timeout=collective_timeout())
+            if self.worker not in joined:
+                raise WorkerLossError(f"step {step}: worker {self.worker} joined the survivors after they had "
+                                      "decided without it; it stops") from error
+            try:
+                change = decide(self.mask, self.workers, joined, step=step)
+            except WorkerLossError as exc:
+                raise WorkerLossError(str(exc), report=self.worker == min(joined)) from error
+            if change is None:
+                raise error
+            info = DistInfo(change.workers.index(self.worker), len(change.workers), 0)
+            try:
+                dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout(),
+                                        store=dist.PrefixStore(f"attempt{restart_attempt()}/members{self.generation}",
+                                                               self.store),
+                                        rank=info.rank, world_size=info.world_size)
+                dist.barrier()  # every survivor is in the new world
+            except RuntimeError:  # DistError and timeouts included: another worker was lost meanwhile; the
+                continue  # next agreement, over the same workers, leaves it out too
+            break
+        self.workers, self.mask = change.workers, change.mask
+        if info.is_main:
+            self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
+        run.continue_with(change.mask, change.rows, info)
+        change = dataclasses.replace(change, recovery_s=time.perf_counter() - began)
+        self.changes.append(change)
+        return change
+
+
+def launch_keeping_survivors(module_argv: Sequence[str], nproc: int) -> int:
+    """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks that outlive each other.
+
+    Each rank gets the environment torchrun would give it, with this process's TCP store as the
+    agent's store (``TORCHELASTIC_USE_AGENT_STORE``); when a rank's process ends, its exit code goes
+    into the store (`exited_key`). Returns 0 when every worker of the last membership (`MEMBERS_KEY`,
+    all of them when none changed) exited 0, after one line naming the lost ones; 2 with a rank's
+    one-line input error; 1 otherwise; 128 + the signal's number when interrupted (the ranks are stopped).
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout())
+    run_id = uuid.uuid4().hex
+    with tempfile.TemporaryDirectory(prefix="sdp-ranks-") as errors:
+        procs = []
+        for rank in range(nproc):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                   "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+                   "TORCHELASTIC_ERROR_FILE": str(Path(errors) / f"rank{rank}.json"), LAUNCHER_ENV: "1"}
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
+            procs.append(subprocess.Popen([sys.executable, "-m", "sdp_train.cli", *module_argv], env=env))
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            codes = _wait_all(procs, store)
+        except KeyboardInterrupt as exc:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait()
+            sig = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+            print(f"sdp {module_argv[0]}: interrupted ({sig.name})", file=sys.stderr, flush=True)
+            return 128 + int(sig)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        refused = _refused(errors, codes)
+        if refused is not None:
+            print(refused, file=sys.stderr, flush=True)
+            return EXIT_USAGE
+    members = ([int(w) for w in store.get(MEMBERS_KEY).decode().split(",")] if store.check([MEMBERS_KEY])
+               else list(range(nproc)))
+    others = [r for r in range(nproc) if r not in members]
+    lost = ", ".join(f"rank {r} (exit code {codes[r]})" for r in others)
+    if all(codes[r] == 0 for r in members):
+        if others:
+            print(f"sdp: lost {lost}; ranks {', '.join(map(str, members))} finished the run", file=sys.stderr,
+                  flush=True)
+        return 0
+    failed = ", ".join(f"rank {r} (exit code {codes[r]})" for r in members if codes[r] != 0)
+    print(f"sdp: worker failed: {failed}{f'; lost before: {lost}' if others else ''}", file=sys.stderr, flush=True)
+    return 1
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to the launcher, handled as Ctrl-C is."""
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise _Terminated
+
+
+def _wait_all(procs: Sequence[subprocess.Popen], store: dist.Store) -> list[int]:
+    """Every rank's exit code, each marked in the store as soon as its process ends."""
+    codes: dict[int, int] = {}
+    while len(codes) < len(procs):
+        for rank, p in enumerate(procs):
+            if rank not in codes and p.poll() is not None:
+                codes[rank] = p.returncode
+                store.set(exited_key(rank), str(p.returncode))
+        time.sleep(0.05)
+    return [codes[r] for r in range(len(procs))]
+
+
+def _refused(errors: str, codes: Sequence[int]) -> str | None:
+    """The one-line input error of the lowest rank that exited refusing its input, or None."""
+    for rank, code in enumerate(codes):
+        path = Path(errors) / f"rank{rank}.json"
+        if code != EXIT_USAGE or not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get(_INPUT_ERROR) and isinstance(data.get("message"), str):
+            return data["message"]
+    return None

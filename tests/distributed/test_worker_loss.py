@@ -1,0 +1,123 @@
+"""Losing a worker without rollback: ``sdp train --mode bsdp --on-worker-loss continue`` on 3 gloo
+ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to.
+
+The fault is the test-only ``SDP_TEST_KILL_AT_STEP=STEP:RANK`` (`sdp_train.trainer.faults`): the rank
+kills itself after step STEP's collectives, before its optimizer step, so the survivors apply step
+STEP with its gradient and their step STEP + 1 fails; they agree on the survivors, re-form the world
+and rerun step STEP + 1 under the mask without row 0. The one launch checks: exit 0; the membership
+change recorded at step STEP + 1 in summary.json and its metrics line, every step's line once; the
+holders of every tensor identical at the end (each survivor's rank file of the final checkpoint,
+written after the last step); and the final model, and every step's loss, equal to a single-process
+reference that averages each block over its holders among the members of the step, with 3 workers
+up to step STEP and workers 1 and 2 from step STEP + 1 on (float32 rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, KILL_STEP, KILL_RANK = 6, 2, 0
+ARGS = ["--model", "llama-debug", "--mode", "bsdp", "--active", "0.67", "--workers", "3", "--steps", str(STEPS),
+        "--batch-size", "2", "--seq-len", "16", "--max-data-bytes", "100000", "--eval-batches", "1",
+        "--memory-steps", "0", "--warmup-steps", "2", "--seed", "3", "--on-worker-loss", "continue"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("worker_loss") / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
+           "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{KILL_RANK}", "SDP_COLLECTIVE_TIMEOUT_S": "60"}
+    proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--checkpoint-every", str(STEPS),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    return proc, out
+
+
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The run on one process: one full model and one AdamW (the run's groups and hyperparameters),
+    each step every member's gradient from its subnetwork on its own batch, each block's the mean over
+    its holders among the members, the shared parameters' over all members, clipped as a whole."""
+    from sdp_train.cli import build_parser
+    from sdp_train.cli.train import config_from_args
+    from sdp_train.data import build_batches
+    from sdp_train.testing import from_sdp_train
+    from sdp_train.trainer.prepare import prepare
+    from sdp_train.trainer.run import loss_fn, lr_at
+
+    cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--out", "unused"]))
+    prep = prepare(cfg)
+    model, blocks, subnetwork = from_sdp_train(prep.model_config, "block", seed=cfg.seed)
+    owner = {name: j for j, parts in enumerate(blocks) for name, _, _ in parts}
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                             {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
+    matrix = prep.mask.matrix.astype(bool)
+    losses = []
+    for step in range(STEPS):
+        members = [0, 1, 2] if step <= KILL_STEP else [k for k in range(3) if k != KILL_RANK]
+        grads, loss = {}, 0.0
+        for k in members:
+            sub = subnetwork(model, matrix[k])
+            inputs, targets = next(batches[k])
+            value = loss_fn(sub(inputs), targets)
+            value.backward()
+            loss += value.item() / len(members)
+            grads[k] = {n: p.grad for n, p in sub.named_parameters()}
+        for name, p in params.items():
+            holders = [k for k in members if name not in owner or matrix[k, owner[name]]]
+            p.grad = sum(grads[k][name] for k in holders) / len(holders)
+        torch.nn.utils.clip_grad_norm_(params.values(), cfg.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.step()
+        losses.append(loss)
+    return model.state_dict(), losses
+
+
+@pytest.mark.slow
+def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_row(run):
+    proc, out = run
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lost = [KILL_RANK]
+    survivors = [k for k in range(3) if k != KILL_RANK]
+
+    (change,) = summary["membership_changes"]
+    assert (change["step"], change["lost"], change["workers"]) == (KILL_STEP + 1, lost, survivors)
+    assert change["mask"]["rows"] == ["".join(str(x) for x in row)
+                                      for k, row in enumerate(np.array(summary["mask"]["rows"], dtype=object))
+                                      if k != KILL_RANK]
+    assert summary["world_size"] == 2
+    assert [m["step"] for m in metrics] == list(range(STEPS))  # every step once: none recomputed before the loss
+    assert [m["step"] for m in metrics if "membership" in m] == [KILL_STEP + 1]
+    assert metrics[KILL_STEP + 1]["membership"]["workers"] == survivors
+    assert f"lost worker {KILL_RANK}; workers 1, 2 continue without rollback" in proc.stdout
+    assert f"lost rank {KILL_RANK} (exit code -9)" in proc.stderr
+
+    # holders identical: each survivor's copy of every tensor it holds, from the checkpoint after the last step
+    final = out / "checkpoints" / f"step_{STEPS}"
+    ranks = [torch.load(final / f"rank{r}.pt", weights_only=True)["model"] for r in range(2)]
+    shared = set(ranks[0]) & set(ranks[1])
+    assert any(name.startswith("layers.") for name in shared)
+    for name in shared:
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+
+    from safetensors.torch import load_file
+
+    expected, losses = reference()
+    model = load_file(out / "model.safetensors")
+    assert set(model) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)

@@ -1,0 +1,104 @@
+"""Losing a worker (``--on-worker-loss continue``): the survivors' decision and their agreement through a
+real TCP store, and the configs that may continue. The run itself: tests/distributed/test_worker_loss.py."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from masklab import Mask
+from masklab.failures import is_fatal
+from masklab.testing.strategies import masks
+from sdp_train.errors import ConfigError
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.membership import WorkerLossError, agree, decide, exited_key
+
+MASK = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
+
+
+@settings(deadline=None, max_examples=60)
+@given(mask=masks(max_workers=6, max_blocks=6), data=st.data())
+def test_survivors_continue_exactly_when_the_loss_is_not_fatal_and_keep_their_rows(mask, data):
+    lost = data.draw(st.sets(st.integers(0, mask.workers - 1), min_size=1, max_size=mask.workers))
+    workers = [10 + k for k in range(mask.workers)]  # worker numbers of the first run, rank order
+    joined = {w: 7 for k, w in enumerate(workers) if k not in lost}
+    if is_fatal(mask, lost):
+        with pytest.raises(WorkerLossError, match=r"^step 7: lost workers? \[.*\] held every copy of block \d+ "):
+            decide(mask, workers, joined, step=7)
+        return
+    change = decide(mask, workers, joined, step=7)
+    assert change.lost == tuple(workers[k] for k in sorted(lost))
+    assert change.workers == tuple(joined) and change.rows == tuple(k for k in range(mask.workers) if k not in lost)
+    assert change.mask.matrix.tolist() == mask.matrix[list(change.rows)].tolist()
+    assert change.mask.matrix.any(axis=0).all()
+
+
+def test_no_loss_is_no_change_and_survivors_at_different_steps_are_refused_in_one_line():
+    assert decide(MASK, [0, 1, 2], {0: 3, 1: 3, 2: 3}, step=3) is None
+    with pytest.raises(WorkerLossError) as info:
+        decide(MASK, [0, 1, 2], {0: 3, 2: 4}, step=3)
+    assert "\n" not in str(info.value) and "different numbers of steps [3, 4]" in str(info.value)
+
+
+def test_a_fatal_loss_names_the_block_and_the_lost_workers_in_one_line():
+    named = MASK.replace(block_names=["layers.0", "layers.1", "layers.2"])
+    with pytest.raises(WorkerLossError) as info:
+        decide(named, [0, 1, 2], {2: 5}, step=5)
+    assert str(info.value) == ("step 5: lost workers [0, 1] held every copy of block 1 (layers.1): continuing is "
+                               "impossible; restart from a checkpoint (--resume)")
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def _agree_in_threads(store, generation: int, applied: dict[int, int], workers=(0, 1, 2)) -> dict[int, dict]:
+    results: dict[int, dict] = {}
+
+    def join(worker: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+        results[worker] = agree(client, generation, worker, workers, applied[worker], timeout=timedelta(seconds=10))
+
+    threads = [threading.Thread(target=join, args=(w,)) for w in applied]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_live_workers_agree_at_once_on_every_worker_the_launcher_did_not_mark_exited(store):
+    store.set(exited_key(1), "-9")
+    results = _agree_in_threads(store, 1, {0: 4, 2: 4})  # would wait 10 s for worker 1 without its mark
+    assert results == {0: {0: 4, 2: 4}, 2: {0: 4, 2: 4}}
+
+
+def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
+    store.set(exited_key(2), "-9")
+    first = _agree_in_threads(store, 1, {0: 2}, workers=(0, 2))
+    late = _agree_in_threads(store, 1, {2: 2}, workers=(0, 2))
+    assert first[0] == late[2] == {0: 2}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"mode": "nsdp"}, "mode 'nsdp': continuing is built for bsdp"),
+    ({"schedule": "permute"}, "a static mask averaged every step"),
+    ({"fsdp": True}, "a static mask averaged every step"),
+    ({"max_restarts": 1}, "max_restarts=1"),
+    ({"workers": 1}, "workers=1"),
+    ({"on_worker_loss": "rejoin"}, "not one of ('stop', 'continue')"),
+])
+def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(changes, message):
+    with pytest.raises(ConfigError, match="on_worker_loss") as info:
+        TrainConfig(**{"mode": "bsdp", "workers": 2, "on_worker_loss": "continue", **changes})
+    assert message in str(info.value)
+
+
+def test_b_sdp_with_a_static_mask_may_continue():
+    assert TrainConfig(mode="bsdp", workers=2, on_worker_loss="continue").on_worker_loss == "continue"
