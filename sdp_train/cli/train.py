@@ -26,6 +26,7 @@ from sdp_train.trainer.config import (
     TrainConfig,
     load_config_file,
 )
+from sdp_train.trainer.config import COMPUTE_DTYPES
 from sdp_train.trainer.rundir import LOCKED_ENV, OutLock, check_out_dir, clear_previous_run, die_with_parent
 
 _FLAGS = {  # flag -> (TrainConfig field, type)
@@ -42,8 +43,9 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--on-worker-loss": ("on_worker_loss", str),
     "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--mlp": ("mlp", str), "--schedule": ("schedule", str),
     "--every": ("every", int), "--local-steps": ("local_steps", int), "--loss-chunks": ("loss_chunks", int),
+    "--dtype": ("dtype", str),
 }
-_CHOICES = {"mode": MODES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS,
+_CHOICES = {"mode": MODES, "dtype": COMPUTE_DTYPES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS,
             "on_worker_loss": WORKER_LOSS_POLICIES}
 _SWITCHES = {  # flag -> (TrainConfig field, help)
     "--heterogeneous": ("heterogeneous", "give each worker a different part of the data (by file / class)"),

@@ -10,7 +10,7 @@
 2. Train: each system is one real ``sdp train --config DIR/runs/NAME/config.json`` (its own
    torchrun-launched ranks) writing into ``DIR/runs/NAME``. A run whose ``summary.json`` records
    exactly that config and mask is skipped, so an interrupted comparison resumes where it stopped.
-   Every run gets the preset's model, data, seed, learning rate, schedule, batch and steps;
+   Every run gets the preset's model, data, seed, learning rate, schedule, batch, steps and dtype;
    nothing is tuned per system. The one exception is the FLOP-matched B-SDP run, which trains
    ``ceil(steps * F_ddp / F_bsdp)`` steps, F being the training FLOPs per step per rank.
    ``--seeds N`` trains every system with seeds 0..N-1, seed by seed, seed S > 0 in
@@ -18,8 +18,10 @@
    and data order (training and validation batches) of every system alike; the mask is *not*
    redesigned: each system keeps its one certified mask (seed 0's), so the spread is that of init
    and data order, and a difference to DDP beyond it belongs to this system with this mask.
-   Redesigning per seed would add mask luck, but give each system N certificates and bounds and
-   let a sweep's duplicate masks differ by seed; mask luck is a question for masklab's designs.
+   Redesigning per seed would add mask luck and give each system N certificates and bounds; mask
+   luck is a question for masklab's designs.
+   A GPU preset is refused before any run on a machine without a CUDA device per worker, or where
+   ``sdp plan``'s predicted peak of a run exceeds the smallest device (`check_devices`).
 3. Report: `build_report` makes it (seed 0's rows, and with several seeds every seed's rows and
    `sdp_train.compare.stats.seed_statistics`), `sdp_train.compare.report` writes ``DIR/compare.json``,
    ``DIR/compare.md`` and PNG plots.
@@ -86,6 +88,11 @@ class Preset:
     """Only the overlap-averaging comparison (`overlap_specs`) instead of the systems of `run_specs`."""
     local_steps: int = 2
     """H of the overlap-averaging runs (their schedules change the mask every H steps)."""
+    dtype: str = "float32"
+    """``sdp train --dtype`` of every run (``bfloat16``: autocast, float32 master weights)."""
+    gpus: bool = False
+    """One CUDA device per worker: `check_devices` refuses the preset before any run where there are
+    fewer, or where ``sdp plan``'s predicted peak of a run exceeds the smallest device's memory."""
 
 
 _PAPER_C = ("The paper's C = 3/8 and 0.69 are no c/K of 4 workers (every block has c of the K workers as "
@@ -111,10 +118,10 @@ PRESETS: dict[str, Preset] = {
                           max_data_bytes=1_000_000, model_overrides=(("n_layers", 7),), overlap=True),
     "gpu-134m": Preset(model="llama-134m", workers=4, steps=2000, batch_size=16, seq_len=1024, lr=6e-4,
                        warmup_steps=100, sweep=(0.25, 0.75, 1.0), heterogeneous=True, eval_every=200,
-                       eval_batches=16, max_data_bytes=200_000_000, notes=(_PAPER_C,)),
+                       eval_batches=16, max_data_bytes=200_000_000, notes=(_PAPER_C,), dtype="bfloat16", gpus=True),
     "gpu-1b": Preset(model="llama-1b", workers=4, steps=2000, batch_size=8, seq_len=1024, lr=3e-4,
                      warmup_steps=100, sweep=(0.25, 0.75, 1.0), eval_every=200, eval_batches=16,
-                     max_data_bytes=200_000_000, notes=(_PAPER_C,)),
+                     max_data_bytes=200_000_000, notes=(_PAPER_C,), dtype="bfloat16", gpus=True),
 }
 
 
@@ -213,7 +220,7 @@ def base_config(preset: Preset, spec: RunSpec, out: Path) -> TrainConfig:
         save_model=False,  # a comparison reports metrics; a gpu-1b run's model would be GBs per system
         model_overrides=dict(preset.model_overrides), construction=spec.construction,
         schedule=spec.schedule, every=preset.local_steps if spec.schedule else 1,
-        local_steps=preset.local_steps if spec.mode == "overlap" or spec.local else 1,
+        local_steps=preset.local_steps if spec.mode == "overlap" or spec.local else 1, dtype=preset.dtype,
     )
 
 
@@ -480,7 +487,11 @@ def compare(preset_name: str, out: Path, *, data: str | None = None, seeds: int 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
     started = time.monotonic()
+    if preset.gpus:
+        check_devices(preset_name, preset, None, cuda_memory())
     planned = plan_runs(preset, out)
+    if preset.gpus:
+        check_devices(preset_name, preset, planned, cuda_memory())
     log(f"sdp compare --preset {preset_name}: {len(planned)} runs of {preset.model} on {preset.workers} workers, "
         f"{preset.steps} steps each" + (f", each with {seeds} seeds" if seeds > 1 else "") + f" -> {out}")
     for p in planned:
@@ -508,6 +519,51 @@ def compare(preset_name: str, out: Path, *, data: str | None = None, seeds: int 
     report["wall_time_s"] = time.monotonic() - started
     write_report(report, out)
     return report
+
+
+def cuda_memory() -> list[int]:
+    """Total memory of each CUDA device this process sees, in bytes ([] without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def predicted_peak(preset: Preset, p: Planned) -> int:
+    """``sdp plan``'s peak per device of run `p` on CUDA: the larger of the training peak of its busiest
+    rank and rank 0's validation peak. For ``dtype='bfloat16'`` it predicts float32 activations, an
+    upper estimate wherever the activations outweigh the bfloat16 weight copies autocast adds (every
+    GPU preset: their batches' activations are several times the parameters)."""
+    from sdp_train.planning.memory import predict
+
+    cfg = p.config
+    result = predict(preset.model, mode=cfg.mode, workers=cfg.workers, mask=p.mask, ac=cfg.activation_checkpointing,
+                     fsdp=cfg.fsdp, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                     model_overrides=dict(preset.model_overrides), device="cuda", loss_chunks=cfg.loss_chunks)
+    return max(result["total"], result["eval_peak"])
+
+
+def check_devices(preset_name: str, preset: Preset, planned: list[Planned] | None, memory: list[int]) -> None:
+    """Refuse a GPU preset, in one line, on a machine with fewer CUDA devices than workers (`memory`:
+    each device's bytes) or, given the `planned` runs, where a run's `predicted_peak` exceeds the
+    smallest of the devices its ranks use."""
+    from sdp_train.trainer.memory import format_bytes
+
+    if len(memory) < preset.workers:
+        have = f"{len(memory)}" if memory else "none (torch.cuda.is_available() is False)"
+        raise ConfigError(f"preset {preset_name} runs one rank per CUDA device and needs {preset.workers}; this "
+                          f"machine has {have}. The cpu-small preset runs on CPUs")
+    if planned is None:
+        return
+    smallest = min(memory[:preset.workers])
+    beyond = [(p.spec.name, peak) for p in planned if p.config.mode != "overlap"
+              for peak in [predicted_peak(preset, p)] if peak > smallest]
+    if beyond:
+        runs = ", ".join(f"{name} {format_bytes(peak)}" for name, peak in beyond)
+        raise ConfigError(f"preset {preset_name} does not fit: sdp plan predicts per-device peaks beyond the "
+                          f"{format_bytes(smallest)} of the smallest of its {preset.workers} CUDA devices for "
+                          f"{len(beyond)} of {len(planned)} runs ({runs}); use devices with more memory")
 
 
 def _train(p: Planned, label: str, log) -> dict[str, Any]:

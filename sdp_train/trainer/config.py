@@ -26,6 +26,7 @@ SCHEDULED_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")  # modes that train a mas
 SCHEDULE_KINDS = ("static", "permute", "cyclic")  # masklab.mask.ROW_SCHEDULE_KINDS (a sequence: a mask file)
 MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (dense K x K matrices)
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
+COMPUTE_DTYPES = ("float32", "bfloat16")  # TrainConfig.dtype: the forward's, under autocast for bfloat16
 WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_train.trainer.membership`)
 SURVIVABLE_MODES = ("bsdp",)  # modes whose survivors can continue without rollback (static masks)
 
@@ -110,6 +111,10 @@ class TrainConfig:
     """Recompute each residual block's activations in backward (torch.utils.checkpoint), any mode."""
     fsdp: bool = False
     """B-SDP only: shard each held block among its holders with FSDP2 (SDP and FSDP savings multiply)."""
+    dtype: str = "float32"
+    """``float32``, or ``bfloat16``: forward and loss (training and validation) under ``torch.autocast``
+    in bfloat16, while parameters, gradients and AdamW state stay float32 (master weights), as the
+    library's ``autocast_dtype`` does; every mode. The GPU presets of ``sdp compare`` train so."""
     loss_chunks: int = 8
     """Language models of the built-in families, every mode: compute the head and cross-entropy this many
     chunks of tokens at a time, never holding the whole batch's logits (`sdp_train.models.lm_loss`);
@@ -205,6 +210,8 @@ class TrainConfig:
         self._check_worker_loss()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} (--dtype) is not one of {COMPUTE_DTYPES}")
         if self.active is not None and (isinstance(self.active, bool) or not (
                 isinstance(self.active, (int, float)) and 0.0 < self.active <= 1.0)):
             raise ConfigError(f"active={self.active!r} must be in (0, 1]")

@@ -46,6 +46,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def forward_precision(cfg: TrainConfig, device: torch.device) -> torch.autocast:
+    """Where the forward and the loss run: under ``torch.autocast`` in bfloat16 for ``dtype='bfloat16'``
+    (parameters, gradients and optimizer state stay float32), else as they are (a disabled autocast)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+
+
 def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of a model's logits (a tensor, or a user model's output: `logits_of`)."""
     logits = logits_of(output)
@@ -174,7 +180,8 @@ class Run:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with sync.step_context():
-            loss = train_loss(self.train_model, inputs, targets, self.loss_chunks)
+            with forward_precision(cfg, self.device):
+                loss = train_loss(self.train_model, inputs, targets, self.loss_chunks)
             if self.faults.nan(step, self.info.rank):
                 loss = loss * float("nan")  # NaN loss and NaN gradients on this rank
             loss.backward()

@@ -213,3 +213,31 @@ def test_unknown_preset_and_bad_out_are_one_line_errors(tmp_path, capsys):
     assert main(["compare", "--out", str(not_a_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"sdp compare: error: --out {not_a_dir} exists and is not a directory"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() >= 4, reason="this machine could run the GPU preset")
+def test_a_gpu_preset_without_its_gpus_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
+    assert main(["compare", "--preset", "gpu-134m", "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sdp compare: error: preset gpu-134m runs one rank per CUDA device "
+                                               "and needs 4; this machine has "), err
+    assert not (tmp_path / "cmp" / "runs").exists()
+
+
+def test_a_gpu_preset_is_refused_where_sdp_plan_predicts_a_run_beyond_the_smallest_device(tmp_path):
+    from sdp_train.compare.runner import Planned, base_config, check_devices, predicted_peak
+
+    preset = compare_mod.PRESETS["gpu-134m"]
+    assert preset.dtype == "bfloat16" and preset.gpus
+    specs = [RunSpec("ddp", "ddp"), RunSpec("fsdp+ac", "fsdp", ac=True)]
+    planned = [Planned(s, base_config(preset, s, tmp_path), None, 1.0, None) for s in specs]
+    assert all(p.config.dtype == "bfloat16" for p in planned)
+    ddp, small = (predicted_peak(preset, p) for p in planned)
+    assert small < ddp
+    check_devices("gpu-134m", preset, planned, [ddp] * 4)  # fits exactly
+    gib = 2**30
+    with pytest.raises(ConfigError, match=r"preset gpu-134m does not fit: sdp plan predicts per-device peaks beyond "
+                                          r"the .* of the smallest of its 4 CUDA devices for 1 of 2 runs \(ddp "):
+        check_devices("gpu-134m", preset, planned, [ddp + gib, ddp + gib, ddp - 1, ddp + gib, 1])
+    with pytest.raises(ConfigError, match="needs 4; this machine has 3"):
+        check_devices("gpu-134m", preset, planned, [ddp] * 3)
