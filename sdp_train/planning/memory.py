@@ -22,9 +22,9 @@ from the same designed mask: `design_for_model`, seed 0) and adds up, in bytes:
 
 The peak is the largest of these moments: the start of backward (every saved activation, the loss
 gradients), each block's backward peak (activations of the blocks below it, the block's own,
-its gradient temporaries and FSDP's buffers), each block's FSDP reduce-scatter, and the optimizer
-step (AdamW's foreach temporary of the largest parameter group). The CPU tracker
-(`sdp_train.trainer.memory`) counts the same tensors; `tests/distributed/test_plan_vs_measured.py` checks
+its gradient temporaries and FSDP's buffers), each block's FSDP reduce-scatter, the root's at the
+end of backward, and the optimizer step (AdamW's foreach temporary of the largest parameter group).
+The CPU tracker (`sdp_train.trainer.memory`) counts the same tensors; `tests/distributed/test_plan_vs_measured.py` checks
 the totals against it, and docs/plan.md lists the formulas.
 
 Not here: the CUDA context, cuBLAS workspaces and allocator fragmentation (a GPU needs headroom
@@ -216,7 +216,8 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
     return {**results[rank], "rank": rank, "per_rank": totals, "device": device, "process_groups": len(groups),
             "communicator_bytes": per_communicator,
             "comm_bytes_per_step": comm[busiest].buffer, "wire_bytes_per_step": comm[busiest].wire,
-            "eval_peak": _eval_peak(config, mode, workers, fsdp, results[0], elem, batch_size, seq_len, image_size)}
+            "eval_peak": _eval_peak(config, mode, workers, fsdp, results[0], elem, batch_size, seq_len, image_size,
+                                    loss_chunks)}
 
 
 def _held(config: ModelConfig, mode: str, matrix: np.ndarray | None, workers: int):
@@ -229,13 +230,14 @@ def _held(config: ModelConfig, mode: str, matrix: np.ndarray | None, workers: in
 
 
 def _eval_peak(config: ModelConfig, mode: str, workers: int, fsdp: bool, rank0: dict[str, Any], elem: int,
-               batch_size: int, seq_len: int, image_size: int) -> int:
+               batch_size: int, seq_len: int, image_size: int, loss_chunks: int) -> int:
     """Rank 0's peak during validation: its training state and communicators, the assembled full
     model (unless it already holds it: DDP or one rank) and a no-grad forward (one block's
-    activations, the logits and the loss's temporaries of one batch), an upper estimate."""
+    activations, the logits, or with `loss_chunks` one chunk's, and the loss's temporaries of one
+    batch), an upper estimate."""
     full = _meta_model(config, None, None)
     acts = activation_model(full, frozenset(), batch_size=batch_size, seq_len=seq_len, image_size=image_size,
-                            elem=elem)
+                            elem=elem, loss_chunks=loss_chunks)
     forward = acts.stem + max((b.saved for b in acts.blocks), default=0) + acts.head + acts.loss_backward
     holds_full = (mode == "ddp" or workers == 1) and not fsdp
     assembled = 0 if holds_full else sum(t.numel() * elem for t in full.state_dict().values())
@@ -431,6 +433,12 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
     head_grads = sum(full[n] for n in trained if unit_of[n] == "" and n.startswith(acts.head_prefixes)) * elem
     moments = _moments(acts, ac, mode == "fsdp", unit_full if w.meshes is not None else None, w.meshes or {},
                        head_grads, elem)
+    if w.meshes is not None and workers > 1:
+        # the root's reduce-scatter ends backward: its parameters resharded, its gradients unsharded (the
+        # head's since the loss), copied into the reduce-scatter input, the shard out and gloo's copy of it
+        root_grads = sum(full[n] for n in trained if unit_of[n] == "") * elem
+        shard = root_grads // w.meshes[""]
+        moments.append(_Moment("reduce-scatter of the root", acts.constant, root_grads + 2 * shard, 0, root_grads))
     moments.append(_Moment("optimizer step", 0, foreach, 0, 0))
     state = params_b + grads_b + opt_b + comm
     # what no mask removes: the root (embedding, final norm, head; FSDP: sharded over all ranks) with its

@@ -59,10 +59,10 @@ def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
 
 
 def train_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_chunks: int) -> torch.Tensor:
-    """The training loss of one batch: with ``loss_chunks`` >= 1 the model's own, its head computed that
-    many chunks of tokens at a time (``forward(inputs, targets, loss_chunks=N)``, a family with
-    ``chunked_loss``), else `loss_fn` of its logits. Called through the mode's wrapper (DDP, FSDP,
-    `SubnetworkDataParallel`), so every mode computes its loss alike."""
+    """The loss of one batch, in training and validation: with ``loss_chunks`` >= 1 the model's own, its
+    head computed that many chunks of tokens at a time (``forward(inputs, targets, loss_chunks=N)``, a
+    family with ``chunked_loss``), else `loss_fn` of its logits. Called through the mode's wrapper
+    (DDP, FSDP, `SubnetworkDataParallel`), so every mode computes its loss alike."""
     if loss_chunks:
         return model(inputs, targets, loss_chunks=loss_chunks)
     return loss_fn(model(inputs), targets)

@@ -76,7 +76,7 @@ from sdp_train.trainer.membership import LAUNCHER_ENV, MembershipChange, Surviva
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
-from sdp_train.trainer.run import Run, forward_precision, loss_fn
+from sdp_train.trainer.run import Run, forward_precision, loss_chunks_of, train_loss
 from sdp_train.trainer.user_model import UserModel
 
 
@@ -426,7 +426,7 @@ def validation_sums(model: torch.nn.Module, prep: Prepared, world_size: int, dev
         val = build_batches(val_data, split="val", seed=cfg.seed, rank=rank, world_size=world_size)
         for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
             with forward_precision(cfg, device):
-                loss = loss_fn(model(inputs.to(device)), targets.to(device))
+                loss = train_loss(model, inputs.to(device), targets.to(device), loss_chunks_of(prep))
             total[0] += loss.double()
             total[1] += 1
     return total

@@ -369,7 +369,7 @@ def test_evaluation_peak_adds_one_full_model_to_rank_zeros_state_only_where_rank
     config = get_model_config("llama-debug")
     with torch.device("meta"):
         acts = activation_model(model_class(config)(config), frozenset(), elem=4,
-                                image_size=8, **LLAMA)
+                                image_size=8, loss_chunks=TrainConfig.loss_chunks, **LLAMA)
     forward = acts.stem + max(b.saved for b in acts.blocks) + acts.head + acts.loss_backward
     assert ddp["eval_peak"] == sum(ddp["persistent"].values()) + ddp["buffers"] + forward  # no second copy
     rank0_state = p["eval_peak"] - full - forward
@@ -437,3 +437,20 @@ def test_cli_shows_what_no_mask_removes_and_its_share_of_the_peak(capsys):
     both = next(line for line in lines if line.startswith("B-SDP+FSDP "))
     assert f"({row['unmaskable'] / row['total']:.0%})" in both
     assert any(line.startswith("no mask: ") for line in lines)
+
+
+@pytest.mark.parametrize(("mode", "extra"), [("fsdp", {}), ("bsdp", {"fsdp": True, "active": 0.5})])
+def test_with_the_chunked_loss_the_roots_reduce_scatter_can_be_the_peak(mode, extra):
+    """llama-134m, K = 2, 1 x 1024, AC (BENCHMARKS.md, "Memory at scale"): with the logits gone the peak is
+    the root's reduce-scatter at the end of backward, the same in FSDP and B-SDP+FSDP: the persistent state,
+    the root's gradients unsharded and copied into the reduce-scatter input, the shard and gloo's copy
+    (measured 1,662,687,189 B and 1,662,686,973 B, 534 KB below this: the RoPE tables and batch are freed by
+    then)."""
+    p = predict("llama-134m", mode=mode, workers=2, batch_size=1, seq_len=1024, ac=True, **extra)
+    config = get_model_config("llama-134m")
+    root = 4 * (2 * config.vocab_size * config.dim + config.dim)  # embedding, head, final norm
+    constant = 2 * 1024 * config.head_dim * 4 + 2 * 1024 * 8
+    assert p["peak_at"] == "reduce-scatter of the root"
+    assert p["total"] == sum(p["persistent"].values()) + 2 * root + 2 * (root // 2) + constant
+    assert predict("llama-134m", mode=mode, workers=2, batch_size=1, seq_len=1024, ac=True, loss_chunks=0,
+                   **extra)["peak_at"] == "backward start"
