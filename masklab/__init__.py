@@ -17,6 +17,7 @@ from masklab.design import design
 from masklab.errors import CostsFileError, DesignError, MaskError, MaskFileError
 from masklab.io import load_costs, load_mask, save_costs, save_mask
 from masklab.mask import Mask, Schedule
+from masklab.neurons import neuron_design
 from masklab.report import MaskReport, analyze
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "design_for_costs",
     "load_costs",
     "load_mask",
+    "neuron_design",
     "save_costs",
     "save_mask",
 ]

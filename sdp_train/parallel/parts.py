@@ -14,13 +14,12 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from masklab import Mask, design, load_mask
+from masklab import Mask, design, load_mask, neuron_design
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import SliceSpec, shared_children
 from sdp_train.parallel.masking import ModelLayout
@@ -30,7 +29,7 @@ from sdp_train.parallel.sync import BucketPlan
 def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, workers: int,
                  layout: ModelLayout, *, seed: int, construction: str = "auto", schedules: bool = False) -> Mask:
     """The mask for ``layout`` on ``workers`` ranks: given, read from a file, or designed for ``active``
-    (``masklab.design`` with ``construction`` and ``seed``; one design per block's neuron groups).
+    (``masklab.design`` with ``construction`` and ``seed``; at neuron level ``masklab.neuron_design``).
     A schedule other than static is refused unless `schedules` (everything but FSDP trains them).
 
     Raises
@@ -47,10 +46,8 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
             result = design(workers, len(columns), active=active, construction=construction,
                             seed=seed).replace(block_names=columns)
         else:
-            per_block = [design(workers, layout.neuron_groups, active=active, construction=construction, seed=seed + i)
-                         for i in range(len(layout.blocks))]
-            result = Mask(np.hstack([m.matrix for m in per_block]), block_names=columns,
-                          construction=f"per-block {per_block[0].construction}")
+            result = neuron_design(workers, len(layout.blocks), layout.neuron_groups, active=active,
+                                   construction=construction, seed=seed).replace(block_names=columns)
     elif isinstance(mask, Mask):
         result = mask
     elif isinstance(mask, (str, os.PathLike)):

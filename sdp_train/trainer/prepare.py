@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
-from masklab import Mask, Schedule, design, load_mask
+from masklab import Mask, Schedule, design, load_mask, neuron_design
 from sdp_train.data import DataConfig
 from sdp_train.data.shards import SIDECAR, ShardFormat, check_listed, read_format
 from sdp_train.data.text import token_beyond
@@ -264,10 +263,11 @@ def with_schedule(cfg: TrainConfig, mask: Mask, groups: int | None = None) -> Ma
 
 
 def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
-    """The mask `sdp train --active C` uses: one design over the blocks, or one per layer for neurons.
+    """The mask `sdp train --active C` uses: one design over the blocks, or for neurons
+    `masklab.neurons.neuron_design`, whose layers share the holder sets of the blocks' design.
 
-    At neuron level every layer gets its own (K x groups) design, so each worker keeps a fraction C
-    of every layer's neurons (the paper's N-SDP) and no layer loses all its neurons on a worker.
+    At neuron level every worker keeps some neuron group of every layer, about C of them on average,
+    and the run needs no more process groups than B-SDP with the same K, C and seed.
     """
     bmap = block_map(model_config)
     names = list(bmap.block_names(cfg.level))
@@ -275,10 +275,9 @@ def design_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
         mask = design(cfg.workers, len(names), active=cfg.active, construction=cfg.construction, seed=cfg.seed)
         return mask.replace(block_names=names)
     groups = model_config.neuron_groups
-    layers = [design(cfg.workers, groups, active=cfg.active, construction=cfg.construction, seed=cfg.seed + i)
-              for i in range(len(names) // groups)]
-    return Mask(np.hstack([m.matrix for m in layers]), block_names=names,
-                construction=f"per-layer {layers[0].construction}")
+    mask = neuron_design(cfg.workers, len(names) // groups, groups, active=cfg.active, construction=cfg.construction,
+                         seed=cfg.seed)
+    return mask.replace(block_names=names)
 
 
 DATA_SOURCES = ("auto", "stdlib", "digits", "bin:DIR", "cifar:DIR")  # what TrainConfig.data may say
