@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "worker), design a B-SDP mask whose predicted peak fits each worker's device instead. Nothing "
                     "is trained.")
     p.add_argument("--model", required=True,
-                   help="named model (llama-debug, llama-134m, llama-500m, llama-1b, resnet18-cifar, vit-tiny, swin-tiny)")
+                   help="named model (llama-debug, llama-134m, llama-500m, llama-1b, resnet18-cifar, "
+                        "wideresnet18-cifar, vit-tiny, swin-debug, swin-tiny)")
     p.add_argument("--workers", type=int, required=True, metavar="K", help="number of ranks")
     memory = p.add_mutually_exclusive_group(required=True)
     memory.add_argument("--memory-per-device", metavar="SIZE", help="device memory, e.g. 24GiB, 80GB or plain bytes")

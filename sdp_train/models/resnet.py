@@ -91,8 +91,11 @@ class ResNetConfig:
 
 
 def resnet_configs() -> dict[str, ResNetConfig]:
-    """The named ResNet shapes: ``resnet18-cifar`` (3x32x32 in, 10 classes)."""
-    return {"resnet18-cifar": ResNetConfig()}
+    """The named ResNet shapes (3x32x32 in, 10 classes): ``resnet18-cifar`` (11.17M parameters) and
+    ``wideresnet18-cifar``, ResNet-18 of width 2 (stages of 128-256-512-1024 channels, WRN-18-2 in
+    the wide-ResNet naming; 44.66M parameters)."""
+    return {"resnet18-cifar": ResNetConfig(),
+            "wideresnet18-cifar": ResNetConfig(name="wideresnet18-cifar", width_multiplier=2.0)}
 
 
 def block_layout(config: ResNetConfig) -> list[tuple[str, int, int, int]]:

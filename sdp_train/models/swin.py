@@ -14,6 +14,13 @@ an ``nn.ModuleDict`` keyed by the block's index over all stages), as in `sdp_tra
 The model is built for one image side (``image_size``: `sdp train` sets it from the data, like
 ``in_channels``). Not here: padding to window multiples, dropout, stochastic depth, absolute
 position embeddings.
+
+``swin-tiny`` is Swin-T (width 96, stages of 2, 2, 6, 2 blocks with 3, 6, 12, 24 heads, MLP ratio
+4; 27.5M parameters with 10 classes) adapted to 32 x 32 images: 2 x 2 patches instead of 4 x 4 and
+4 x 4 windows instead of 7 x 7, so that its four stages see 16 x 16, 8 x 8, 4 x 4 (one window,
+unshifted) and 2 x 2 token maps, as Swin-T's see 56 to 7 at 224 x 224. It needs 32 x 32 inputs
+(CIFAR); ``swin-debug`` (two stages of two blocks, 135,126 parameters) is the small one for tests
+and the 8 x 8 digits.
 """
 
 from __future__ import annotations
@@ -45,9 +52,9 @@ from sdp_train.parallel.blockmap import (
 
 @dataclass(kw_only=True)
 class SwinConfig:
-    """Shape of a Swin-style model. Defaults are ``swin-tiny`` (two stages of two blocks, 135,126 parameters)."""
+    """Shape of a Swin-style model. Defaults are ``swin-debug`` (two stages of two blocks, 135,126 parameters)."""
 
-    name: str = "swin-tiny"
+    name: str = "swin-debug"
     """Registry name, used in error messages and checkpoints."""
     in_channels: int = 3
     """Input image channels (3 for CIFAR, 1 for digits)."""
@@ -105,8 +112,11 @@ class SwinConfig:
 
 
 def swin_configs() -> dict[str, SwinConfig]:
-    """The named Swin shapes: ``swin-tiny`` (digits 8 x 8 by default; CIFAR with ``image_size=32``)."""
-    return {"swin-tiny": SwinConfig()}
+    """The named Swin shapes: ``swin-debug`` (digits 8 x 8 by default; CIFAR with ``image_size=32``) and
+    ``swin-tiny``, Swin-T for 32 x 32 images (module doc)."""
+    return {"swin-debug": SwinConfig(),
+            "swin-tiny": SwinConfig(name="swin-tiny", image_size=32, patch_size=2, dim=96, depths=(2, 2, 6, 2),
+                                    heads=(3, 6, 12, 24), window=4)}
 
 
 @dataclass(frozen=True)

@@ -216,9 +216,9 @@ def test_model_overrides_give_a_small_enough_model_or_a_config_error(model_and_o
     ("resnet18-cifar", {"blocks_per_stage": [10**9]}, "residual blocks exceed the supported maximum"),
     ("vit-tiny", {"dim": 10**8, "n_heads": 1}, "parameters exceed the supported maximum"),
     ("vit-tiny", {"patch_size": 2.0}, "patch_size must be a positive int"),
-    ("swin-tiny", {"depths": [10**9, 1]}, "residual blocks exceed the supported maximum"),
-    ("swin-tiny", {"heads": "2"}, "heads must be a non-empty list of positive ints, got '2'"),
-    ("swin-tiny", {"dim": 10**6, "heads": [1, 1]}, "parameters exceed the supported maximum"),
+    ("swin-debug", {"depths": [10**9, 1]}, "residual blocks exceed the supported maximum"),
+    ("swin-debug", {"heads": "2"}, "heads must be a non-empty list of positive ints, got '2'"),
+    ("swin-debug", {"dim": 10**6, "heads": [1, 1]}, "parameters exceed the supported maximum"),
 ])
 def test_prepare_refuses_junk_and_huge_model_overrides_before_allocating(model, overrides, message):
     cfg = TrainConfig(model=model, model_overrides=overrides, workers=2)

@@ -22,8 +22,8 @@ from sdp_train.trainer.run import loss_fn
         ("resnet18-cifar", {"num_classes": 5}, "num_classes=5; digits has 10 classes"),
         ("resnet18-cifar", {"in_channels": 3}, "in_channels=3; digits images have 1"),
         ("vit-tiny", {"patch_size": 3}, "patch_size=3, which does not divide the 8 x 8 digits images"),
-        ("swin-tiny", {"image_size": 32}, "image_size=32; digits images are 8 x 8"),
-        ("swin-tiny", {"window": 3}, "window=3 must divide stage 0's 4 x 4 token map (image_size=8"),
+        ("swin-debug", {"image_size": 32}, "image_size=32; digits images are 8 x 8"),
+        ("swin-debug", {"window": 3}, "window=3 must divide stage 0's 4 x 4 token map (image_size=8"),
     ],
 )
 def test_model_that_cannot_fit_the_data_is_refused(model, overrides, message):
@@ -31,7 +31,7 @@ def test_model_that_cannot_fit_the_data_is_refused(model, overrides, message):
         prepare(TrainConfig(model=model, mode="ddp", model_overrides=overrides))
 
 
-@pytest.mark.parametrize("model", ["llama-debug", "resnet18-cifar", "vit-tiny", "swin-tiny"])
+@pytest.mark.parametrize("model", ["llama-debug", "resnet18-cifar", "vit-tiny", "swin-debug"])
 def test_models_that_fit_their_data_run_a_forward_pass_on_it(model):
     prep = prepare(TrainConfig(model=model, mode="ddp", batch_size=2, seq_len=16, max_data_bytes=50_000))
     inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=0, world_size=1))
@@ -46,10 +46,10 @@ def test_cifar_data_sets_the_channels_and_the_image_side_of_a_model_built_for_on
     for name in ("data_batch_1", "test_batch"):  # prepare checks that the files exist, it reads none
         (tmp_path / name).write_bytes(b"")
     # patch_size=16 fits 32 x 32 images only: overrides are checked at the data's image side
-    cifar = prepare(TrainConfig(model="swin-tiny", mode="ddp", data=f"cifar:{tmp_path}",
+    cifar = prepare(TrainConfig(model="swin-debug", mode="ddp", data=f"cifar:{tmp_path}",
                                 model_overrides={"patch_size": 16}))
     assert (cifar.model_config.in_channels, cifar.model_config.image_size) == (3, 32)
-    digits = prepare(TrainConfig(model="swin-tiny", mode="ddp")).model_config
+    digits = prepare(TrainConfig(model="swin-debug", mode="ddp")).model_config
     assert (digits.in_channels, digits.image_size) == (1, 8)
 
 

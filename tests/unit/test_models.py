@@ -39,7 +39,7 @@ def test_named_config_param_count_is_close_to_its_name(name, target, rel):
 
 @pytest.mark.parametrize(
     "config", [tiny_llama(), get_model_config("llama-debug"), tiny_resnet(), tiny_resnet(num_classes=3),
-               get_model_config("swin-tiny"), get_model_config("swin-tiny", image_size=32, depths=(2, 2, 2),
+               get_model_config("swin-debug"), get_model_config("swin-debug", image_size=32, depths=(2, 2, 2),
                                                                heads=(2, 2, 4))]
 )
 def test_num_params_equals_instantiated_count(config):
@@ -49,7 +49,7 @@ def test_num_params_equals_instantiated_count(config):
 
 def test_model_names_lists_every_named_config():
     assert set(model_names()) == {"llama-debug", "llama-134m", "llama-500m", "llama-1b", "resnet18-cifar",
-                                 "swin-tiny", "vit-tiny"}
+                                 "wideresnet18-cifar", "swin-debug", "swin-tiny", "vit-tiny"}
 
 
 def test_unknown_model_name_lists_known_ones():
@@ -122,7 +122,7 @@ def test_llama_block_map_names_and_shared_tensors():
     assert "layers.1.mlp.w_gate.weight" not in bmap.shared("neuron")
 
 
-@pytest.mark.parametrize("config", [tiny_llama(), tiny_resnet(), get_model_config("swin-tiny")])
+@pytest.mark.parametrize("config", [tiny_llama(), tiny_resnet(), get_model_config("swin-debug")])
 def test_neuron_groups_partition_the_sliced_dimension_of_each_tensor(config):
     bmap = block_map(config)
     covered: dict[tuple[str, int], list[int]] = {}

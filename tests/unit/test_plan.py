@@ -158,8 +158,8 @@ def _worker(config, kind: str, seed: int):
 @pytest.mark.parametrize("kind", ["full", "block", "neuron", "frozen"])
 @pytest.mark.parametrize(("name", "overrides", "side"),
                          [("llama-debug", {}, None), ("vit-tiny", TINY_VIT, 8), ("resnet18-cifar", TINY_RESNET, 8),
-                          ("resnet18-cifar", {"width_multiplier": 0.125}, 32), ("swin-tiny", {"in_channels": 1}, 8),
-                          ("swin-tiny", {"image_size": 32, "depths": (1, 2, 1), "heads": (1, 2, 2)}, 32)])
+                          ("resnet18-cifar", {"width_multiplier": 0.125}, 32), ("swin-debug", {"in_channels": 1}, 8),
+                          ("swin-debug", {"image_size": 32, "depths": (1, 2, 1), "heads": (1, 2, 2)}, 32)])
 def test_activation_formulas_equal_the_bytes_autograd_saves(name, overrides, side, kind):
     config = get_model_config(name, **overrides)
     model, frozen = _worker(config, kind, seed=len(name) + len(kind))
@@ -178,11 +178,27 @@ def test_activation_formulas_equal_the_bytes_autograd_saves(name, overrides, sid
 
 
 
+@pytest.mark.parametrize("kind", ["full", "block"])
+@pytest.mark.parametrize(("name", "params"), [("wideresnet18-cifar", 44_662_922), ("swin-tiny", 27_504_916)])
+def test_the_papers_image_models_at_their_real_size_are_planned_as_autograd_saves(name, params, kind):
+    """WideResNet-18 (width 2) and Swin-T for 32 x 32 images as built-ins: sdp plan's activation
+    formulas equal the bytes autograd saves at full size, and its parameters are the model's."""
+    config = get_model_config(name)
+    assert num_params(config) == params
+    model, frozen = _worker(config, kind, seed=3)
+    inputs, targets = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    acts = activation_model(model, frozen, batch_size=2, seq_len=1, image_size=32, elem=4)
+    assert acts.forward_bytes(ac=False) == pytest.approx(_saved_bytes(model, inputs, targets), abs=8)
+    if kind == "full":
+        ddp = predict(name, mode="ddp", workers=2, batch_size=2, image_size=32)
+        assert ddp["persistent"]["parameters"] == 4 * params
+
+
 @pytest.mark.parametrize("row", [[0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1]])
 def test_swin_patch_merging_bytes_count_where_the_worker_keeps_them(row):
     """A patch merging keeps its own tensors but not its input: they are the stem's when the worker
     holds no block before it, and the first stage's last block output is not kept."""
-    config = get_model_config("swin-tiny", in_channels=1)
+    config = get_model_config("swin-debug", in_channels=1)
     model = build_worker_model(config, np.array(row), "block", seed=0)
     inputs, targets = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
     acts = activation_model(model, frozenset(), batch_size=4, seq_len=1, image_size=8, elem=4)

@@ -1,4 +1,4 @@
-"""swin-tiny: shapes, the shifted-window mask, patch merging, and its B-SDP / N-SDP subnetworks
+"""swin-debug: shapes, the shifted-window mask, patch merging, and its B-SDP / N-SDP subnetworks
 against the full model."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from sdp_train.models import block_map, build_model, get_model_config, num_param
 from sdp_train.models.subnet import build_worker_model
 from sdp_train.models.swin import BlockShape, PatchMerging, SwinBlock, block_shapes, shift_mask
 
-DIGITS = get_model_config("swin-tiny", in_channels=1)
-CIFAR = get_model_config("swin-tiny", in_channels=3, image_size=32)
+DIGITS = get_model_config("swin-debug", in_channels=1)
+CIFAR = get_model_config("swin-debug", in_channels=3, image_size=32)
 
 
 def images(config, n: int = 4) -> torch.Tensor:
@@ -22,7 +22,7 @@ def images(config, n: int = 4) -> torch.Tensor:
                        dtype=torch.float64)
 
 
-@pytest.mark.parametrize("config", [DIGITS, CIFAR, get_model_config("swin-tiny", depths=(1, 2, 1), heads=(1, 2, 2),
+@pytest.mark.parametrize("config", [DIGITS, CIFAR, get_model_config("swin-debug", depths=(1, 2, 1), heads=(1, 2, 2),
                                                                      image_size=16)])
 def test_num_params_equals_the_allocated_parameters_and_the_forward_gives_class_logits(config):
     model = build_model(config, seed=0).double()
@@ -33,7 +33,7 @@ def test_num_params_equals_the_allocated_parameters_and_the_forward_gives_class_
 def test_swin_tiny_parameter_count():
     # patch embedding 416 + blocks 2 x 12,722 and 2 x 50,020 (each with a 9 x heads table) + merging 8,448
     # + norm and head 778
-    assert num_params(get_model_config("swin-tiny")) == 135_126
+    assert num_params(get_model_config("swin-debug")) == 135_126
 
 
 def test_stages_window_and_shift_follow_swin():
@@ -161,7 +161,7 @@ def test_patch_merging_halves_the_map_and_doubles_the_width_from_2x2_neighbourho
 ])
 def test_invalid_swin_config_is_refused_naming_the_value(overrides, message):
     with pytest.raises(ConfigError) as err:
-        get_model_config("swin-tiny", **overrides)
+        get_model_config("swin-debug", **overrides)
     assert message in str(err.value)
 
 
