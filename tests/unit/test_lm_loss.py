@@ -147,3 +147,22 @@ def test_a_negative_chunk_count_is_refused_by_config_and_cli(capsys):
         TrainConfig(loss_chunks=-1)
     assert main(["train", "--model", "llama-debug", "--loss-chunks", "-1"]) == 2
     assert "loss_chunks=-1" in capsys.readouterr().err
+
+
+def test_under_bfloat16_autocast_it_matches_torchs_autocast_loss():
+    """``sdp train --dtype bfloat16``: the head's matmuls in bfloat16 as autocast runs torch's linear, the
+    softmax in float32 as autocast runs its cross-entropy; equal to bfloat16 rounding."""
+    model = build_model(get_model_config("llama-debug", n_layers=2), seed=0)
+    tokens, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens, targets, loss_chunks=3)
+    loss.backward()
+    chunked = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = loss_fn(model(tokens), targets)
+    plain.backward()
+    assert loss.dtype == plain.dtype == torch.float32
+    torch.testing.assert_close(loss, plain, rtol=1e-3, atol=0.0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(chunked[name], p.grad, rtol=0.0, atol=1e-2 * float(p.grad.abs().max()), msg=name)
