@@ -97,7 +97,7 @@ def check_listed(directory: str | Path, fmt: ShardFormat, shards: Sequence[str |
 # -- writing ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tokenizer:
-    """Text file -> token ids: ``encode(path)`` (1-D int64), its `vocab_size`, `name` and `eot_id`."""
+    """Text file -> token ids: ``encode(path)`` (a 1-D integer array), its `vocab_size`, `name` and `eot_id`."""
 
     name: str
     vocab_size: int
@@ -107,7 +107,7 @@ class Tokenizer:
 
 def byte_tokenizer() -> Tokenizer:
     """One id per byte (256 ids, no end-of-text id): any file, text or not, as it is on disk."""
-    return Tokenizer("bytes", 256, lambda path: np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int64))
+    return Tokenizer("bytes", 256, lambda path: np.frombuffer(path.read_bytes(), dtype=np.uint8))
 
 
 def local_tokenizer(directory: str | Path) -> Tokenizer:
@@ -188,35 +188,42 @@ def input_files(inputs: Sequence[str | Path], pattern: str = "*.txt") -> list[Pa
 
 @dataclass
 class _ShardWriter:
-    """Appends token arrays to ``PREFIX_NNNNN.bin`` files of at most `shard_tokens` tokens each."""
+    """Appends token arrays (already of the shard dtype) to ``PREFIX_NNNNN.bin`` files of at most
+    `shard_tokens` tokens each, holding at most one shard's tokens in memory."""
 
     out: Path
     prefix: str
-    dtype: str
     shard_tokens: int
     files: dict[str, int] = field(default_factory=dict)
     pending: list[np.ndarray] = field(default_factory=list)
     held: int = 0
 
     def add(self, tokens: np.ndarray) -> None:
-        self.pending.append(tokens)
-        self.held += tokens.size
-        while self.held >= self.shard_tokens:
-            self._flush(self.shard_tokens)
+        while tokens.size:
+            take = min(tokens.size, self.shard_tokens - self.held)
+            self.pending.append(tokens[:take])
+            self.held += take
+            tokens = tokens[take:]
+            if self.held == self.shard_tokens:
+                self.close()
 
     def close(self) -> None:
-        if self.held:
-            self._flush(self.held)
-
-    def _flush(self, count: int) -> None:
+        """Write the tokens held as the next shard, if any."""
         from masklab.io import atomic_write
 
-        joined = np.concatenate(self.pending)
-        shard, rest = joined[:count].astype(DTYPES[self.dtype]), joined[count:]
+        if not self.held:
+            return
+        parts = self.pending
+
+        def write(name: str) -> None:
+            with open(name, "wb") as f:
+                for part in parts:
+                    part.tofile(f)
+
         name = f"{self.prefix}_{len(self.files):05d}.bin"
-        atomic_write(self.out / name, shard.tofile)
-        self.files[name] = int(count)
-        self.pending, self.held = ([rest] if rest.size else []), int(rest.size)
+        atomic_write(self.out / name, write)
+        self.files[name] = self.held
+        self.pending, self.held = [], 0
 
 
 def write_shards(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: Tokenizer, pattern: str = "*.txt",
@@ -249,8 +256,8 @@ def write_shards(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: To
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     dtype = "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
-    train = _ShardWriter(out, "train", dtype, shard_tokens)
-    val = _ShardWriter(out, "val", dtype, shard_tokens)
+    train = _ShardWriter(out, "train", shard_tokens)
+    val = _ShardWriter(out, "val", shard_tokens)
     try:
         return _write(files, out, tokenizer, dtype, train, val, val_every)
     except BaseException:
@@ -268,15 +275,18 @@ def _write(files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str, train
     meta = {"format": FORMAT, "version": 1, "dtype": dtype, "vocab_size": tokenizer.vocab_size,
             "tokenizer": tokenizer.name, "eot_id": tokenizer.eot_id, "files": None}
     atomic_write_text(out / SIDECAR, json.dumps(meta, indent=1) + "\n")
-    eot = np.asarray([] if tokenizer.eot_id is None else [tokenizer.eot_id], dtype=np.int64)
+    code = DTYPES[dtype]
+    eot = np.asarray([] if tokenizer.eot_id is None else [tokenizer.eot_id], dtype=code)
     for i, path in enumerate(files):
         try:
-            tokens = np.concatenate([tokenizer.encode(path), eot])
+            ids = tokenizer.encode(path)
         except OSError as exc:
             raise DataFileError(f"input {path} cannot be read: {exc.strerror or exc}") from None
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= tokenizer.vocab_size):
-            raise DataFileError(f"input {path}: tokenizer {tokenizer.name} gave id {int(tokens.max())} outside "
-                                f"its vocabulary of {tokenizer.vocab_size}")
+        if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise DataFileError(f"input {path}: tokenizer {tokenizer.name} gave id {bad} outside its vocabulary "
+                                f"of {tokenizer.vocab_size}")
+        tokens = np.concatenate([ids.astype(code), eot])
         if (i + 1) % val_every == 0:
             val.add(tokens)
         elif len(files) < val_every and i == len(files) - 1:
