@@ -277,7 +277,8 @@ class SubnetworkSync(ModeSync):
         """A static mask: every survivor keeps its blocks, so only the wrapper is new (its holder groups,
         buckets and hooks); activation checkpointing is already inside the module."""
         old = self.sdp
-        if not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1:
+        if (not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1
+                or old.masking != "forward"):  # Bb-SDP's broadcast after the step: docs/design.md §7
             return super().for_survivors(mask, rows, info)
         sdp = SubnetworkDataParallel.from_subnetwork(
             old.module, layout=old.layout, mask=mask, held_by_rank=[old.held_by_rank[r] for r in rows],

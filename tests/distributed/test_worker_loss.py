@@ -1,14 +1,15 @@
-"""Losing a worker without rollback: ``sdp train --mode bsdp --on-worker-loss continue`` on 3 gloo
-ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to.
+"""Losing a worker without rollback: ``sdp train --mode bsdp|nsdp --on-worker-loss continue`` on 3
+gloo ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to.
 
 The fault is the test-only ``SDP_TEST_KILL_AT_STEP=STEP:RANK`` (`sdp_train.trainer.faults`): the rank
 kills itself after step STEP's collectives, before its optimizer step, so the survivors apply step
 STEP with its gradient and their step STEP + 1 fails; they agree on the survivors, re-form the world
-and rerun step STEP + 1 under the mask without row 0. The one launch checks: exit 0; the membership
+and rerun step STEP + 1 under the mask without row 0. One launch per mode checks: exit 0; the membership
 change recorded at step STEP + 1 in summary.json and its metrics line, every step's line once; the
-holders of every tensor identical at the end (each survivor's rank file of the final checkpoint,
-written after the last step); and the final model, and every step's loss, equal to a single-process
-reference that averages each block over its holders among the members of the step, with 3 workers
+holders of every tensor (N-SDP: every row or column) identical at the end (each survivor's rank
+file of the final checkpoint, written after the last step); and the final model, and every step's
+loss, equal to a single-process reference that averages each entry over its holders among the
+members of the step, with 3 workers
 up to step STEP and workers 1 and 2 from step STEP + 1 on (float32 rounding).
 """
 
@@ -20,43 +21,45 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, KILL_STEP, KILL_RANK = 6, 2, 0
-ARGS = ["--model", "llama-debug", "--mode", "bsdp", "--active", "0.67", "--workers", "3", "--steps", str(STEPS),
+ARGS = ["--model", "llama-debug", "--active", "0.67", "--workers", "3", "--steps", str(STEPS),
         "--batch-size", "2", "--seq-len", "16", "--max-data-bytes", "100000", "--eval-batches", "1",
         "--memory-steps", "0", "--warmup-steps", "2", "--seed", "3", "--on-worker-loss", "continue"]
+LEVEL = {"bsdp": "block", "nsdp": "neuron"}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("worker_loss") / "run"
+@pytest.fixture(scope="module", params=sorted(LEVEL))
+def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
+    mode = request.param
+    out = tmp_path_factory.mktemp(f"worker_loss_{mode}") / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
            "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{KILL_RANK}", "SDP_COLLECTIVE_TIMEOUT_S": "60"}
-    proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--checkpoint-every", str(STEPS),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", mode,
+                           "--checkpoint-every", str(STEPS), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-8000:]
-    return proc, out
+    return mode, proc, out
 
 
-def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The run on one process: one full model and one AdamW (the run's groups and hyperparameters),
-    each step every member's gradient from its subnetwork on its own batch, each block's the mean over
-    its holders among the members, the shared parameters' over all members, clipped as a whole."""
+    each step every member's gradient from its subnetwork on its own batch, each entry's the mean
+    over its holders among the members (`sdp_train.testing`'s simulated update: blocks, neuron
+    slices and shared parameters alike), clipped as a whole."""
     from sdp_train.cli import build_parser
     from sdp_train.cli.train import config_from_args
     from sdp_train.data import build_batches
-    from sdp_train.testing import from_sdp_train
+    from sdp_train.testing import _simulated_update, from_sdp_train
     from sdp_train.trainer.prepare import prepare
     from sdp_train.trainer.run import loss_fn, lr_at
 
-    cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--out", "unused"]))
+    cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, "--out", "unused"]))
     prep = prepare(cfg)
-    model, blocks, subnetwork = from_sdp_train(prep.model_config, "block", seed=cfg.seed)
-    owner = {name: j for j, parts in enumerate(blocks) for name, _, _ in parts}
+    model, _, subnetwork = from_sdp_train(prep.model_config, LEVEL[mode], seed=cfg.seed)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
@@ -66,28 +69,50 @@ def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     losses = []
     for step in range(STEPS):
         members = [0, 1, 2] if step <= KILL_STEP else [k for k in range(3) if k != KILL_RANK]
-        grads, loss = {}, 0.0
-        for k in members:
-            sub = subnetwork(model, matrix[k])
-            inputs, targets = next(batches[k])
-            value = loss_fn(sub(inputs), targets)
-            value.backward()
-            loss += value.item() / len(members)
-            grads[k] = {n: p.grad for n, p in sub.named_parameters()}
+        values = []
+
+        def loss(sub, batch):
+            values.append(loss_fn(sub(batch[0]), batch[1]))
+            return values[-1]
+
+        grads = _simulated_update(model, [subnetwork(model, matrix[k]) for k in members],
+                                  [next(batches[k]) for k in members], loss)
         for name, p in params.items():
-            holders = [k for k in members if name not in owner or matrix[k, owner[name]]]
-            p.grad = sum(grads[k][name] for k in holders) / len(holders)
+            p.grad = grads[name]
         torch.nn.utils.clip_grad_norm_(params.values(), cfg.grad_clip)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         opt.step()
-        losses.append(loss)
+        losses.append(sum(v.item() for v in values) / len(members))
     return model.state_dict(), losses
+
+
+def _held(mode: str, rows: list[int]) -> list[dict]:
+    """What each of the mask `rows` holds of every tensor (`SliceSpec`s, full-model positions)."""
+    from sdp_train.cli import build_parser
+    from sdp_train.cli.train import config_from_args
+    from sdp_train.models.subnet import held_tensors
+    from sdp_train.trainer.prepare import prepare
+
+    prep = prepare(config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, "--out", "unused"])))
+    return [held_tensors(prep.model_config, prep.mask.matrix[k].astype(bool), LEVEL[mode]) for k in rows]
+
+
+def _common_part(specs: list[dict], ranks: list[dict], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both ranks' values of the part of `name` they both hold (N-SDP: rows/columns found by their
+    full-model positions; a whole tensor as it is)."""
+    held = (specs[0][name], specs[1][name])
+    if all(s.is_whole for s in held):
+        return ranks[0][name], ranks[1][name]
+    dim, size = next(s.dim for s in held if not s.is_whole), max(s.full_size for s in held)
+    full = [list(range(size)) if s.is_whole else list(s.index) for s in held]
+    both = sorted(set(full[0]) & set(full[1]))
+    return tuple(ranks[r][name].index_select(dim, torch.tensor([full[r].index(i) for i in both])) for r in (0, 1))
 
 
 @pytest.mark.slow
 def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_row(run):
-    proc, out = run
+    mode, proc, out = run
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     lost = [KILL_RANK]
@@ -95,9 +120,7 @@ def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_
 
     (change,) = summary["membership_changes"]
     assert (change["step"], change["lost"], change["workers"]) == (KILL_STEP + 1, lost, survivors)
-    assert change["mask"]["rows"] == ["".join(str(x) for x in row)
-                                      for k, row in enumerate(np.array(summary["mask"]["rows"], dtype=object))
-                                      if k != KILL_RANK]
+    assert change["mask"]["rows"] == [row for k, row in enumerate(summary["mask"]["rows"]) if k != KILL_RANK]
     assert summary["world_size"] == 2
     assert [m["step"] for m in metrics] == list(range(STEPS))  # every step once: none recomputed before the loss
     assert [m["step"] for m in metrics if "membership" in m] == [KILL_STEP + 1]
@@ -110,12 +133,14 @@ def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_
     ranks = [torch.load(final / f"rank{r}.pt", weights_only=True)["model"] for r in range(2)]
     shared = set(ranks[0]) & set(ranks[1])
     assert any(name.startswith("layers.") for name in shared)
+    specs = _held(mode, [k for k in range(3) if k != KILL_RANK])
     for name in shared:
-        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        a, b = _common_part(specs, ranks, name)
+        assert torch.equal(a, b), name
 
     from safetensors.torch import load_file
 
-    expected, losses = reference()
+    expected, losses = reference(mode)
     model = load_file(out / "model.safetensors")
     assert set(model) == set(expected)
     for name, value in expected.items():

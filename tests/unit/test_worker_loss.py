@@ -87,7 +87,7 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"mode": "nsdp"}, "mode 'nsdp': continuing is built for bsdp"),
+    ({"mode": "bbsdp"}, "mode 'bbsdp': continuing is built for bsdp, nsdp"),
     ({"schedule": "permute"}, "a static mask averaged every step"),
     ({"fsdp": True}, "a static mask averaged every step"),
     ({"max_restarts": 1}, "max_restarts=1"),
@@ -100,5 +100,6 @@ def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(change
     assert message in str(info.value)
 
 
-def test_b_sdp_with_a_static_mask_may_continue():
-    assert TrainConfig(mode="bsdp", workers=2, on_worker_loss="continue").on_worker_loss == "continue"
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
+def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
+    assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue").on_worker_loss == "continue"
