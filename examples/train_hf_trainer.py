@@ -33,15 +33,17 @@ def byte_windows(count: int, seq_len: int, seed: int) -> list[dict]:
             for s in starts.tolist()]
 
 
-def build_trainer(out: str, steps: int, *, masking: str = "forward", hidden_size: int = 64,
+def build_trainer(out: str, steps: int, *, masking: str = "forward", mask=None, hidden_size: int = 64,
                   max_grad_norm: float = 1.0, callbacks=None) -> SDPTrainer:
     """The wrapped model and its trainer, the same on every rank (call after init_process_group).
-    ``masking="backward"`` is Bb-SDP: every worker runs the full model and trains its half."""
+    ``masking="backward"`` is Bb-SDP: every worker runs the full model and trains its half. A
+    `masklab.Mask` (with a schedule, say) replaces the designed one."""
     config = LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=128)
     torch.manual_seed(0)
-    model = SubnetworkDataParallel(LlamaForCausalLM(config), active=0.5, masking=masking)  # each: 2 of 4 layers
+    model = SubnetworkDataParallel(LlamaForCausalLM(config), active=None if mask is not None else 0.5, mask=mask,
+                                   masking=masking)  # active=0.5: each worker holds 2 of the 4 layers
     args = TrainingArguments(
         output_dir=out, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, lr_scheduler_type="linear",

@@ -15,9 +15,12 @@ has resumable checkpoints), ``generate`` (reload the saved model), the wrapper i
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.wrapper import SubnetworkDataParallel
@@ -83,8 +86,13 @@ class SDPTrainer(Trainer):
         return self.model_wrapped
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        """Trainer's optimizer over this worker's parameters, registered with the wrapper once."""
-        optimizer = super().create_optimizer(model)
+        """Trainer's optimizer, registered with the wrapper once. Under a schedule with backward
+        masking it holds every parameter: a block's new holders step it with the optimizer they have,
+        and Trainer's holds only those that require gradients now (torch's skip those without one)."""
+        sdp = self.model_wrapped
+        every = self.optimizer is None and sdp.masking == "backward" and not sdp.mask.schedule.is_static
+        with _every_parameter_trainable(sdp.module) if every else contextlib.nullcontext():
+            optimizer = super().create_optimizer(model)
         if optimizer is not self._registered_optimizer:
             self.model_wrapped.register_optimizer(optimizer)
             self._registered_optimizer = optimizer
@@ -108,6 +116,19 @@ class SDPTrainer(Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+@contextlib.contextmanager
+def _every_parameter_trainable(module: nn.Module) -> Iterator[None]:
+    """Every parameter of `module` requires gradients inside; each gets its own flag back after."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 __all__ = ["SDPTrainer"]

@@ -1,9 +1,10 @@
 """Hugging Face's ``Trainer`` trains a `SubnetworkDataParallel` LLaMA on 2 gloo ranks (`SDPTrainer`).
 
 One torchrun launch runs ``examples/train_hf_trainer.py``'s trainer (a tiny ``LlamaForCausalLM``,
-``active=0.5``, 2 micro-batches per step, Trainer's data loader, optimizer, LR schedule and
-clipping) for 3 steps under B-SDP and under Bb-SDP (backward masking, which needs the optimizer
-registered). Each rank records, and the tests check: the batch reached the model with the columns
+2 micro-batches per step, Trainer's data loader, optimizer, LR schedule and clipping) for 3 steps
+under B-SDP (``active=0.5``) and under Bb-SDP with a ``cyclic`` schedule (the workers swap halves
+every step: the optimizer must be registered, and hold every parameter, for the state to move).
+Each rank records, and the tests check: the batch reached the model with the columns
 its forward names and without the one it does not (before the wrapper showed the model's
 signature, Trainer dropped every column: ``The batch received was empty``); the trainer did not
 wrap the model in DDP; the logged gradient norm is the global one, the same on both ranks, and
@@ -23,6 +24,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,14 +56,20 @@ def train_and_record(masking: str, out: Path, rank: int) -> dict:
     sys.path.insert(0, str(ROOT / "examples"))
     from train_hf_trainer import build_trainer
 
-    record: dict = {"columns": [], "clipped_norms": []}
+    from masklab import Mask, Schedule
+
+    record: dict = {"columns": [], "clipped_norms": [], "held_by_step": []}
 
     class AfterClipping(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             record["clipped_norms"].append(global_grad_norm(trainer.sdp))  # every rank: a collective
 
-    trainer = build_trainer(str(out / masking), STEPS, masking=masking, hidden_size=32,
-                            max_grad_norm=MAX_GRAD_NORM, callbacks=[AfterClipping()])
+        def on_step_end(self, args, state, control, **kwargs):
+            record["held_by_step"].append(list(trainer.sdp.held_blocks))
+
+    cyclic = Mask(np.array([[1, 1, 0, 0], [0, 0, 1, 1]]), schedule=Schedule("cyclic", every=1))
+    trainer = build_trainer(str(out / masking), STEPS, masking=masking, mask=cyclic if masking == "backward" else None,
+                            hidden_size=32, max_grad_norm=MAX_GRAD_NORM, callbacks=[AfterClipping()])
     trainer.args.save_strategy, trainer.args.save_steps = IntervalStrategy.STEPS, STEPS  # one checkpoint, at the end
     sdp = trainer.sdp
     sdp.register_forward_pre_hook(lambda m, args, kwargs: record["columns"].append(sorted(kwargs)), with_kwargs=True)
@@ -78,6 +86,9 @@ def train_and_record(masking: str, out: Path, rank: int) -> dict:
         logged_norms=[log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log],
         losses=[log["loss"] for log in trainer.state.log_history if "loss" in log],
         optimizers_registered=sdp.optimizers_registered,
+        optimizer_lacks=[n for n, p in sdp.module.named_parameters()
+                         if not any(p is q for group in trainer.optimizer.param_groups for q in group["params"])],
+        moved_bytes=sdp.mask_change_bytes.buffer,
         held_blocks=list(sdp.held_blocks),
         compared=len(local),
         holders_differ=[n for n, t in local.items() if not torch.equal(t, sdp.local_index[n].take(full[n]))],
@@ -131,10 +142,18 @@ def test_the_model_gets_the_columns_its_forward_names_and_no_other(ranks, maskin
 
 
 @pytest.mark.parametrize("masking", MASKINGS)
-def test_the_trainer_does_not_wrap_the_wrapper_in_ddp(ranks, masking):
+def test_the_trainer_does_not_wrap_the_wrapper_in_ddp_and_registers_its_optimizer(ranks, masking):
     for rank in ranks:
         assert rank[masking]["wrapped"] == "SubnetworkDataParallel" and not rank[masking]["ddp_inside"]
-        assert rank[masking]["optimizers_registered"] == 1
+        assert rank[masking]["optimizers_registered"] == 1 and rank[masking]["optimizer_lacks"] == []
+
+
+def test_a_schedule_moves_blocks_and_optimizer_state_between_trainer_steps(ranks):
+    for rank in ranks:
+        static, cyclic = rank["forward"], rank["backward"]
+        assert len({tuple(h) for h in static["held_by_step"]}) == 1 and static["moved_bytes"] == 0
+        held = [tuple(h) for h in cyclic["held_by_step"]]
+        assert len(held) == STEPS and all(a != b for a, b in zip(held, held[1:])) and cyclic["moved_bytes"] > 0
 
 
 @pytest.mark.parametrize("masking", MASKINGS)
