@@ -65,7 +65,15 @@ def prepare(cfg: TrainConfig) -> Prepared:
     preset = get_model_config(cfg.model)
     is_lm = data_kind(preset) == "text"
     data = _data_config(cfg, is_lm)
-    model_config = get_model_config(cfg.model, **{**_image_fields(preset, data), **cfg.model_overrides})
+    sized = _image_fields(preset, data)
+    try:
+        model_config = get_model_config(cfg.model, **{**sized, **cfg.model_overrides})
+    except ConfigError as exc:
+        if "image_size" not in sized or "image_size" in cfg.model_overrides:
+            raise
+        side = sized["image_size"]  # the model was not built for the data's images: say so, and which would do
+        raise ConfigError(f"{exc}: the images of --data {cfg.data} are {side} x {side}"
+                          f"{'; --data cifar:DIR gives 32 x 32 ones' if side != 32 else ''}") from None
     if is_lm and cfg.seq_len > model_config.max_seq_len:
         raise ConfigError(f"seq_len={cfg.seq_len} exceeds {cfg.model}'s max_seq_len={model_config.max_seq_len}")
     _check_model_fits_data(cfg, model_config, data)

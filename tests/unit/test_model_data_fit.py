@@ -24,6 +24,8 @@ from sdp_train.trainer.run import loss_fn
         ("vit-tiny", {"patch_size": 3}, "patch_size=3, which does not divide the 8 x 8 digits images"),
         ("swin-debug", {"image_size": 32}, "image_size=32; digits images are 8 x 8"),
         ("swin-debug", {"window": 3}, "window=3 must divide stage 0's 4 x 4 token map (image_size=8"),
+        ("swin-tiny", {}, "patch merging after stage 2 needs an even token map, got 1 x 1 .image_size=8, "
+                          "patch_size=2.: the images of --data auto are 8 x 8; --data cifar:DIR gives 32 x 32 ones"),
     ],
 )
 def test_model_that_cannot_fit_the_data_is_refused(model, overrides, message):
