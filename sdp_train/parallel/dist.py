@@ -75,6 +75,25 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+NCCL_SPLIT_SHARE_ENV = "NCCL_COMM_SPLIT_SHARE_RESOURCES"
+"""NCCL's switch for communicators split from a parent (every holder-set group: docs/design.md §5)
+to share the parent's buffers, streams and proxy instead of allocating their own."""
+
+
+def share_split_resources() -> None:
+    """Turn NCCL's resource sharing for split communicators on, unless ``NCCL_COMM_SPLIT_SHARE_RESOURCES``
+    is set already (``=0`` keeps them apart). NCCL reads it once, at its first communicator: call
+    before the default group exists. Sharing serialises the collectives of the groups on a device,
+    safe because every rank issues them in one global order (docs/design.md §5)."""
+    os.environ.setdefault(NCCL_SPLIT_SHARE_ENV, "1")
+
+
+def split_resources_shared() -> bool:
+    """Whether this process's NCCL communicators share their parent's resources: on unless
+    ``NCCL_COMM_SPLIT_SHARE_RESOURCES`` says ``0`` (what `share_split_resources` leaves in place)."""
+    return os.environ.get(NCCL_SPLIT_SHARE_ENV, "1").strip() != "0"
+
+
 def print0(*args, **kwargs) -> None:
     if get_dist_info().is_main:
         print(*args, **kwargs, flush=True)

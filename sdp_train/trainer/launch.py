@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sdp_train.errors import EXIT_USAGE
-from sdp_train.parallel.dist import DistInfo, collective_timeout, get_dist_info, under_torchrun
+from sdp_train.parallel.dist import DistInfo, collective_timeout, get_dist_info, share_split_resources, under_torchrun
 
 
 def restart_attempt() -> int:
@@ -114,6 +114,9 @@ def init_distributed(device: torch.device, *, preload: Iterable[str] = ("torch.d
     ``torch.distributed.tensor`` (FSDP) or torch's memory tracker, imported while a group exists,
     keep it referenced (and its threads running) to the end of the process. The default suits a
     run that may use FSDP; ``sdp train`` passes what its configuration needs (`modules_before_groups`).
+
+    On CUDA the holder-set groups' communicators, split from the default one, share its resources
+    (`sdp_train.parallel.dist.share_split_resources`) unless ``NCCL_COMM_SPLIT_SHARE_RESOURCES`` is set.
     """
     if not under_torchrun() or dist.is_initialized():
         return get_dist_info()
@@ -121,6 +124,7 @@ def init_distributed(device: torch.device, *, preload: Iterable[str] = ("torch.d
         importlib.import_module(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        share_split_resources()  # before the default communicator: NCCL reads it once
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = collective_timeout()
