@@ -51,8 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
                    help="element type of parameters, state and activations (default float32, what sdp train runs)")
     p.add_argument("--device", default="cpu", choices=DEVICES,
-                   help="where the ranks run (default cpu): cuda adds each rank's NCCL communicators, an "
-                        f"estimate per communicator that {COMMUNICATOR_BYTES_ENV} overrides")
+                   help="where the ranks run (default cpu): cuda adds each rank's NCCL communicators, estimates "
+                        f"that {COMMUNICATOR_BYTES_ENV} and SDP_NCCL_PEER_BYTES override; split communicators share "
+                        "the world's resources unless NCCL_COMM_SPLIT_SHARE_RESOURCES=0 (docs/plan.md)")
     p.add_argument("--image-size", type=int, default=8,
                    help="vision models: image side (default 8, the digits sdp train uses; 32 for CIFAR)")
     p.add_argument("--loss-chunks", type=int, default=_DEFAULTS.loss_chunks, metavar="N",
@@ -64,7 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sdp_train.errors import ConfigError
-    from sdp_train.planning.memory import COMMUNICATOR_BYTES_ENV, parse_bytes, plan_systems
+    from sdp_train.parallel.dist import NCCL_SPLIT_SHARE_ENV
+    from sdp_train.planning.communicators import PEER_BYTES_ENV
+    from sdp_train.planning.memory import COMMUNICATOR_BYTES_ENV, parse_bytes, peer_bytes, plan_systems
     from sdp_train.trainer.memory import format_bytes
 
     if args.budgets is not None:
@@ -87,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
           f"{f' x {args.seq_len} tokens' if args.model.startswith('llama') else ''}, {args.dtype}, {args.device}; "
           f"peak per rank (largest rank) vs {args.memory_per_device} = {format_bytes(budget)} per device")
     header = ("system", "C", "groups", "params", "grads", "optimizer", "activations", "comms", "total", "no mask",
-              "eval peak", "buffer/step", "wire/step", "fits")
+              "eval peak", "buffer/step", "wire/step", "saved vs DDP", "comms of it", "fits")
     print(f"{header[0]:<16}{header[1]:>6}{header[2]:>7}" + "".join(f"{h:>12}" for h in header[3:9])
-          + f"{header[9]:>18}" + "".join(f"{h:>12}" for h in header[10:13]) + f"{header[13]:>6}")
+          + f"{header[9]:>18}" + "".join(f"{h:>12}" for h in header[10:13]) + f"{header[13]:>14}{header[14]:>13}"
+          + f"{header[15]:>6}")
     notes = []
     for row in rows:
         if row["total"] is None:
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             "parameters", "gradients", "optimizer", "activations", "communicators", "total"))
         cells += f"{fixed:>18}" + "".join(f"{format_bytes(round(row[k])):>12}" for k in (
             "eval_peak", "comm_bytes_per_step", "wire_bytes_per_step"))
-        print(f"{row['system']:<16}{row['active']:>6.3g}{row['process_groups']:>7}{cells}"
+        print(f"{row['system']:<16}{row['active']:>6.3g}{row['process_groups']:>7}{cells}{_saving(row)}"
               f"{'yes' if row['fits'] else 'no':>6}")
     for note in notes:
         print(f"not designable: {note}")
@@ -112,14 +116,35 @@ def run(args: argparse.Namespace) -> int:
           "wire/step: bytes per step of the rank that sends most, wire under the ring model "
           "(all-reduce 2(c-1)/c of the buffer, all-gather / reduce-scatter / broadcast (c-1)/c)")
     per = next((r["communicator_bytes"] for r in rows if r["total"] is not None), 0)
+    shared = next((r["communicators_shared"] for r in rows if r["total"] is not None), False)
+    if args.device != "cuda":
+        comms = "communicator memory, 0 on cpu (gloo; --device cuda counts NCCL's)"
+    elif shared:
+        comms = (f"NCCL communicators, split ones sharing the world's resources ({NCCL_SPLIT_SHARE_ENV} unset or 1, "
+                 f"the runtime's default): the world's at {format_bytes(per)} and {format_bytes(peer_bytes('cuda'))} "
+                 f"per ring neighbour its groups add, estimates ({COMMUNICATOR_BYTES_ENV}, {PEER_BYTES_ENV} override "
+                 "them; docs/plan.md)")
+    else:
+        comms = (f"NCCL communicators (the world's and its groups', {NCCL_SPLIT_SHARE_ENV}=0) at {format_bytes(per)} "
+                 f"each, an estimate ({COMMUNICATOR_BYTES_ENV} overrides it)")
     print("groups: process groups besides the world's, one per distinct holder set; comms: the largest rank's "
-          + (f"NCCL communicators (the world's and its groups') at {format_bytes(per)} each, an estimate "
-             f"({COMMUNICATOR_BYTES_ENV} overrides it)" if args.device == "cuda"
-             else "communicator memory, 0 on cpu (gloo; --device cuda counts NCCL's)"))
+          + comms)
+    print("saved vs DDP: DDP's total less the row's, communicators left out of both; comms of it: the row's "
+          "communicators beyond DDP's as a share of that saving")
     print("not counted: the CUDA context, cuBLAS workspaces, allocator fragmentation (leave headroom; docs/plan.md)")
     fitting = [f"{r['system']} (C={r['active']:g})" for r in rows if r["fits"]]
     print(f"fit: {', '.join(fitting) if fitting else 'none'}")
     return 0
+
+
+def _saving(row: dict) -> str:
+    """The ``saved vs DDP`` and ``comms of it`` cells of an SDP row (`communicator_share`), blank for the baselines."""
+    from sdp_train.trainer.memory import format_bytes
+
+    if "saved_vs_ddp" not in row:
+        return " " * 27
+    share = row["communicator_share"]
+    return f"{format_bytes(row['saved_vs_ddp']):>14}{'-' if share is None else f'{share:.0%}':>13}"
 
 
 def _run_budgets(args: argparse.Namespace) -> int:

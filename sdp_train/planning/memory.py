@@ -12,8 +12,9 @@ from the same designed mask: `design_for_model`, seed 0) and adds up, in bytes:
 - activations, from `sdp_train.planning.activations`;
 - on CUDA, the NCCL communicators of the process groups the rank belongs to (the world's and one
   per holder-set group it is in, `sdp_train.planning.comm.process_group_holder_sets`), at an estimated
-  `NCCL_COMMUNICATOR_BYTES` each (``SDP_NCCL_COMMUNICATOR_BYTES`` overrides it); gloo's are host
-  memory and count 0;
+  `NCCL_COMMUNICATOR_BYTES` each (``SDP_NCCL_COMMUNICATOR_BYTES`` overrides it), or with split
+  communicators sharing resources (the runtime's default) the world's and the new ring neighbours'
+  connections (`sdp_train.planning.communicators`); gloo's are host memory and count 0;
 - FSDP2's transient state: the root's parameters stay unsharded from forward to the end of
   backward and its head gradients are unsharded until then; a block is gathered again for its
   backward while the next one is prefetched (with holder-set meshes nothing is prefetched:
@@ -52,9 +53,11 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, data_kind, get_model_config, model_class, subnet_kwargs
 from sdp_train.models.subnet import check_held, held_tensors, residual_blocks
 from sdp_train.parallel.blockmap import on_meta
+from sdp_train.parallel.dist import split_resources_shared
 from sdp_train.parallel.masking import shared_inside
 from sdp_train.planning.activations import ActivationModel, activation_model
 from sdp_train.planning.comm import predict_comm, process_group_holder_sets
+from sdp_train.planning.communicators import NCCL_PEER_BYTES, PEER_BYTES_ENV, rank_communicators
 from sdp_train.trainer.config import LEVEL_OF_MODE, TrainConfig
 
 PLANNED_MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")  # sdp train's modes but overlap averaging
@@ -66,8 +69,9 @@ communicator connects (the runtime's groups connect eagerly: `sdp_train.trainer.
 binds the device), outside PyTorch's caching allocator, and the size grows with the channel count
 and topology: 544 MiB for 2-rank and 688 MiB for 3- and 4-rank groups on 4 A100s with NVLink
 (NVIDIA/nccl#964), about 390 MiB for a 1-rank group on an RTX 3060 (sgl-project/sglang#35538).
-Groups split from the default one without NCCL_COMM_SPLIT_SHARE_RESOURCES=1 do not share their
-buffers (docs/design.md §5). Set ``SDP_NCCL_COMMUNICATOR_BYTES`` to what a machine measures."""
+Groups split from the default one share its buffers only with NCCL_COMM_SPLIT_SHARE_RESOURCES=1, the
+runtime's default (docs/design.md §5), and then cost `sdp_train.planning.communicators.NCCL_PEER_BYTES`
+per new ring neighbour instead. Set ``SDP_NCCL_COMMUNICATOR_BYTES`` to what a machine measures."""
 COMMUNICATOR_BYTES_ENV = "SDP_NCCL_COMMUNICATOR_BYTES"
 STEP_BYTES = 4  # AdamW's per-tensor step counter (float32 scalar)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -95,7 +99,8 @@ def parse_bytes(text: str | int) -> int:
 
 
 def communicator_bytes(device: str) -> int:
-    """Device memory `predict` counts per process-group communicator on ``device``.
+    """Device memory `predict` counts per process-group communicator on ``device`` (with sharing,
+    the world's only: `sdp_train.planning.communicators`).
 
     0 on ``"cpu"`` (gloo's state is host memory); on ``"cuda"`` ``SDP_NCCL_COMMUNICATOR_BYTES``
     (a size as `parse_bytes` reads it, or 0) if set, else `NCCL_COMMUNICATOR_BYTES`.
@@ -103,19 +108,34 @@ def communicator_bytes(device: str) -> int:
     >>> communicator_bytes("cpu")
     0
     """
+    return _device_bytes(device, COMMUNICATOR_BYTES_ENV, NCCL_COMMUNICATOR_BYTES)
+
+
+def peer_bytes(device: str) -> int:
+    """Device memory `predict` counts, with split communicators sharing resources, per ring neighbour
+    a rank's groups add to the world's: 0 on ``"cpu"``, else ``SDP_NCCL_PEER_BYTES`` if set, else
+    `sdp_train.planning.communicators.NCCL_PEER_BYTES`.
+
+    >>> peer_bytes("cpu"), peer_bytes("cuda") == NCCL_PEER_BYTES
+    (0, True)
+    """
+    return _device_bytes(device, PEER_BYTES_ENV, NCCL_PEER_BYTES)
+
+
+def _device_bytes(device: str, env: str, default: int) -> int:
     if device not in DEVICES:
         raise ConfigError(f"device {device!r} is not one of {DEVICES}")
-    text = os.environ.get(COMMUNICATOR_BYTES_ENV)
+    text = os.environ.get(env)
     if device == "cpu":
         return 0
     if text is None:
-        return NCCL_COMMUNICATOR_BYTES
+        return default
     if text.strip() == "0":
         return 0
     try:
         return parse_bytes(text)
     except ConfigError as exc:
-        raise ConfigError(f"{COMMUNICATOR_BYTES_ENV}: {exc}") from None
+        raise ConfigError(f"{env}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -205,9 +225,12 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
     results = [_predict_rank(_worker(config, mode, matrix, r, workers, fsdp), config, mode, matrix, workers, ac,
                              elem, batch_size, seq_len, image_size, loss_chunks)
                for r in range(workers if matrix is not None else 1)]
+    shared = split_resources_shared()
     for r, result in enumerate(results):  # the world's communicator, and one per holder-set group it is in
-        count = 1 + sum(r in s for s in groups) if workers > 1 else 0
-        result |= {"communicator_count": count, "communicators": count * per_communicator}
+        own = rank_communicators(r, workers, groups, per_communicator=per_communicator,
+                                 per_peer=peer_bytes(device), shared=shared)
+        result |= {"communicator_count": own.count, "communicators": own.bytes,
+                   "communicator_peers": own.new_peers, "communicators_shared": shared}
         result["total"] += result["communicators"]
     rank = max(range(len(results)), key=lambda r: results[r]["total"])
     totals = [r["total"] for r in results] if matrix is not None else [results[0]["total"]] * workers
@@ -267,7 +290,8 @@ def plan_systems(model: str | ModelConfig, *, workers: int, memory_per_device: i
                  fsdp: bool = False, actives: tuple[float, ...] = DEFAULT_ACTIVE, **kwargs: Any) -> list[dict[str, Any]]:
     """One row per system: DDP, FSDP, then B-SDP / N-SDP / Bb-SDP (and B-SDP+FSDP with ``fsdp``) at
     every meaningful C; each row is `predict`'s dict plus ``system``, ``active`` and ``fits`` (both
-    the training peak and rank 0's validation peak within `memory_per_device`).
+    the training peak and rank 0's validation peak within `memory_per_device`), and for the SDP
+    rows `communicator_share`'s keys against the DDP row.
 
     A system whose mask cannot be designed at some C (too few blocks or neuron groups for K) gets
     a row with ``total`` None and the reason in ``error``.
@@ -290,7 +314,25 @@ def plan_systems(model: str | ModelConfig, *, workers: int, memory_per_device: i
             rows.append(row | {"total": None, "fits": False, "error": str(exc)})
             continue
         rows.append(row | {"fits": max(row["total"], row["eval_peak"]) <= memory_per_device})
+    ddp = rows[0]
+    for row in rows[2:]:
+        if row["total"] is not None:
+            row |= communicator_share(row, ddp)
     return rows
+
+
+def communicator_share(row: Mapping[str, Any], ddp: Mapping[str, Any]) -> dict[str, Any]:
+    """What an SDP plan saves against DDP's and what its communicators take of it: ``saved_vs_ddp``,
+    DDP's total less the row's, communicators left out of both (so the saving SDP's masks make);
+    ``communicator_extra``, the row's communicators less DDP's (its process groups' cost);
+    ``communicator_share``, extra / saved (None when nothing is saved).
+
+    >>> communicator_share({"total": 10, "communicators": 3}, {"total": 20, "communicators": 1})
+    {'saved_vs_ddp': 12, 'communicator_extra': 2, 'communicator_share': 0.16666666666666666}
+    """
+    saved = (ddp["total"] - ddp["communicators"]) - (row["total"] - row["communicators"])
+    extra = row["communicators"] - ddp["communicators"]
+    return {"saved_vs_ddp": saved, "communicator_extra": extra, "communicator_share": extra / saved if saved > 0 else None}
 
 
 def _model_config(model: str | ModelConfig, overrides: Mapping[str, Any] | None, image_size: int) -> ModelConfig:

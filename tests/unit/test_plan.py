@@ -396,6 +396,7 @@ def test_evaluation_peak_adds_one_full_model_to_rank_zeros_state_only_where_rank
                                                       ("bbsdp", False, 0.5), ("bsdp", True, 0.25)])
 def test_a_cuda_plan_adds_each_ranks_communicators_at_the_per_communicator_bytes(monkeypatch, mode, fsdp, active):
     monkeypatch.setenv("SDP_NCCL_COMMUNICATOR_BYTES", "100MiB")
+    monkeypatch.setenv("NCCL_COMM_SPLIT_SHARE_RESOURCES", "0")  # unshared: a communicator each (test_plan_communicators)
     cpu = predict("llama-debug", mode=mode, workers=4, active=active, fsdp=fsdp, **LLAMA)
     cuda = predict("llama-debug", mode=mode, workers=4, active=active, fsdp=fsdp, device="cuda", **LLAMA)
     assert cpu["communicators"] == 0 and cpu["communicator_bytes"] == 0  # gloo: host memory, not counted
@@ -411,7 +412,8 @@ def test_a_cuda_plan_adds_each_ranks_communicators_at_the_per_communicator_bytes
     assert {k: cuda[k] for k in others} == {k: cpu[k] for k in others}
 
 
-def test_the_communicator_count_is_one_per_group_of_the_rank_plus_the_world():
+def test_the_communicator_count_is_one_per_group_of_the_rank_plus_the_world(monkeypatch):
+    monkeypatch.setenv("NCCL_COMM_SPLIT_SHARE_RESOURCES", "0")
     # holder sets {0,1} {0,2} {1,2}: every rank is in two groups, and in the world's
     mask = Mask(np.array([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=np.uint8))
     p = predict("llama-debug", mode="bsdp", workers=3, mask=mask, device="cuda", **LLAMA)
@@ -433,6 +435,7 @@ def test_bad_communicator_settings_are_refused_naming_them(monkeypatch):
 
 def test_cli_shows_process_groups_and_communicator_memory_on_cuda(capsys, monkeypatch):
     monkeypatch.setenv("SDP_NCCL_COMMUNICATOR_BYTES", "1GiB")
+    monkeypatch.setenv("NCCL_COMM_SPLIT_SHARE_RESOURCES", "0")
     assert main(["plan", "--model", "llama-debug", "--workers", "4", "--memory-per-device", "2GiB", "--device", "cuda",
                  "--batch-size", "2", "--seq-len", "16", "--active", "0.5"]) == 0
     lines = capsys.readouterr().out.splitlines()
