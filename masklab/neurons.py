@@ -50,6 +50,12 @@ def neuron_design(K: int, layers: int, groups: int, *, active: float | None = No
         Every group held by c workers, every worker holding a group of every layer; construction
         ``"shared <family>"``, or ``"cycled <m> x <design>"`` for the fallback.
 
+    Raises
+    ------
+    DesignError
+        On invalid sizes or coverage, groups * c < K, or a forced `construction` that does not fit a
+        design over the layers (the message says so: it is not one layer's design).
+
     Examples
     --------
     >>> from masklab.analysis import process_group_holder_sets as groups_of, spectral_gap
@@ -69,7 +75,11 @@ def neuron_design(K: int, layers: int, groups: int, *, active: float | None = No
                           f"neuron group of a layer; use more groups per layer or a larger active fraction")
     rng = np.random.default_rng(seed)
     per_set = -(-K // (layers * c))  # family columns per layer: enough sets to reach every worker
-    family = design(K, layers * per_set, coverage=c, construction=construction, seed=rng)
+    try:
+        family = design(K, layers * per_set, coverage=c, construction=construction, seed=rng)
+    except DesignError as exc:
+        raise DesignError(f"N-SDP takes its holder sets from a design over the layers (B = {layers * per_set}, "
+                          f"{layers} layers): {exc}") from None
     table = _arrange(family.matrix.astype(bool), layers, groups, rng)
     if table is not None:
         matrix = family.matrix[:, table.reshape(-1)]

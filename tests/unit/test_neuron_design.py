@@ -78,3 +78,10 @@ def test_sdp_train_nsdp_mask_of_llama_1b_needs_bsdps_18_groups_not_62():
 def test_bad_input_names_the_value(kwargs, match):
     with pytest.raises(DesignError, match=match):
         neuron_design(8, 4, 2, **kwargs)
+
+
+def test_a_forced_construction_must_fit_the_layers_not_one_layer():
+    # PG(2, 2) has 7 lines: it fits 7 neuron groups of one layer, but the family is over the 4 layers
+    with pytest.raises(DesignError, match=r"design over the layers \(B = 4, 4 layers\): no projective-plane design"):
+        neuron_design(7, 4, 7, coverage=3, construction="projective-plane")
+    assert neuron_design(7, 7, 7, coverage=3, construction="projective-plane").construction == "shared projective-plane"
