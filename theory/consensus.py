@@ -189,7 +189,7 @@ def consensus_deviation_bound(
         n = np.arange(rounds + 1)[:, None] // period
         return ((1.0 - gap) ** n * initial).sum(axis=1)
     drift = deviation_increments(mask, eta=eta, local_steps=local_steps, grad_sq=grad_sq)
-    start, injected = _deviation_factors(gap, period, rounds)
+    start, injected = _deviation_factors(gap, period, rounds, mask=mask, local_steps=local_steps)
     return ((start * np.sqrt(initial) + injected * np.sqrt(drift)) ** 2).sum(axis=1)
 
 
@@ -208,15 +208,73 @@ def deviation_increments(mask: Mask, *, eta: float, local_steps: int, grad_sq: n
     return eta**2 * local_steps**2 * c * (1.0 - c / mask.workers) * grad_sq
 
 
-def _deviation_factors(gap: np.ndarray, period: int, rounds: int) -> tuple[np.ndarray, np.ndarray]:
-    """(q^n, S(r)) of Theorem 4.4 for r = 0..rounds, each of shape (rounds + 1, B)."""
+def _deviation_factors(gap: np.ndarray, period: int, rounds: int, *, mask: Mask | None = None,
+                       local_steps: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(q^n, S(r)) of Theorem 4.4 for r = 0..rounds, each of shape (rounds + 1, B); for a deterministic
+    schedule (`mask` given, not ``permute``) the smaller factors of Theorem 4.6 where they are computed."""
     q = np.sqrt(np.clip(1.0 - gap, 0.0, 1.0))
     r = np.arange(rounds + 1)[:, None]
     n = r // period
     start = q**n
     with np.errstate(divide="ignore", invalid="ignore"):
         full = np.where(q < 1.0, period * (1.0 - start) / (1.0 - q), period * n)
-    return start, full + (r - n * period)
+    injected = full + (r - n * period)
+    if mask is not None and mask.schedule.kind != "permute" and mask.workers > 1:
+        exact = min(rounds, max(0, _DIRECTIONAL_WORK // max(1, period * mask.blocks * mask.workers**2)))
+        d_start, d_injected = directional_factors(mask, exact, local_steps=local_steps)
+        start, injected = start.copy(), injected.copy()
+        start[: exact + 1] = np.minimum(start[: exact + 1], d_start)  # both are bounds; 4.6 is never larger
+        injected[: exact + 1] = np.minimum(injected[: exact + 1], d_injected)
+    return start, injected
+
+
+_DIRECTIONAL_WORK = 4_000_000  # rounds x period x B x K^2 evaluated exactly by Theorem 4.6; Theorem 4.4 beyond
+
+
+def directional_factors(mask: Mask, rounds: int, *, local_steps: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Theorem 4.6 for a deterministic schedule: (a_j(r), s_j(r)) for r = 0..rounds, each (rounds + 1, B).
+
+    a_j(r) is the norm on 1-perp of the product of block j's holder projections over rounds 0..r-1;
+    s_j(r) = sum_{s<r} ||Pi_{r<-s+1} u_s|| / ||u_s||, u_s = 1_{S(s)} - (c_j/K) 1 the only direction in
+    which round s's local steps move the centred copies. Then sqrt(E Xi_j(r)) <= a_j(r) sqrt(Xi_j(0)) +
+    d_j s_j(r), with d_j of Theorem 4.4.
+
+    >>> from masklab.mask import Schedule
+    >>> rows = [[1 if (k - j) % 6 < 3 else 0 for j in range(6)] for k in range(6)]
+    >>> a, s = directional_factors(Mask(rows, schedule=Schedule("cyclic", 1)), 3)
+    >>> [round(float(v), 3) for v in s[:, 0]]  # Theorem 4.4 gives 0, 1, 2, 3: no period has ended
+    [0.0, 1.0, 1.745, 2.344]
+    """
+    if mask.schedule.kind == "permute":
+        raise TheoryError("Theorem 4.6 needs a deterministic schedule (static, cyclic or sequence), not permute")
+    _check_rounds_align(mask, local_steps)
+    k, b = mask.workers, mask.blocks
+    period = consensus_period(mask, local_steps=local_steps)
+    steps_per_round = local_steps
+    sets = [mask.round_matrix(t * steps_per_round) > 0 for t in range(period)]  # (K, B) each, round t mod P
+    proj = np.stack([np.stack([_projection(np.flatnonzero(m[:, j]), k) for j in range(b)]) for m in sets])  # P,B,K,K
+    centre = np.eye(k) - 1.0 / k
+    start = np.empty((rounds + 1, b))
+    product = np.broadcast_to(centre, (b, k, k)).copy()
+    for r in range(rounds + 1):
+        start[r] = np.linalg.norm(product, ord=2, axis=(1, 2))
+        product = proj[r % period] @ product
+    # a[ph, lag, j] = ||Pi u|| / ||u|| for the direction of round ph (mod P) after `lag` further rounds
+    u = np.stack([np.where(m, 1.0, 0.0) - m.sum(axis=0) / k for m in sets])  # P, K, B
+    norm_u = np.linalg.norm(u, axis=1)
+    w = np.divide(u, norm_u[:, None, :], out=np.zeros_like(u), where=norm_u[:, None, :] > 0)
+    w = np.transpose(w, (0, 2, 1))  # P, B, K
+    a = np.empty((period, max(rounds, 1), b))
+    phases = np.arange(period)
+    for lag in range(max(rounds, 1)):
+        a[:, lag] = np.linalg.norm(w, axis=2)
+        w = np.einsum("pbkl,pbl->pbk", proj[(phases + lag + 1) % period], w)
+    lags = np.arange(max(rounds, 1))
+    # round r sums lags 0..r-1, round s = r-1-lag having phase (r-1-lag) mod P: a cumulative sum per residue of r-1
+    running = np.cumsum(a[(phases[:, None] - lags[None, :]) % period, lags[None, :]], axis=1)  # P, R, B
+    injected = np.zeros((rounds + 1, b))
+    injected[1:] = running[lags[:rounds] % period, lags[:rounds]]
+    return start, injected
 
 
 def overlap_bound(
@@ -257,7 +315,8 @@ def mean_deviation_bound(mask: Mask, constants: ProblemConstants, *, eta: float,
     gap = consensus_rates(mask, local_steps=local_steps)
     if np.any((gap <= 0.0) & (drift > 0.0)):
         return math.inf
-    start, injected = _deviation_factors(gap, consensus_period(mask, local_steps=local_steps), rounds - 1)
+    start, injected = _deviation_factors(gap, consensus_period(mask, local_steps=local_steps), rounds - 1,
+                                         mask=mask, local_steps=local_steps)
     per_round = (start * np.sqrt(xi0) + injected * np.sqrt(drift)) ** 2
     return float((per_round * weight).sum(axis=1).mean())
 

@@ -20,7 +20,9 @@ from theory.bounds import ProblemConstants
 from theory.consensus import (
     consensus_deviation_bound,
     consensus_period,
+    _deviation_factors,
     consensus_rates,
+    directional_factors,
     exported_overlap_bound,
     mixing_operator,
     overlap_bound,
@@ -165,3 +167,36 @@ def test_overlap_bound_is_infinite_without_a_gap_and_finite_with_one():
     assert overlap_bound(static, c, eta=0.01, steps=10).consensus == np.inf
     cyclic = static.replace(schedule=Schedule("cyclic", 1))
     assert np.isfinite(overlap_bound(cyclic, c, eta=0.01, steps=10).total)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(mask=masks(max_workers=6, max_blocks=3), data=st.data())
+def test_theorem_4_6_holds_for_deterministic_schedules_with_mask_aligned_heterogeneity(mask, data):
+    """Theorem 4.6 (directional, per round) on the worst case: heterogeneity along the mask columns."""
+    h = data.draw(st.sampled_from([1, 2]), label="local_steps")
+    kind = data.draw(st.sampled_from(["cyclic", "sequence"]), label="kind")
+    every = h * data.draw(st.integers(1, 2), label="rounds per mask")
+    mask = _scheduled(mask.replace(block_sizes=[2] * mask.blocks), kind, every, data)
+    problem = make_quadratic([2] * mask.blocks, mask.workers, smoothness=1.0, sigma=0.0, zeta=2.0,
+                             suboptimality=1.0, worker_pattern=mask.matrix, seed=7)
+    rounds = 2 * consensus_period(mask, local_steps=h) + 2
+    res = simulate_consensus(problem, mask, rounds=rounds, eta=1.0 / (4 * h), local_steps=h, initial_spread=0.0,
+                             seeds=4, seed=8)
+    bound = consensus_deviation_bound(mask, np.zeros(mask.blocks), rounds=rounds, eta=1.0 / (4 * h), local_steps=h,
+                                      grad_sq=res.grad_sq_seen)
+    assert np.all(res.deviation <= bound * (1 + 1e-9) + 1e-12)  # sigma = 0, deterministic masks: per seed
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(mask=masks(max_workers=7, max_blocks=3), data=st.data())
+def test_theorem_4_6_factors_never_exceed_theorem_4_4(mask, data):
+    h = data.draw(st.sampled_from([1, 2]), label="local_steps")
+    kind = data.draw(st.sampled_from(["static", "cyclic", "sequence"]), label="kind")
+    mask = _scheduled(mask, kind, h * data.draw(st.integers(1, 3), label="rounds per mask"), data)
+    period = consensus_period(mask, local_steps=h)
+    rounds = 3 * period + 1
+    start, injected = directional_factors(mask, rounds, local_steps=h)
+    old_start, old_injected = _deviation_factors(consensus_rates(mask, local_steps=h), period, rounds)
+    assert np.all(start <= old_start + 1e-9) and np.all(injected <= old_injected + 1e-9)
+    # one round: its own direction only (none when every worker holds the block)
+    assert injected[1] == pytest.approx(np.where(mask.coverage < mask.workers, 1.0, 0.0))
