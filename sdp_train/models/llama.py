@@ -217,6 +217,9 @@ class Llama(nn.Module):
     ``sdp_train.models.build_model``) for the seeded initialisation shared by all workers.
     """
 
+    fsdp_units = (("tok_embeddings",), ("norm", "output"))
+    """FSDP2 units besides the blocks (`sdp_train.parallel.blockmap.outer_units`), as torchtitan shards them."""
+
     def __init__(
         self,
         config: LlamaConfig,

@@ -295,6 +295,35 @@ def shared_children(block: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(block, "shared_children", ()))
 
 
+def outer_units(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of submodule names outside the residual blocks that FSDP shards as units of their own,
+    in forward order (the built-in LLaMA's ``[("tok_embeddings",), ("norm", "output")]``); ``[]``
+    leaves them to the root unit.
+
+    A model declares them as ``model.fsdp_units``. A parameter shared with anything outside its group
+    (a head tied to the embedding) must stay in one unit: then every group stays in the root.
+    """
+    units = [tuple(group) for group in getattr(model, "fsdp_units", ())]
+    units = [group for group in units if all(_has_submodule(model, name) for name in group)]
+    names: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(name)
+    for group in units:
+        prefixes = tuple(f"{name}." for name in group)
+        for name, p in model.named_parameters():
+            if name.startswith(prefixes) and not all(n.startswith(prefixes) for n in names[id(p)]):
+                return []
+    return units
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def owned_parameters(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name relative to the block, parameter) of the parameters that only the block's holders
     keep: all of them but its shared children's."""

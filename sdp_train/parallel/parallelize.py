@@ -2,7 +2,8 @@
 
 `parallelize` calls the parallelisms in a fixed order: activation checkpointing first (inside
 each residual block, so FSDP's hooks on the block run outside the checkpointed region and the
-recomputation sees unsharded parameters), then FSDP2 (every residual block, then the root). DDP
+recomputation sees unsharded parameters), then FSDP2 (every residual block, the embedding and the
+final norm with the head where the model declares them, then the root). DDP
 and the SDP sync engine are set up by `sdp_train.trainer.run.Run`, since they need its byte counters.
 
 With SDP (``--fsdp``) each held block is sharded among exactly its holders: its mesh is built
@@ -23,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from sdp_train.parallel.parts import apply_checkpointing, without_backward_prefetch
+from sdp_train.parallel.parts import apply_checkpointing, shard_outer_units, without_backward_prefetch
 
 
 def parallelize(model: nn.Module, *, activation_checkpointing: bool,
@@ -55,7 +56,8 @@ def parallelize(model: nn.Module, *, activation_checkpointing: bool,
 
 def apply_fsdp(model: nn.Module, block_meshes: Mapping[str, DeviceMesh], root_mesh: DeviceMesh,
                blocks: Sequence[tuple[str, nn.Module]]) -> None:
-    """``fully_shard`` each residual block on its mesh (default the root's), then the root.
+    """``fully_shard`` each residual block on its mesh (default the root's), the model's embedding and
+    head units on the root's (`shard_outer_units`), then the root.
 
     Blocks reshard after forward and are gathered again in backward. With holder-set meshes
     (``block_meshes`` given) no module prefetches in backward (`without_backward_prefetch`): FSDP's
@@ -68,6 +70,7 @@ def apply_fsdp(model: nn.Module, block_meshes: Mapping[str, DeviceMesh], root_me
         fully_shard(block, mesh=block_meshes.get(name, root_mesh))
         if block_meshes:
             without_backward_prefetch(block)
+    shard_outer_units(model, root_mesh, prefetch=not block_meshes)
     fully_shard(model, mesh=root_mesh)
     if block_meshes:
         without_backward_prefetch(model)

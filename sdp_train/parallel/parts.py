@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from masklab import Mask, design, load_mask, neuron_design
 from sdp_train.errors import ConfigError
-from sdp_train.parallel.blockmap import SliceSpec, shared_children
+from sdp_train.parallel.blockmap import SliceSpec, outer_units, shared_children
 from sdp_train.parallel.masking import ModelLayout
 from sdp_train.parallel.sync import BucketPlan
 
@@ -150,9 +150,11 @@ def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str],
     start of its backward, so a rank keeps one held block unsharded at a time; no module prefetches
     (`without_backward_prefetch`), so every rank issues, per held block in reverse model order, the
     block's all-gather then its reduce-scatter: a subsequence of one global order, which cannot
-    deadlock across overlapping holder sets (docs/design.md §5). A block's shared children (a
-    downsampling block's shortcut, which a worker without the block keeps in its pass-through) are
-    units of their own over every rank, gathered and reduced inside their block's window.
+    deadlock across overlapping holder sets (docs/design.md §5). The embedding and the final norm with
+    the head are units over every rank where the model declares them (`shard_outer_units`). A
+    block's shared children (a downsampling block's shortcut, which a worker without the block keeps
+    in its pass-through) are units of their own over every rank, gathered and reduced inside their
+    block's window.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -176,8 +178,29 @@ def apply_holder_fsdp(module: nn.Module, mask: Mask, block_names: Sequence[str],
                 group = dist.group.WORLD
             fully_shard(block, mesh=DeviceMesh.from_group(group, device.type))
             without_backward_prefetch(block)
+    shard_outer_units(module, world, prefetch=False)
     fully_shard(module, mesh=world)
     without_backward_prefetch(module)
+
+
+def shard_outer_units(module: nn.Module, mesh, *, prefetch: bool) -> None:
+    """``fully_shard`` each of the model's `outer_units` (its embedding; its final norm with the head)
+    over ``mesh``, before the root: each unit's gradients are reduce-scattered and freed when its
+    own backward ends, instead of all at once at the end of backward in the root's.
+
+    The last unit runs last in forward and first in backward, so it keeps its parameters gathered
+    from its forward to its backward (as torchtitan's head): no second all-gather. Without
+    ``prefetch`` no unit prefetches in backward (`without_backward_prefetch`).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    units = outer_units(module)
+    for i, group in enumerate(units):
+        members = [module.get_submodule(name) for name in group]
+        fully_shard(members if len(members) > 1 else members[0], mesh=mesh,
+                    reshard_after_forward=i < len(units) - 1)
+        if not prefetch:
+            without_backward_prefetch(members[0])
 
 
 def without_backward_prefetch(module: nn.Module) -> None:

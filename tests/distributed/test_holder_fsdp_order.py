@@ -2,9 +2,10 @@
 
 Held blocks reshard after forward and are all-gathered again in backward. The claim of
 docs/design.md §5: no module prefetches, so every rank's FSDP collectives are one global order
-restricted to the groups it belongs to (forward: the root's all-gather, then each block's in
-model order; backward: each block's all-gather and reduce-scatter in reverse model order; the
-root's reduce-scatter last), and collectives in such orders cannot deadlock. The ranks record
+restricted to the groups it belongs to (forward: the embedding's all-gather, each block's in
+model order, the head's; backward: the head's reduce-scatter, each block's all-gather and
+reduce-scatter in reverse model order, the embedding's all-gather and reduce-scatter last), and
+collectives in such orders cannot deadlock. The ranks record
 the all-gathers and reduce-scatters they dispatch, with their groups' ranks, in every step, and
 the test holds each rank's list equal to that order filtered to its groups; the runs end (no
 deadlock) with the losses of B-SDP without FSDP. With FSDP2's default backward prefetch the
@@ -95,9 +96,11 @@ def global_order(matrix: np.ndarray) -> list[tuple[str, tuple[int, ...]]]:
     """Every FSDP collective of a step in the one order all ranks follow (design.md §5)."""
     world = tuple(range(matrix.shape[0]))
     holders = [tuple(int(k) for k in np.flatnonzero(column)) for column in matrix.T]
-    forward = [("all_gather", world)] + [("all_gather", s) for s in holders]
+    # units over the world: the embedding (resharded after forward, gathered again for its backward),
+    # the final norm with the head (kept gathered from its forward to its backward); the root holds nothing
+    forward = [("all_gather", world)] + [("all_gather", s) for s in holders] + [("all_gather", world)]
     backward = [op for s in reversed(holders) for op in (("all_gather", s), ("reduce_scatter", s))]
-    return forward + backward + [("reduce_scatter", world)]
+    return forward + [("reduce_scatter", world)] + backward + [("all_gather", world), ("reduce_scatter", world)]
 
 
 @pytest.fixture(scope="module")
