@@ -2,8 +2,10 @@
 
 ``SDP_TEST_INJECT_NAN=S:R`` makes rank R's loss (and so its gradients) NaN at step S;
 ``SDP_TEST_KILL_AT_STEP=S:R`` makes rank R SIGKILL itself at step S, after its gradient
-collectives and before the optimizer step. Both act on the first attempt of a job only: a
-restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
+collectives and before the optimizer step; ``SDP_TEST_KILL_IN_RECOVERY=W`` makes worker W (of the
+first world) SIGKILL itself in its first recovery from a lost worker (``--on-worker-loss continue``),
+after the survivors' decision and before their new world forms. All act on the first attempt of a
+job only: a restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
 the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
 lists the tests that use them.
 """
@@ -18,6 +20,7 @@ from sdp_train.trainer.launch import restart_attempt
 
 NAN_VARIABLE = "SDP_TEST_INJECT_NAN"
 KILL_VARIABLE = "SDP_TEST_KILL_AT_STEP"
+RECOVERY_KILL_VARIABLE = "SDP_TEST_KILL_IN_RECOVERY"
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class InjectedFaults:
 
     nan_at: tuple[int, int] | None = None
     kill_at: tuple[int, int] | None = None
+    kill_in_recovery: int | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -45,7 +49,11 @@ class InjectedFaults:
         environ = os.environ if environ is None else environ
         if (restart_attempt() if attempt is None else attempt) != 0:
             return cls()
-        return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE))
+        worker = environ.get(RECOVERY_KILL_VARIABLE)
+        if worker is not None and not (worker.isascii() and worker.isdigit()):
+            raise ValueError(f"{RECOVERY_KILL_VARIABLE}={worker!r} must be a worker number, an integer >= 0")
+        return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE),
+                   None if worker is None else int(worker))
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""

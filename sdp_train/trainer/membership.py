@@ -176,6 +176,8 @@ class Survival:
             if change is None:
                 raise error
             info = DistInfo(change.workers.index(self.worker), len(change.workers), 0)
+            if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
+                os.kill(os.getpid(), signal.SIGKILL)
             try:
                 dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout(),
                                         store=dist.PrefixStore(f"attempt{restart_attempt()}/members{self.generation}",
