@@ -2,7 +2,8 @@
 
 The same collectives the runtime issues, from the model's structure and the mask (nothing is
 allocated): DDP all-reduces every gradient; FSDP2 all-gathers every unit in forward, every
-residual block again in backward (the root stays unsharded), and reduce-scatters every gradient,
+residual block and the embedding's unit again in backward (the root and the head's unit stay
+unsharded: `sdp_train.parallel.parts.shard_outer_units`), and reduce-scatters every gradient,
 each over padded dim-0 shards; the SDP sync engine all-reduces each bucket of `plan_buckets`
 among its holders (with ``--fsdp``, each held block is gathered in forward, again in backward,
 and reduce-scattered over its holders instead; a block with one holder sends nothing); Bb-SDP
@@ -21,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from sdp_train.models import ModelConfig, block_map
+from sdp_train.models import ModelConfig, block_map, model_class
 from sdp_train.parallel.blockmap import SliceSpec
 from sdp_train.parallel.sync import BucketPlan, plan_buckets
 from sdp_train.parallel.wire import ByteCount
@@ -55,6 +56,9 @@ def predict_comm(config: ModelConfig, mode: str, held_by_rank: Sequence[Mapping[
         count.add("all_reduce", STATS_BYTES, workers)
     blocks = {b.name: [n for n, _ in b.tensors if n in bmap.parameter_names] for b in bmap.blocks["block"]}
     in_block = {n: b for b, names in blocks.items() for n in names}
+    # gathered again in backward: the blocks and every FSDP unit outside them but the last (the head's)
+    units = tuple(getattr(model_class(config), "fsdp_units", ()))
+    again = set(in_block) | {n for n in params if n.startswith(tuple(f"{m}." for g in units[:-1] for m in g))}
     if mode == "ddp":
         for count in counts:
             count.add("all_reduce", sum(math.prod(shapes[n]) for n in params) * elem, workers)
@@ -62,7 +66,7 @@ def predict_comm(config: ModelConfig, mode: str, held_by_rank: Sequence[Mapping[
         for count in counts:
             for n in params:  # forward gather, backward gather of block tensors, reduce-scatter
                 padded = _padded(shapes[n], workers) * elem
-                for collective in ("all_gather", "reduce_scatter") + (("all_gather",) if n in in_block else ()):
+                for collective in ("all_gather", "reduce_scatter") + (("all_gather",) if n in again else ()):
                     count.add(collective, padded, workers)
     elif fsdp:
         for r, count in enumerate(counts):
@@ -71,7 +75,7 @@ def predict_comm(config: ModelConfig, mode: str, held_by_rank: Sequence[Mapping[
                 if n not in held_by_rank[r] or c == 1:  # FSDP2 on one rank copies, it calls no collective
                     continue
                 padded = _padded(shapes[n], c) * elem
-                for collective in ("all_gather", "reduce_scatter") + (("all_gather",) if n in in_block else ()):
+                for collective in ("all_gather", "reduce_scatter") + (("all_gather",) if n in again else ()):
                     count.add(collective, padded, c)
     else:
         _bucket_bytes(plan_buckets(held_by_rank, params, shapes=shapes), shapes, counts, elem)

@@ -16,15 +16,17 @@ from the same designed mask: `design_for_model`, seed 0) and adds up, in bytes:
   communicators sharing resources (the runtime's default) the world's and the new ring neighbours'
   connections (`sdp_train.planning.communicators`); gloo's are host memory and count 0;
 - FSDP2's transient state: the root's parameters stay unsharded from forward to the end of
-  backward and its head gradients are unsharded until then; a block is gathered again for its
+  backward and its head gradients are unsharded until then (a model with its own embedding and
+  head units, `outer_units`, keeps the head's gathered until its backward, reduce-scatters its
+  gradients before any block's and the embedding's last); a block is gathered again for its
   backward while the next one is prefetched (with holder-set meshes nothing is prefetched:
   `sdp_parts.without_backward_prefetch`); the previous block's reduce-scatter input lives until the
   next reduce-scatter; the block's first weight gradient is unsharded.
 
 The peak is the largest of these moments: the start of backward (every saved activation, the loss
 gradients), each block's backward peak (activations of the blocks below it, the block's own,
-its gradient temporaries and FSDP's buffers), each block's FSDP reduce-scatter, the root's at the
-end of backward, and the optimizer step (AdamW's foreach temporary of the largest parameter group).
+its gradient temporaries and FSDP's buffers), each block's FSDP reduce-scatter, the head's unit's
+before them, the root's (or the embedding's unit's) at the end of backward, and the optimizer step (AdamW's foreach temporary of the largest parameter group).
 The CPU tracker (`sdp_train.trainer.memory`) counts the same tensors; `tests/distributed/test_plan_vs_measured.py` checks
 the totals against it, and docs/plan.md lists the formulas.
 
@@ -52,7 +54,7 @@ from masklab import Mask, load_mask
 from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, data_kind, get_model_config, model_class, subnet_kwargs
 from sdp_train.models.subnet import check_held, held_tensors, residual_blocks
-from sdp_train.parallel.blockmap import on_meta
+from sdp_train.parallel.blockmap import on_meta, outer_units
 from sdp_train.parallel.dist import split_resources_shared
 from sdp_train.parallel.masking import shared_inside
 from sdp_train.planning.activations import ActivationModel, activation_model
@@ -447,17 +449,21 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
     block_of = {name: block for name, block in residual_blocks(w.model)}
     # SDP+FSDP shards a block's shared children (a shortcut) over every rank: counted with the root
     shared = tuple(f"{n}." for n in shared_inside(w.model, list(block_of))) if mode != "fsdp" else ()
+    # FSDP's units of their own outside the blocks (embedding; final norm with head), the last kept gathered
+    outer = {"+".join(g): tuple(f"{n}." for n in g) for g in outer_units(w.model)} if w.meshes is not None else {}
+    head_unit = list(outer)[-1] if outer else None
     unit_of = {}  # parameter -> FSDP unit ("" = root)
     for pname, _ in w.model.named_parameters():
         block = next((b for b in block_of if pname.startswith(b + ".")), "")
-        unit_of[pname] = "" if pname.startswith(shared) else block
+        unit = "" if pname.startswith(shared) else block
+        unit_of[pname] = unit or next((u for u, prefixes in outer.items() if pname.startswith(prefixes)), "")
     local: dict[str, int] = {}
     full: dict[str, int] = {}
     for pname, p in w.model.named_parameters():
         if w.meshes is None:
             local[pname] = full[pname] = p.numel()
         else:
-            local[pname], full[pname] = _sharded(tuple(p.shape), w.meshes[unit_of[pname]])
+            local[pname], full[pname] = _sharded(tuple(p.shape), w.meshes.get(unit_of[pname], w.meshes[""]))
     trained = [n for n in local if n in w.trained]
     params_b = sum(local.values()) * elem
     grads_b = sum(local[n] for n in trained) * elem
@@ -473,24 +479,33 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
 
     unit_full = {u: sum(full[n] for n in local if unit_of[n] == u) * elem for u in set(unit_of.values())}
     head_grads = sum(full[n] for n in trained if unit_of[n] == "" and n.startswith(acts.head_prefixes)) * elem
+    head_kept = unit_full.get(head_unit, 0)  # the head's unit, gathered from its forward to its backward
+    stem_unit = sum(unit_full.get(u, 0) for u in outer if u != head_unit)
     moments = _moments(acts, ac, mode == "fsdp", unit_full if w.meshes is not None else None, w.meshes or {},
-                       head_grads, elem)
+                       head_grads, elem, head=head_kept, stem=stem_unit)
     if w.meshes is not None and workers > 1:
-        # the root's reduce-scatter ends backward: its parameters resharded, its gradients unsharded (the
-        # head's since the loss), copied into the reduce-scatter input, the shard out and gloo's copy of it
-        root_grads = sum(full[n] for n in trained if unit_of[n] == "") * elem
+        if head_unit is not None:  # the head's reduce-scatter, when its backward ends, before any block's
+            grads = sum(full[n] for n in trained if unit_of[n] == head_unit) * elem
+            shard = grads // w.meshes[""]
+            moments.insert(1, _Moment("reduce-scatter of the head", acts.forward_bytes(ac) - acts.head,
+                                      grads + 2 * shard, 0, grads))
+        # the last reduce-scatter ends backward (the root's and the embedding's unit's, whose input needs
+        # no gradient): parameters resharded, gradients unsharded (with the head in the root, the head's
+        # since the loss), copied into the reduce-scatter input, the shard out and gloo's copy of it
+        root_grads = sum(full[n] for n in trained if unit_of[n] in ("", *outer) and unit_of[n] != head_unit) * elem
         shard = root_grads // w.meshes[""]
-        moments.append(_Moment("reduce-scatter of the root", acts.constant, root_grads + 2 * shard, 0, root_grads))
+        label = "reduce-scatter of the embedding" if outer else "reduce-scatter of the root"
+        moments.append(_Moment(label, acts.constant, root_grads + 2 * shard, 0, root_grads))
     moments.append(_Moment("optimizer step", 0, foreach, 0, 0))
     state = params_b + grads_b + opt_b + comm
     # what no mask removes: the root (embedding, final norm, head; FSDP: sharded over all ranks) with its
     # gradients, AdamW state and bucket copies, and at backward start the root unsharded (FSDP), the
     # stem's and head's activations (the logits' log-softmax), the constants and the loss gradients
-    root = [n for n in local if unit_of[n] == ""]
+    root = [n for n in local if unit_of[n] in ("", *outer)]
     root_trained = [n for n in root if n in w.trained]
     unmaskable = ((sum(local[n] for n in root) + (4 if bucketed else 3) * sum(local[n] for n in root_trained)) * elem
                   + STEP_BYTES * len(root_trained) + acts.stem + acts.constant + acts.head + acts.loss_backward
-                  + (unit_full[""] if w.meshes is not None else 0))
+                  + (unit_full.get("", 0) + head_kept if w.meshes is not None else 0))
     peak = max(moments, key=lambda m: m.activations + m.temporaries + m.parameters + m.gradients)
     total = state + peak.activations + peak.temporaries + peak.parameters + peak.gradients
     optimizer = opt_b + (foreach if peak.label == "optimizer step" else 0)
@@ -514,29 +529,30 @@ class _Moment:
 
 
 def _moments(acts: ActivationModel, ac: bool, prefetch: bool, unit_full: dict[str, int] | None,
-             mesh_of: dict[str, int], head_grads: int, elem: int) -> list[_Moment]:
+             mesh_of: dict[str, int], head_grads: int, elem: int, *, head: int = 0, stem: int = 0) -> list[_Moment]:
     """The start of backward, then each block's backward peak, last block first.
 
     With FSDP (`unit_full` given) every block reshards after forward and is gathered again for its
-    backward; with `prefetch` (FSDP over the world) the next block in backward order is gathered
-    too, holder-set meshes prefetch nothing.
+    backward; with `prefetch` (FSDP over the world) the next unit in backward order is gathered
+    too (after the first block the embedding's, `stem` bytes), holder-set meshes prefetch nothing.
+    `head`: the bytes of the head's own unit, unsharded at the start of backward.
     """
     fsdp = unit_full is not None
     units = [unit_full.get(b.name, 0) if fsdp else 0 for b in acts.blocks]
     meshes = [mesh_of.get(b.name, 1) for b in acts.blocks]
     root = unit_full.get("", 0) if fsdp else 0
-    out = [_Moment("backward start", acts.forward_bytes(ac), acts.loss_backward, root, 0)]
+    out = [_Moment("backward start", acts.forward_bytes(ac), acts.loss_backward, root + (head if fsdp else 0), 0)]
     below = acts.stem + acts.constant  # activations of the blocks below block k
     for k, block in enumerate(acts.blocks):
         temps, unsharded, grads = block.backward, root, 0
         if fsdp:
             unsharded += units[k]  # block k gathered (and with prefetch the next one in backward order)
-            temps += units[k - 1] if prefetch and k > 0 else 0
+            temps += (units[k - 1] if k > 0 else stem) if prefetch else 0
             temps += units[k + 1] if k + 1 < len(units) else 0  # the previous block's reduce-scatter input
             grads = head_grads + block.first_grad * elem
         out.append(_Moment(f"backward of {block.name}", below + block.saved, temps, unsharded, grads))
         if fsdp:  # its reduce-scatter: gradients copied into the input buffer; the shard out (gloo: a copy in)
-            unsharded = root + (units[k - 1] if prefetch and k > 0 else 0)
+            unsharded = root + ((units[k - 1] if k > 0 else stem) if prefetch else 0)
             temps = block.output + 2 * units[k] + (units[k] // meshes[k] if meshes[k] > 1 else 0)
             out.append(_Moment(f"reduce-scatter of {block.name}", below, temps, unsharded, head_grads))
         below += (0 if ac else block.saved) + block.output
