@@ -487,8 +487,10 @@ def _predict_rank(w: _Worker, config: ModelConfig, mode: str, matrix: np.ndarray
         if head_unit is not None:  # the head's reduce-scatter, when its backward ends, before any block's
             grads = sum(full[n] for n in trained if unit_of[n] == head_unit) * elem
             shard = grads // w.meshes[""]
+            # FSDP over the world has prefetched the last block at the head's backward
+            last = unit_full.get(acts.blocks[-1].name, 0) if mode == "fsdp" and acts.blocks else 0
             moments.insert(1, _Moment("reduce-scatter of the head", acts.forward_bytes(ac) - acts.head,
-                                      grads + 2 * shard, 0, grads))
+                                      grads + 2 * shard, last, grads))
         # the last reduce-scatter ends backward (the root's and the embedding's unit's, whose input needs
         # no gradient): parameters resharded, gradients unsharded (with the head in the root, the head's
         # since the loss), copied into the reduce-scatter input, the shard out and gloo's copy of it
