@@ -124,7 +124,7 @@ def make_quadratic(
         pattern = np.asarray(worker_pattern, dtype=float)
         if pattern.shape != (workers, len(sizes)) or not np.all(np.isfinite(pattern)):
             raise TheoryError(f"worker_pattern has shape {pattern.shape}, expected ({workers}, {len(sizes)})")
-        centred = np.repeat(pattern, sizes, axis=1) * centred[0]
+        centred = np.repeat(pattern - pattern.mean(axis=0), sizes, axis=1) * centred[0]  # a constant column: exactly 0
     centred -= centred.mean(axis=0)
     spread = hess - hess.mean(axis=0)
     norm = np.sum(spread * spread, axis=0)

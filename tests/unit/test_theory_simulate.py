@@ -151,3 +151,13 @@ def test_simulator_rejects_inconsistent_settings():
         simulate(problem, Mask(np.ones((3, 2))), eta=0.1, steps=4)
     with pytest.raises(TheoryError, match="masking='sideways'"):
         simulate(problem, Mask(np.ones((2, 2))), eta=0.1, steps=4, masking="sideways")
+
+
+def test_mask_aligned_heterogeneity_is_zero_on_a_block_every_worker_holds():
+    """A constant pattern column has no heterogeneity; its round-off used to be scaled up to zeta, which moved
+    the mean gradient (||grad f(x0)||^2 = 6.0 > 2 L D = 2 for this problem)."""
+    q = make_quadratic([2], 5, smoothness=1.0, sigma=0.0, zeta=2.0, suboptimality=1.0,
+                       worker_pattern=np.ones((5, 1)), seed=9)
+    grad = q.worker_grads(np.broadcast_to(q.x0, (1, 5, 2))).mean(axis=1)
+    assert float(np.sum(grad * grad)) <= 2 * q.constants.smoothness * q.constants.suboptimality * (1 + 1e-9)
+    assert float(q.value(q.x0[None])[0] - q.f_star) == pytest.approx(1.0)
