@@ -13,8 +13,9 @@ mixing operator Q_j = E[Pi_j^T Pi_j] contracts the deviation by lambda_max(Q_j o
 (Theorem 4). g_j is the spectral gap of that operator. For ``permute`` it is the holder-set gap
 (c_j - 1)/(K - 1), equal to gamma(M) for a balanced mask; for ``cyclic`` it is positive whenever
 the rotations reach every worker, although no single round contracts; for a static mask it is 0
-unless c_j = K. This module evaluates rates and bounds; it does not simulate (see
-`theory.simulate.simulate_consensus`).
+unless c_j = K. Theorem 4.6 bounds the deviation round by round for deterministic schedules; Theorem 6.2
+bounds the mean at period starts for masks held over rounds. This module evaluates rates and bounds; it does
+not simulate (see `theory.simulate.simulate_consensus`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from theory.bounds import (
     update_statistics,
 )
 from theory.errors import AssumptionError, TheoryError
-from theory.holder_sets import permute_holder_set_gaps
+from theory.holder_sets import permute_holder_set_gaps, permute_variance_coefficients
 
 
 _GAP_ROUND_OFF = 1e-12
@@ -319,6 +320,74 @@ def mean_deviation_bound(mask: Mask, constants: ProblemConstants, *, eta: float,
                                          mask=mask, local_steps=local_steps)
     per_round = (start * np.sqrt(xi0) + injected * np.sqrt(drift)) ** 2
     return float((per_round * weight).sum(axis=1).mean())
+
+
+def period_overlap_bound(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int,
+                         local_steps: int = 1) -> BoundTerms:
+    """Theorem 6.2: bound on (1/N) sum_{n<N} E||grad f(xbar_{nP})||^2 at the N = floor(R/P) period starts.
+
+    For schedules that hold a mask over rounds: ``cyclic``, a balanced ``sequence`` (every worker holds
+    each block equally often over a period) and ``permute`` kept P > 1 rounds. A period is treated as one
+    round of P H local steps, over which the masking bias cancels (cyclic, balanced sequence) or has mean
+    zero (permute), so only the drift of the copies and of the mean within a period is paid. Copies start
+    equal. Proved for eta L P H c_max / K < 1 (`eta_max`); the free constant beta minimises the total.
+    """
+    _check_mask_constants(mask, constants)
+    _check_eta_steps(eta, steps, local_steps)
+    if constants.grad_sq is None:
+        raise AssumptionError("Theorem 6.2 bounds the copies' drift with grad_sq (A6, `--grad-bound`)")
+    h, k = local_steps, mask.workers
+    period = consensus_period(mask, local_steps=h)
+    kind = mask.schedule.kind
+    c = mask.coverage.astype(float)
+    if kind == "permute":
+        if period == 1:
+            raise TheoryError("Theorem 6.2 is for masks held over rounds; a permute mask redrawn every round "
+                              "is Theorem 6's case")
+        bias_var = float(np.sum(c / k * permute_variance_coefficients(mask) * constants.zeta_sq))
+    elif kind in ("cyclic", "sequence"):
+        held = sum(mask.round_matrix(t * h).astype(float) for t in range(period))  # rounds each worker holds j
+        if not np.allclose(held, held[:1]):
+            raise TheoryError("Theorem 6.2 needs every worker to hold each block equally often over a period; "
+                              f"this {kind} schedule does not")
+        bias_var = 0.0
+    else:
+        raise TheoryError("Theorem 6.2 is for schedules that hold a mask over rounds (cyclic, sequence, permute "
+                          "with every > local_steps), not a static mask")
+    rounds = steps // h
+    periods = rounds // period
+    lip, lw = constants.smoothness, constants.local_smoothness
+    lam_max = float(c.max()) / k
+    eta_max = k / (lip * period * h * float(c.max()))
+    room = 1.0 - lip * eta * period * h * lam_max
+    if periods == 0:
+        raise TheoryError(f"steps={steps} cover no complete period of {period * h} steps: Theorem 6.2 needs one")
+    xi_bar = mean_deviation_bound(mask, constants, eta=eta, steps=periods * period * h, local_steps=h)
+    if room <= 0.0 or not math.isfinite(xi_bar):
+        return BoundTerms(math.inf, math.inf, math.inf, math.inf, eta, eta_max)
+    s_h = (h - 1) * h * (2 * h - 1) / 6.0
+    s_p = (period - 1) * period * (2 * period - 1) / 6.0
+    g = constants.grad_sq
+    psi = (math.sqrt(h * period * xi_bar) + eta * math.sqrt(h**3 * s_p * float(np.sum(c * c / k * g)))
+           + eta * math.sqrt(period * s_h * float(np.sum(c * g)))) ** 2
+    phi = lw**2 / k * psi
+    optimization = constants.suboptimality / (eta * periods * period * h)
+    bias = lip * eta * period * h * lam_max * bias_var
+    variance = lip * eta * float(np.sum(c * constants.sigma_sq)) / k**2
+    consensus_rest = lip * eta * lam_max * phi
+    y = phi / (2.0 * period * h)  # the beta-term is y / beta
+    a = optimization + bias + variance + consensus_rest
+    s = math.sqrt(y)
+    if s == 0.0:
+        t = 0.0
+    elif a == 0.0:
+        t = room / s
+    else:  # t minimises (a + s/t) / (room - t s/2); beta = sqrt(y) t
+        t = (math.sqrt(s * s + 2.0 * a * room) - s) / a
+    beta = s * t
+    scale = k / (c.min() * (room - beta / 2.0))
+    consensus = scale * ((y / beta if y > 0 else 0.0) + consensus_rest)
+    return BoundTerms(scale * optimization, scale * bias, scale * variance, consensus, eta, eta_max)
 
 
 def exported_overlap_bound(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int,

@@ -27,9 +27,11 @@ from theory.consensus import (
     mixing_operator,
     overlap_bound,
     per_round_factor,
+    period_overlap_bound,
     size_weighted_gap,
 )
 from theory.problems import make_quadratic
+from theory.errors import TheoryError
 from theory.simulate import simulate_consensus
 
 Z = 3.0
@@ -200,3 +202,42 @@ def test_theorem_4_6_factors_never_exceed_theorem_4_4(mask, data):
     assert np.all(start <= old_start + 1e-9) and np.all(injected <= old_injected + 1e-9)
     # one round: its own direction only (none when every worker holds the block)
     assert injected[1] == pytest.approx(np.where(mask.coverage < mask.workers, 1.0, 0.0))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(mask=masks(max_workers=6, max_blocks=3), data=st.data())
+def test_theorem_6_2_bounds_the_mean_at_period_starts_for_held_masks(mask, data):
+    """Theorem 6.2 on the worst case of Lemma 1: heterogeneity along the mask columns, a mask held over rounds."""
+    h = data.draw(st.sampled_from([1, 2]), label="local_steps")
+    kind, every = data.draw(st.sampled_from([("cyclic", 1), ("cyclic", 2), ("permute", 2), ("permute", 3)]),
+                            label="schedule")
+    mask = mask.replace(block_sizes=[2] * mask.blocks, schedule=Schedule(kind, every * h))
+    period = consensus_period(mask, local_steps=h)
+    assume(period > 1)
+    problem = make_quadratic([2] * mask.blocks, mask.workers, smoothness=1.0, sigma=data.draw(st.floats(0, 1)),
+                             zeta=2.0, suboptimality=1.0, worker_pattern=mask.matrix, seed=9)
+    eta = data.draw(st.floats(0.2, 1.0), label="eta * 4 L P H") / (4 * period * h)
+    rounds = period * data.draw(st.integers(1, 4), label="periods")
+    res = simulate_consensus(problem, mask, rounds=rounds, eta=eta, local_steps=h, initial_spread=0.0,
+                             seeds=32, seed=10)
+    c = problem.constants
+    constants = ProblemConstants(c.smoothness, c.sigma_sq, c.zeta_sq, c.suboptimality, c.worker_smoothness,
+                                 grad_sq=res.grad_sq_seen)
+    assume(bool(np.all(res.zeta_sq_seen <= c.zeta_sq * (1 + 1e-9) + 1e-9)))
+    bound = period_overlap_bound(mask, constants, eta=eta, steps=rounds * h, local_steps=h)
+    at_starts = res.mean_grad_norm_sq[:, ::period].mean(axis=1)  # rounds is a multiple of the period
+    assert at_starts.mean() + Z * at_starts.std(ddof=1) / np.sqrt(at_starts.size) <= bound.total * (1 + 1e-9)
+
+
+def test_theorem_6_2_refuses_schedules_it_does_not_cover():
+    mask = Mask([[1, 1], [1, 0], [0, 1]], block_sizes=[2, 2])
+    c = ProblemConstants(1.0, np.ones(2), np.ones(2), 1.0, grad_sq=np.ones(2))
+    with pytest.raises(TheoryError, match="static"):
+        period_overlap_bound(mask, c, eta=0.01, steps=10)
+    with pytest.raises(TheoryError, match="Theorem 6's case"):
+        period_overlap_bound(mask.replace(schedule=Schedule("permute", 1)), c, eta=0.01, steps=10)
+    unbalanced = Mask.sequence([[[1, 1], [1, 0], [0, 1]], [[1, 1], [0, 1], [1, 0]]], every=1, block_sizes=[2, 2])
+    with pytest.raises(TheoryError, match="equally often"):
+        period_overlap_bound(unbalanced, c, eta=0.01, steps=10)
+    assert np.isfinite(period_overlap_bound(mask.replace(schedule=Schedule("cyclic", 1)), c, eta=0.01,
+                                            steps=30).total)
