@@ -18,7 +18,7 @@ from sdp_train.models.subnet import (
     load_from_full,
     scatter_to_full,
 )
-from sdp_train.parallel.blockmap import PassThrough
+from sdp_train.parallel.blockmap import PassThrough, outer_units
 
 LLAMA = get_model_config(
     "llama-debug", dim=16, n_layers=3, n_heads=2, hidden_dim=32, neuron_groups=4, vocab_size=32, max_seq_len=16
@@ -240,3 +240,11 @@ def test_a_dropped_downsampling_block_keeps_its_live_shortcut_and_gaining_it_tak
     assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
     block = gain_block(model, "layer3.0", torch.device("cpu"))
     assert block.downsample is shortcut and model.layer3["0"] is block and not block.conv1.weight.is_meta
+
+
+def test_fsdp_outer_units_are_the_declared_groups_unless_a_tensor_is_tied_across_them():
+    model = build_model(LLAMA, seed=0)
+    assert outer_units(model) == [("tok_embeddings",), ("norm", "output")]
+    model.output.weight = model.tok_embeddings.weight  # a tied head: one tensor, one unit (the root)
+    assert outer_units(model) == []
+    assert outer_units(build_model(RESNET, seed=0)) == []  # nothing declared: everything in the root
