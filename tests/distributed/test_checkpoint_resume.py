@@ -122,7 +122,7 @@ def test_checkpoint_is_every_n_steps_and_at_the_end_and_loads_as_plain_tensors(r
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"active": 0.75}, "mask: checkpoint"),
+    ({"active": 1.0}, "mask: checkpoint"),
     ({"model_overrides": {"hidden_dim": 256}}, "model_config: checkpoint"),
     ({"mode": "nsdp"}, "mode: checkpoint 'bsdp', this run 'nsdp'"),
     ({"workers": 4}, "world_size: checkpoint 2, this run 4"),

@@ -25,16 +25,16 @@ COMMON = {"model": "llama-debug", "steps": 2, "batch_size": 2, "seq_len": 16, "e
 # FSDP's device meshes, and so their groups, referenced after the run. For them, and for any
 # group a user's code keeps, the `sdp` rank process ends without interpreter shutdown
 # (`sdp_train.cli.rank_main`), which the launches below exercise.
-CONFIGS = [
+CONFIGS = [  # on 3 ranks: C = 2/3, each block held by 2 of them
     {"mode": "ddp"},
-    {"mode": "bsdp", "active": 0.5},
-    {"mode": "nsdp", "active": 0.5},
-    {"mode": "bbsdp", "active": 0.5},
+    {"mode": "bsdp", "active": 2 / 3},
+    {"mode": "nsdp", "active": 2 / 3},
+    {"mode": "bbsdp", "active": 2 / 3},
     # groups made mid-run, at mask changes: holder sets the first round did not have
-    {"mode": "bsdp", "active": 0.5, "schedule": "permute", "every": 1},
-    {"mode": "nsdp", "active": 0.5, "schedule": "permute", "every": 1},
-    {"mode": "bbsdp", "active": 0.5, "schedule": "permute", "every": 1},
-    {"mode": "overlap", "active": 0.5, "schedule": "permute", "every": 1},
+    {"mode": "bsdp", "active": 2 / 3, "schedule": "permute", "every": 1},
+    {"mode": "nsdp", "active": 2 / 3, "schedule": "permute", "every": 1},
+    {"mode": "bbsdp", "active": 2 / 3, "schedule": "permute", "every": 1},
+    {"mode": "overlap", "active": 2 / 3, "schedule": "permute", "every": 1},
 ]
 
 
@@ -73,7 +73,7 @@ def test_no_gloo_thread_outlives_destroy_process_group_in_a_users_own_loop(tmp_p
 
 
 LAUNCHES = [  # (ranks, mode flags): FSDP, whose groups torch keeps referenced after the run, with
-    (3, ["--mode", "bsdp", "--active", "0.5", "--fsdp", "--ac"]),  # holder-set groups besides the world
+    (3, ["--mode", "bsdp", "--active", "0.6667", "--fsdp", "--ac"]),  # holder-set groups besides the world
 ]
 
 
