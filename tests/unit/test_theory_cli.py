@@ -107,3 +107,7 @@ def test_verify_overlap_names_the_deviation_theorem(mask_file, tmp_path, capsys,
     out = json.loads(capsys.readouterr().out)
     assert out["theorem"] == f"Theorem 6 (overlap averaging; consensus deviation by {deviation})"
     assert math.isfinite(out["bound"])
+    if kind == "cyclic":  # a mask held over rounds: Theorem 6.2 at period starts too
+        assert out["period_bound"]["theorem"].startswith("Theorem 6.2") and out["period_bound"]["bound"] > 0
+    else:  # redrawn every round: Theorem 6 has no bias term to remove
+        assert "period_bound" not in out
