@@ -57,6 +57,9 @@ _SWITCHES = {  # flag -> (TrainConfig field, help)
 _OFF_SWITCHES = {  # flag -> (TrainConfig field that it sets to False, help)
     "--no-save": ("save_model", "do not write the final full model (--out/model.safetensors)"),
 }
+_OPTIONAL_VALUES = {  # flag -> (TrainConfig field, its value when the flag is given alone)
+    "--compile": ("compile", "inductor"),
+}
 _OVERWRITE_HELP = ("replace the results of an earlier run in --out (summary, metrics, checkpoints, model, mask, "
                    "certificate, tensorboard)")
 
@@ -103,6 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(flag, dest=name, action="store_true", default=None, help=text)
     for flag, (name, text) in _OFF_SWITCHES.items():
         p.add_argument(flag, dest=name, action="store_const", const=False, default=None, help=text)
+    for flag, (name, alone) in _OPTIONAL_VALUES.items():
+        p.add_argument(flag, dest=name, nargs="?", const=alone, default=None, metavar="BACKEND",
+                       help=f"{texts.get(name, '')} (alone: {alone})")
     p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     p.set_defaults(func=run)
 
@@ -129,7 +135,8 @@ def field_help(cls: type) -> dict[str, str]:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = load_config_file(args.config) if args.config else {}
-    names = [name for name, _ in (*_FLAGS.values(), *_SWITCHES.values(), *_OFF_SWITCHES.values())]
+    names = [name for name, _ in (*_FLAGS.values(), *_SWITCHES.values(), *_OFF_SWITCHES.values(),
+                                  *_OPTIONAL_VALUES.values())]
     values.update({n: getattr(args, n) for n in names if getattr(args, n) is not None})
     if values.get("mode") in BASELINES and any(values.get(k) is not None for k in ("active", "mask")):
         given = ", ".join(f"{k}={values[k]!r}" for k in ("active", "mask") if values.get(k) is not None)

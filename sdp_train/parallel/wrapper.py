@@ -31,6 +31,7 @@ from sdp_train.errors import ConfigError
 from sdp_train.parallel import clip_guard, grads
 from sdp_train.parallel.blockmap import SliceSpec
 from sdp_train.parallel.changes import MaskChanges, RoundsMixin
+from sdp_train.parallel.compile import compile_backend, compile_blocks
 from sdp_train.parallel.cut import cut_subnetwork
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
 from sdp_train.parallel.dist import rank_and_world
@@ -128,6 +129,11 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         `register_optimizer`, whose hook counts the steps): overlap averaging of forward-masked
         subnetworks, local SGD among each block's holders. A schedule's R must be a multiple of H.
         Gradient norms and clipping are then each worker's own (docs/api.md, "Local steps").
+    compile : bool or str
+        ``torch.compile`` each residual block this worker runs, one graph per block
+        (`sdp_train.parallel.compile`), so the holders' collectives still start as each block's
+        backward ends; True for inductor, or a backend's name (``"aot_eager"``). Not with ``fsdp``,
+        activation checkpointing or a mask schedule (refused); docs/api.md, "torch.compile".
     """
 
     def __init__(self, module: nn.Module, *, mask: Mask | str | os.PathLike | None = None,
@@ -136,7 +142,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
                  mlp: MLPSpec | None = None, seed: int = 0, init_state: Mapping[str, torch.Tensor] | None = None,
                  init=None, device: torch.device | str | None = None, activation_checkpointing: bool = False,
                  fsdp: bool = False, autocast_dtype: torch.dtype | None = None,
-                 comm_dtype: torch.dtype | None = None, local_steps: int = 1) -> None:
+                 comm_dtype: torch.dtype | None = None, local_steps: int = 1, compile: bool | str = False) -> None:
         super().__init__()
         sync = _choose_sync(level, masking, fsdp, comm_dtype, local_steps)
         # 1. to 3. (blocks, mask, this worker's subnetwork, materialised): `cut_subnetwork`
@@ -146,14 +152,15 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         self._setup(*part, masking=masking,
                     activation_checkpointing=activation_checkpointing, autocast_dtype=autocast_dtype,
                     init_state=init_state, values_agree=False, seed=seed, sync=sync,
-                    options=(fsdp, comm_dtype, local_steps))
+                    options=(fsdp, comm_dtype, local_steps), compile=compile)
 
     @classmethod
     def from_subnetwork(cls, module: nn.Module, *, layout: ModelLayout, mask: Mask,
                         held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: Mapping[str, SliceSpec],
                         masking: str = "forward", activation_checkpointing: bool = False, fsdp: bool = False,
                         autocast_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
-                        values_agree: bool = False, seed: int = 0, local_steps: int = 1) -> SubnetworkDataParallel:
+                        values_agree: bool = False, seed: int = 0, local_steps: int = 1,
+                        compile: bool | str = False) -> SubnetworkDataParallel:
         """Wrap a subnetwork this rank has already built (steps 4 and 5 of the constructor only).
 
         For models that know how to build a worker's part without the full model: the built-in
@@ -175,17 +182,18 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         self._setup(module, layout, mask, held_by_rank, dict(local_index), device, masking=masking,
                     activation_checkpointing=activation_checkpointing, autocast_dtype=autocast_dtype,
                     init_state=None, values_agree=values_agree, seed=seed, sync=sync,
-                    options=(fsdp, comm_dtype, local_steps))
+                    options=(fsdp, comm_dtype, local_steps), compile=compile)
         return self
 
     def _setup(self, module: nn.Module, layout: ModelLayout, mask: Mask,
                held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: dict[str, SliceSpec],
                device: torch.device, *, masking: str, activation_checkpointing: bool,
                autocast_dtype: torch.dtype | None, init_state: Mapping[str, torch.Tensor] | None,
-               values_agree: bool, seed: int, sync: Sync, options: tuple) -> None:
+               values_agree: bool, seed: int, sync: Sync, options: tuple, compile: bool | str = False) -> None:
         """Steps 3 (values) to 5 (the sync), for a module already cut to this worker's part."""
         self.rank, self.world_size = rank_and_world()
         sync.check(mask)
+        self.compile_backend = _check_compile(compile, options[0], activation_checkpointing, mask)
         self.sync = sync
         self.fsdp, self.comm_dtype, self.local_steps = options  # as given; `sync` is what they chose
         self.seed, self.activation_checkpointing = seed, activation_checkpointing
@@ -212,6 +220,10 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         if activation_checkpointing:  # backward masking runs every block's backward: checkpoint them all
             apply_checkpointing([module.get_submodule(b) for b in
                                  (layout.blocks if masking == "backward" else self.held_blocks)])
+        # 4b. torch.compile, one graph per block it runs: the gradient hooks (step 5) fire as each block's backward ends
+        if self.compile_backend is not None:
+            compile_blocks(module, layout.blocks if masking == "backward" else self.held_blocks,
+                           backend=self.compile_backend)
         # 5. the sync: gradient averaging among holders (FSDP2 over holder meshes, or the sync engine)
         sync.start(held, every, mask, values_agree=values_agree)
         if watch_clipping:
@@ -356,6 +368,17 @@ def _signature_of(module: nn.Module) -> inspect.Signature | None:
         return inspect.signature(module.forward)
     except (TypeError, ValueError):
         return None
+
+
+def _check_compile(compile: bool | str, fsdp: bool, activation_checkpointing: bool, mask: Mask) -> str | None:
+    """The backend ``compile`` names (None: eager), refused with the options it does not work with."""
+    backend = compile_backend(compile)
+    refused = [what for what, on in (("fsdp=True", fsdp), ("activation_checkpointing=True", activation_checkpointing),
+                                     (f"a {mask.schedule.kind!r} mask schedule", not mask.schedule.is_static)) if on]
+    if backend is not None and refused:
+        raise ConfigError(f"compile={compile!r} compiles each block of a fixed subnetwork without fsdp or activation "
+                          f"checkpointing, got {', '.join(refused)} (docs/api.md, 'torch.compile')")
+    return backend
 
 
 def _choose_sync(level: str, masking: str, fsdp: bool, comm_dtype, local_steps: int) -> Sync:

@@ -115,6 +115,11 @@ class TrainConfig:
     """``float32``, or ``bfloat16``: forward and loss (training and validation) under ``torch.autocast``
     in bfloat16, while parameters, gradients and AdamW state stay float32 (master weights), as the
     library's ``autocast_dtype`` does; every mode. The GPU presets of ``sdp compare`` train so."""
+    compile: str | None = None
+    """A ``torch.compile`` backend (``inductor``; ``--compile`` alone) to compile each residual block
+    with, one graph per block, so gradients reach the sync as each block's backward ends (docs/api.md,
+    "torch.compile"); None: eager. Modes ddp, bsdp, nsdp, bbsdp and overlap, static masks, without
+    `fsdp` or `activation_checkpointing`."""
     loss_chunks: int = 8
     """Language models of the built-in families, every mode: compute the head and cross-entropy this many
     chunks of tokens at a time, never holding the whole batch's logits (`sdp_train.models.lm_loss`);
@@ -207,6 +212,7 @@ class TrainConfig:
         if self.schedule not in (None, "static") and self.every % self.local_steps:
             raise ConfigError(f"every={self.every} (--every) must be a multiple of local_steps={self.local_steps} "
                               f"(--local-steps): each round of {self.local_steps} steps trains under one mask")
+        self._check_compile()
         self._check_worker_loss()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
@@ -243,6 +249,22 @@ class TrainConfig:
             except DesignError as exc:
                 raise ConfigError(f"active={self.active:g} (--active) with workers={self.workers} (--workers): "
                                   f"{exc}") from None
+
+    def _check_compile(self) -> None:
+        if self.compile is None:
+            return
+        if not isinstance(self.compile, str) or not self.compile:
+            raise ConfigError(f"compile={self.compile!r} (--compile) must be a torch.compile backend name or null")
+        from sdp_train.parallel.compile import compile_backend
+
+        compile_backend(self.compile)  # a known backend
+        refused = [what for what, on in (("mode 'fsdp'", self.mode == "fsdp"), ("fsdp (--fsdp)", self.fsdp),
+                                         ("activation_checkpointing (--ac)", self.activation_checkpointing),
+                                         (f"schedule={self.schedule!r} (--schedule)",
+                                          self.schedule not in (None, "static"))) if on]
+        if refused:
+            raise ConfigError(f"compile={self.compile!r} (--compile) compiles the blocks of a fixed model without "
+                              f"FSDP or activation checkpointing; got {', '.join(refused)}")
 
     def _check_worker_loss(self) -> None:
         if self.on_worker_loss not in WORKER_LOSS_POLICIES:

@@ -39,6 +39,7 @@ from sdp_train.models import ModelConfig, block_map, build_model, family_of, mod
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
 from sdp_train.parallel import grads
 from sdp_train.parallel.blockmap import on_meta
+from sdp_train.parallel.compile import compile_backend, compile_blocks
 from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
 from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.dist import DistInfo
@@ -336,7 +337,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     that a built-in family in B-/N-SDP builds only its worker's part and Bb-SDP freezes the
     blocks it does not hold; 2. activation checkpointing inside each block (and for ``fsdp`` the
     world's FSDP2 shards), by `sdp_train.parallel.parallelize`, where the mode's wrapper does not do it
-    itself; 3. the mode's wrapper.
+    itself; 3. each block compiled (``--compile``; `SubnetworkDataParallel` compiles its own); 4. the mode's wrapper.
     """
     cfg, mc = prep.config, prep.model_config
     user = isinstance(mc, UserModel)
@@ -359,7 +360,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         model = build_model(mc, seed=cfg.seed, device=device)
         if cfg.mode == "bbsdp":  # a schedule starts in its first round
             apply_backward_mask(model, mc, prep.mask.round_matrix(0, seed=cfg.seed)[info.rank].astype(bool))
-    # 2. activation checkpointing (and FSDP) where the wrapper does not apply them, 3. the wrapper
+    # 2. activation checkpointing (and FSDP), 3. compilation, where the wrapper does not apply them; 4. the wrapper
     if cfg.mode in BASELINES:
         world_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if cfg.mode == "fsdp" else None
         if cfg.activation_checkpointing or world_mesh is not None:
@@ -367,12 +368,17 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
                       else residual_blocks(model))
             parallelize(model, activation_checkpointing=cfg.activation_checkpointing, block_meshes=None,
                         root_mesh=world_mesh, blocks=blocks)
+        if cfg.compile is not None:  # ddp (the config refuses fsdp): DDP's hooks fire as each block's backward ends
+            compile_blocks(model, _blocks(model, prep) if user else [n for n, _ in residual_blocks(model)],
+                           backend=compile_backend(cfg.compile))
         return FullyShardedSync(model, info) if cfg.mode == "fsdp" else DataParallelSync(model, info, device)
     if cfg.mode == "overlap":
         blocks = _blocks(model, prep)
         if cfg.activation_checkpointing:
             parallelize(model, activation_checkpointing=True, block_meshes=None, root_mesh=None,
                         blocks=[(n, model.get_submodule(n)) for n in blocks])
+        if cfg.compile is not None:
+            compile_blocks(model, blocks, backend=compile_backend(cfg.compile))
         overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps, seed=cfg.seed)
         return OverlapSync(overlap, info)
     masking = "backward" if cfg.mode == "bbsdp" else "forward"
@@ -393,7 +399,8 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     sdp = SubnetworkDataParallel.from_subnetwork(
         part.module, layout=part.layout, mask=part.mask, held_by_rank=part.held_by_rank,
         local_index=part.local_index, masking=masking, activation_checkpointing=cfg.activation_checkpointing,
-        fsdp=cfg.fsdp, values_agree=not library_cut, seed=cfg.seed, local_steps=cfg.local_steps)
+        fsdp=cfg.fsdp, values_agree=not library_cut, seed=cfg.seed, local_steps=cfg.local_steps,
+        compile=cfg.compile or False)
     return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
 
 
