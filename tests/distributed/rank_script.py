@@ -8,7 +8,8 @@ tensors and their full-model index) for the test to compare with a single-proces
 ``steps``: a few optimizer steps of each (model, mode, mask) case; every rank saves its state dict
 and each step's bytes.
 ``eval_memory``: one step of each config in SPEC, then the validation under the memory tracker.
-``overlap``: one backward per case, logging the order of gradient events and all_reduce launches.
+``overlap``: one backward per case, logging the order of gradient events and all_reduce launches,
+and saving the loss and the averaged gradients (a case may ``compile`` its blocks with a backend).
 ``train``: the training loop for each config in SPEC, one after another in one process group.
 """
 
@@ -134,7 +135,8 @@ def eval_memory_case(spec: dict, info, device, out: Path) -> None:
 
 
 def overlap_case(spec: dict, info, device, out: Path) -> None:
-    """One backward of each case, logging in order every gradient the engine sees and every all_reduce it launches."""
+    """One backward of each case, logging in order every gradient the engine sees and every all_reduce it
+    launches; its loss and averaged gradients saved."""
     from sdp_train.parallel import sync
 
     events: list[str] = []
@@ -151,14 +153,18 @@ def overlap_case(spec: dict, info, device, out: Path) -> None:
     sync.SyncEngine._on_grad, sync.dist.all_reduce = logged_on_grad, logged_all_reduce
     for i, case in enumerate(spec["cases"]):
         prep = prepare(TrainConfig(model="llama-debug", mode=case["mode"], workers=info.world_size, batch_size=2,
-                                   seq_len=16, active=0.5, out=str(out)))
+                                   seq_len=16, active=0.5, out=str(out), compile=case.get("compile")))
         run = Run(prep, info, device)
         inputs, targets = next(build_batches(prep.data, split="train", seed=0, rank=info.rank,
                                              world_size=info.world_size))
         events.clear()
-        loss_fn(run.train_model(inputs), targets).backward()
+        loss = loss_fn(run.train_model(inputs), targets)
+        loss.backward()
         backward_events = list(events)  # the API finishes the averaging before backward returns
         (out / f"overlap{i}_rank{info.rank}.json").write_text(json.dumps(backward_events))
+        graphs = sys.modules["torch._dynamo.utils"].counters["stats"]["unique_graphs"] if case.get("compile") else 0
+        grads = {n: p.grad for n, p in run.model.named_parameters() if p.grad is not None}
+        torch.save({"loss": loss.detach(), "graphs": graphs, "grads": grads}, out / f"overlap{i}_rank{info.rank}.pt")
 
 
 def train_case(spec: dict, info, device, out: Path) -> None:
