@@ -188,7 +188,10 @@ class _TrackerMixin:
 
 
 def format_bytes(n: int) -> str:
-    """``n`` bytes as a short human-readable string (KiB/MiB/GiB)."""
+    """``n`` bytes as a short human-readable string (KiB/MiB/GiB); a negative ``n`` (a saving that is a
+    cost, as Bb-SDP's against DDP) keeps its sign in front of the same unit."""
+    if n < 0:
+        return "-" + format_bytes(-n)
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

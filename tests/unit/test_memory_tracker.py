@@ -51,3 +51,5 @@ def test_peak_is_the_maximum_over_measured_steps_and_the_first_step_has_no_optim
 
 def test_format_bytes_picks_the_largest_unit():
     assert (format_bytes(512), format_bytes(3 * 2**20), format_bytes(5 * 2**30)) == ("512 B", "3.0 MiB", "5.0 GiB")
+    # `sdp plan`'s "saved vs DDP" of Bb-SDP is negative: it printed "-1126256 B"
+    assert (format_bytes(-1126256), format_bytes(-512)) == ("-1.1 MiB", "-512 B")
