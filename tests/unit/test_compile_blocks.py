@@ -84,3 +84,13 @@ def test_the_wrapper_refuses_what_does_not_compile(options, named):
 def test_sdp_train_refuses_compile_with_what_it_does_not_compile(options, named):
     with pytest.raises(ConfigError, match=named):
         TrainConfig(**{"model": "llama-debug", "workers": 2, "compile": "inductor", **options})
+
+
+@pytest.mark.parametrize("argv, backend", [([], None), (["--compile"], "inductor"),
+                                           (["--compile", "aot_eager"], "aot_eager")])
+def test_sdp_train_compile_flag_alone_means_inductor(argv, backend):
+    from sdp_train.cli import build_parser
+    from sdp_train.cli.train import config_from_args
+
+    args = build_parser().parse_args(["train", "--model", "llama-debug", "--mode", "ddp", *argv])
+    assert config_from_args(args).compile == backend
