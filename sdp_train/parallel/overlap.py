@@ -44,6 +44,7 @@ from sdp_train.parallel.averaging import average_values
 from sdp_train.parallel.blockmap import WHOLE
 from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.export import save_safetensors
+from sdp_train.parallel.forwarding import ForwardWithModelSignature, signature_of
 from sdp_train.parallel.masking import describe
 from sdp_train.parallel.parts import resolve_mask
 from sdp_train.parallel.rounds import Rounds
@@ -101,6 +102,7 @@ class OverlapAveraging(nn.Module):
                               f"not a multiple of local_steps={local_steps}: each round of {local_steps} steps "
                               "must train under one mask")
         self.module, self.local_steps, self.seed = module, local_steps, seed
+        self._forward_signature = signature_of(module)
         self.rounds = Rounds(self.mask, seed, counts=True)
         self.bytes = ByteCount()
         self.optimizers_registered = 0
@@ -146,6 +148,7 @@ class OverlapAveraging(nn.Module):
                 p.grad = None  # the optimizer skips a parameter without a gradient
 
     # -- the training step -----------------------------------------------------------------------
+    @ForwardWithModelSignature
     def forward(self, *args, **kwargs):
         if self.training and self.world_size > 1 and not self.optimizers_registered:
             raise ConfigError("overlap averaging counts optimizer steps: call model.register_optimizer(optimizer) "

@@ -16,8 +16,6 @@ assembling the full model (`sdp_train.parallel.export`).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,6 +32,7 @@ from sdp_train.parallel.changes import MaskChanges, RoundsMixin
 from sdp_train.parallel.compile import compile_backend, compile_blocks
 from sdp_train.parallel.cut import cut_subnetwork
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
+from sdp_train.parallel.forwarding import ForwardWithModelSignature, signature_of
 from sdp_train.parallel.dist import rank_and_world
 from sdp_train.parallel.fullmodel import FullModelMixin
 from sdp_train.parallel.masking import ModelLayout
@@ -51,28 +50,6 @@ MODEL_ATTRIBUTES = ("config", "generation_config", "main_input_name", "accepts_l
 """Attributes the wrapper reads from the wrapped model when it has none of its own: those Hugging Face's
 Trainer and Accelerate read to find the inputs, the loss and the config (methods such as
 ``save_pretrained`` and ``generate`` would act on this worker's part alone: `save_full` saves the model)."""
-
-
-class _ForwardWithModelSignature:
-    """The wrapper's ``forward``, bound with the wrapped model's signature for `inspect.signature`.
-
-    Hugging Face's Trainer keeps only the batch columns that ``inspect.signature(model.forward)``
-    names; ``forward(*args, **kwargs)`` names none. A fresh ``functools.partial`` per access carries
-    the signature without the wrapper holding a reference to itself (it stays freed when dropped).
-    """
-
-    def __init__(self, function) -> None:
-        self.function = function
-        functools.update_wrapper(self, function)
-
-    def __get__(self, wrapper, owner=None):
-        if wrapper is None:
-            return self.function
-        bound = functools.partial(self.function, wrapper)
-        signature = wrapper.__dict__.get("_forward_signature")
-        if signature is not None:
-            bound.__signature__ = signature
-        return bound
 
 
 class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
@@ -228,7 +205,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         sync.start(held, every, mask, values_agree=values_agree)
         if watch_clipping:
             clip_guard.watch(module.parameters())
-        self._forward_signature = _signature_of(module)
+        self._forward_signature = signature_of(module)
 
     def __getattr__(self, name: str):
         try:
@@ -262,7 +239,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         return self.changes.bytes
 
     # -- the training step ---------------------------------------------------------------------
-    @_ForwardWithModelSignature
+    @ForwardWithModelSignature
     def forward(self, *args, **kwargs):
         if self.training and not self.optimizers_registered and self._steps_matter:
             raise ConfigError("backward masking sends each block's new values after the optimizer step, a "
@@ -360,14 +337,6 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
 
 SDP = SubnetworkDataParallel
 """Short name of `SubnetworkDataParallel`."""
-
-
-def _signature_of(module: nn.Module) -> inspect.Signature | None:
-    """The signature of ``module.forward``, or None where Python cannot tell it (a builtin)."""
-    try:
-        return inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        return None
 
 
 def _check_compile(compile: bool | str, fsdp: bool, activation_checkpointing: bool, mask: Mask) -> str | None:

@@ -57,3 +57,24 @@ def test_one_worker_trains_as_plain_torch_and_has_no_disagreement():
     for name, value in model.full_state_dict().items():
         assert torch.equal(value, plain.state_dict()[name])
     assert model.consensus_distance() == {"layers.0": 0.0, "layers.1": 0.0, "other": 0.0, "total": 0.0}
+
+
+def test_the_forward_shows_the_wrapped_model_signature_and_the_wrapper_is_freed_when_dropped():
+    """As `SubnetworkDataParallel`'s: Hugging Face's Trainer keeps only the batch columns that
+    ``inspect.signature(model.forward)`` names, and ``forward(*args, **kwargs)`` names none."""
+    import gc
+    import inspect
+    import weakref
+
+    net = Net()
+    overlap = OverlapAveraging(net, mask=Mask(np.ones((1, 2), dtype=int)))
+    assert inspect.signature(overlap.forward) == inspect.signature(net.forward)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(overlap(x), net(x))
+    gc.disable()  # freed by reference counting, not only by the cycle collector
+    try:
+        ref = weakref.ref(overlap)
+        del overlap
+        assert ref() is None
+    finally:
+        gc.enable()
