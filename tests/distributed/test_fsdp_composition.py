@@ -107,9 +107,10 @@ def test_fsdp_comm_bytes_count_every_all_gather_and_reduce_scatter(runs):
     bmap = block_map(LLAMA)
     params = {n: int(np.prod(s)) for n, s in bmap.shapes.items() if n in bmap.parameter_names}
     in_blocks = sum(params[n] for j in range(4) for n, _ in bmap.owned("block", j))
-    # all-gather every parameter in forward, the blocks again in backward, reduce-scatter every
-    # gradient, plus the [loss, grad-norm^2] all-reduce
-    expected = 4 * (2 * sum(params.values()) + in_blocks) + 8
+    # all-gather every parameter in forward, the blocks and the embedding (a unit of its own, resharded
+    # after forward; the head's unit stays gathered) again in backward, reduce-scatter every gradient,
+    # plus the [loss, grad-norm^2] all-reduce
+    expected = 4 * (2 * sum(params.values()) + in_blocks + params["tok_embeddings.weight"]) + 8
     assert {m["comm_bytes"] for m in _metrics(runs, "fsdp")} == {expected}
 
 
