@@ -12,7 +12,7 @@ from tests.distributed.conftest import run_rank_script
 
 pytestmark = pytest.mark.slow
 
-MODES = ("bsdp", "nsdp")
+MODES = ("bsdp", "nsdp", "bbsdp")
 
 
 def test_compiled_blocks_keep_overlap_and_equal_eager_gradients(tmp_path):
