@@ -17,7 +17,7 @@ MODES = ("bsdp", "nsdp", "bbsdp")
 
 def test_compiled_blocks_keep_overlap_and_equal_eager_gradients(tmp_path):
     # aot_eager traces each block into one forward and one backward graph, as inductor does, without
-    # generating code (tests/unit/test_compile_blocks.py runs inductor itself)
+    # generating code (tests/unit/test_compile_blocks_unit.py runs inductor itself)
     cases = [{"mode": m, "compile": c} for m in MODES for c in (None, "aot_eager")]
     run_rank_script(2, "overlap", {"cases": cases}, tmp_path)
     for i in range(0, len(cases), 2):
