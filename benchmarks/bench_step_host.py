@@ -19,7 +19,7 @@ time per step is one forward + backward of a model that sums its parameters, wit
 without it, measured in turn in this run. On CPU every figure is the thread's CPU time, on CUDA wall
 time; "step ms" is the median over the steps, "best ms" the fastest.
 
-    python benchmarks/bench_step_host.py [--device cpu] [--steps 30] [--json PATH]
+    python benchmarks/bench_step_host.py [--device cpu] [--steps 30] [--bucket-cap-mb 25,65] [--json PATH]
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def timed_steps(step: Callable[[], object], steps: int, device: torch.device) ->
     return times
 
 
-def sdp_engine(model_name: str, mode: str, workers: int, active: float, device: torch.device):
+def sdp_engine(model_name: str, mode: str, workers: int, active: float, device: torch.device,
+               bucket_cap_mb: float = sync.DEFAULT_BUCKET_CAP_MB):
     """(engine, rank 0's parameters in backward order, plans) for the designed mask of `mode`."""
     config = get_model_config(model_name)
     level = "neuron" if mode == "nsdp" else "block"
@@ -89,7 +90,7 @@ def sdp_engine(model_name: str, mode: str, workers: int, active: float, device: 
     held = [held_tensors(config, mask[k], level) for k in range(workers)]
     bmap = block_map(config)
     names = [n for n in bmap.shapes if n in bmap.parameter_names]
-    plans = sync.plan_buckets(held, names, shapes=bmap.shapes)
+    plans = sync.plan_buckets(held, names, shapes=bmap.shapes, bucket_cap_mb=bucket_cap_mb)
     with on_meta():
         model = model_class(config)(config, **subnet_kwargs(config, check_held(config, mask[0], level), level))
     model.to_empty(device=device)  # never initialised: only addresses and shapes matter here
@@ -101,8 +102,8 @@ def sdp_engine(model_name: str, mode: str, workers: int, active: float, device: 
 
 
 def sdp_row(model_name: str, mode: str, workers: int, active: float, device: torch.device, steps: int,
-            launches: list[str]) -> dict:
-    engine, backward_order, plans = sdp_engine(model_name, mode, workers, active, device)
+            launches: list[str], bucket_cap_mb: float = sync.DEFAULT_BUCKET_CAP_MB) -> dict:
+    engine, backward_order, plans = sdp_engine(model_name, mode, workers, active, device, bucket_cap_mb)
     hook = sync.weak_grad_hook(engine)  # the hook autograd calls, as registered by the engine
     phases = {"backward": [], "finish": []}
     now = clock(device)
@@ -120,8 +121,9 @@ def sdp_row(model_name: str, mode: str, workers: int, active: float, device: tor
     times = timed_steps(step, steps, device)
     engine.remove_hooks()
     communicating = sum(b.communicates for b in engine.buckets)
+    cap = "" if bucket_cap_mb == sync.DEFAULT_BUCKET_CAP_MB else f" cap {bucket_cap_mb:g}M"
     return dict(
-        what=f"{mode} K={workers} C={active}", buckets=len(engine.buckets), communicating=communicating,
+        what=f"{mode} K={workers} C={active}{cap}", buckets=len(engine.buckets), communicating=communicating,
         plan_buckets=len(plans), launches_per_step=len(launches) / (steps + 3),
         step_ms=statistics.median(times) * 1e3, best_step_ms=min(times) * 1e3,
         backward_ms=statistics.median(phases["backward"][3:]) * 1e3,
@@ -181,6 +183,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--shrink", type=int, default=1024, help="DDP's tensors and bucket cap, divided by this")
     parser.add_argument("--modes", default="bsdp,nsdp")
+    parser.add_argument("--bucket-cap-mb", default=str(sync.DEFAULT_BUCKET_CAP_MB),
+                        help="comma-separated bucket caps (MiB) of the SDP plans, one row per mode and cap")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -202,8 +206,8 @@ def main() -> None:
     sync.dist.all_reduce = lambda buffer, group=None, async_op=False: _Done()  # collectives not counted
     print(f"host time per step, {args.model}, {platform.machine()} {args.device}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; target <= {TARGET_MS} ms per step (issue 29)")
-    rows = [sdp_row(args.model, mode, args.workers, args.active, device, args.steps, launches)
-            for mode in args.modes.split(",")]
+    rows = [sdp_row(args.model, mode, args.workers, args.active, device, args.steps, launches, float(cap))
+            for mode in args.modes.split(",") for cap in args.bucket_cap_mb.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/store",
                                 rank=0, world_size=1)
@@ -211,13 +215,13 @@ def main() -> None:
             ddp = ddp_row(args.model, args.shrink, device, args.steps)
         finally:
             dist.destroy_process_group()
-    print(f"\n{'engine':<22} {'buckets':>8} {'comm':>5} {'launches':>9} {'step ms':>8} {'bwd ms':>7} {'finish ms':>9} "
+    print(f"\n{'engine':<24} {'buckets':>8} {'comm':>5} {'launches':>9} {'step ms':>8} {'bwd ms':>7} {'finish ms':>9} "
           f"{'us/bucket':>9} {'x DDP':>6} {'best ms':>8}")
     for r in rows:
-        print(f"{r['what']:<22} {r['buckets']:>8} {r['communicating']:>5} {r['launches_per_step']:>9.0f} "
+        print(f"{r['what']:<24} {r['buckets']:>8} {r['communicating']:>5} {r['launches_per_step']:>9.0f} "
               f"{r['step_ms']:>8.2f} {r['backward_ms']:>7.2f} {r['finish_ms']:>9.2f} {r['per_bucket_us']:>9.1f} "
               f"{r['step_ms'] / ddp['step_ms']:>6.2f} {r['best_step_ms']:>8.2f}")
-    print(f"{ddp['what']:<22} {ddp['buckets']!s:>8} {'':>5} {'':>9} {ddp['step_ms']:>8.2f} {'':>7} {'':>9} {'':>9} "
+    print(f"{ddp['what']:<24} {ddp['buckets']!s:>8} {'':>5} {'':>9} {ddp['step_ms']:>8.2f} {'':>7} {'':>9} {'':>9} "
           f"{1:>6.2f} {ddp['best_step_ms']:>8.2f}\n  (DDP: {ddp['tensors']} tensors; fwd+bwd "
           f"{ddp['with_ddp_ms']:.2f} ms with DDP, {ddp['without_ms']:.2f} without)")
     if args.json:
