@@ -12,7 +12,7 @@ groups: that is the sync engine in `sdp_train`.
 """
 
 from kernels.clipping import clip_coefficient
-from kernels.dispatch import BACKENDS, select_backend
+from kernels.dispatch import BACKENDS, block_size_for, select_backend
 from kernels.errors import BackendUnavailableError, KernelInputError, KernelLimitError, LayoutError
 from kernels.layout import SEGMENT_KINDS, BucketLayout, Segment, SegmentSpec
 from kernels.ops import overlap_average, pack, squared_norm, unpack
@@ -29,6 +29,7 @@ __all__ = [
     "LayoutError",
     "Segment",
     "SegmentSpec",
+    "block_size_for",
     "clip_coefficient",
     "overlap_average",
     "pack",

@@ -50,6 +50,24 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def block_size_for(device: torch.device, backend: str = "auto") -> int:
+    """The tile (elements per Triton program) for layouts whose kernels run on `device` with `backend`.
+
+    `kernels.layout.DEFAULT_BLOCK_SIZE`, what a GPU runs, except where Triton's interpreter runs CPU
+    tensors: there every program is Python over numpy, tens of milliseconds whatever its size, so
+    the largest tile (`kernels.layout.MAX_BLOCK_SIZE`) runs the same kernel code in 16 times fewer
+    programs. The tests pin other tiles where the tile is what they test (tests/kernels).
+
+    >>> block_size_for(torch.device("meta"))
+    1024
+    """
+    from kernels.layout import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
+
+    if device.type == "cpu" and backend != "reference" and _triton_unavailable_reason(device) is None:
+        return MAX_BLOCK_SIZE
+    return DEFAULT_BLOCK_SIZE
+
+
 def select_backend(backend: str, device: torch.device) -> ModuleType:
     """The module (`kernels.reference` or `kernels.triton_ops`) that runs `backend` on `device`.
 

@@ -190,7 +190,8 @@ class _Bucket:
         self.params = [params[a.name] for a in plan.atoms]
         specs = [kernels.SegmentSpec(i, *_segment(a, local_index[a.name]), coverage=len(plan.holders))
                  for i, a in enumerate(plan.atoms)]
-        self.layout = kernels.BucketLayout([p.shape for p in self.params], specs, device=device)
+        self.layout = kernels.BucketLayout([p.shape for p in self.params], specs, device=device,
+                                           block_size=kernels.block_size_for(device))
         self.buffer = torch.empty(self.layout.total_numel, dtype=self.params[0].dtype, device=device)
         self.partials: torch.Tensor | None = None  # this bucket's slice of the engine's norm partials
         self.pending = 0

@@ -94,3 +94,27 @@ def test_the_interpreter_knob_is_read_from_the_environment_as_triton_reads_it(va
         assert "triton" not in sys.modules
         m.setitem(sys.modules, "triton", triton)
         assert without_triton == bool(triton.knobs.runtime.interpret), (value, os.environ["TRITON_INTERPRET"])
+
+
+def test_the_sync_engines_tile_is_the_gpus_except_under_the_interpreter(monkeypatch):
+    """Interpreted, each program costs tens of milliseconds of Python: the engine takes the largest
+    tile there (in-process tests ran ten times longer with the GPU's), the GPU's everywhere else."""
+    from kernels import block_size_for
+    from kernels.layout import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
+
+    interpreted = triton_ops.INTERPRETED
+    assert block_size_for(CPU) == (MAX_BLOCK_SIZE if interpreted else DEFAULT_BLOCK_SIZE)
+    assert block_size_for(CPU, "reference") == block_size_for(torch.device("meta")) == DEFAULT_BLOCK_SIZE
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert block_size_for(CPU) == DEFAULT_BLOCK_SIZE  # the reference runs CPU tensors: no tiles to save
+    monkeypatch.undo()
+    import numpy as np
+
+    from masklab import Mask
+    from sdp_train import SubnetworkDataParallel
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Sequential(torch.nn.Linear(3, 3)),
+                              torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    sdp = SubnetworkDataParallel(net, mask=Mask(np.ones((1, 2), dtype=np.int8)), blocks=["1", "2"])
+    assert {b.layout.block_size for b in sdp.sync.engine.buckets} == {block_size_for(CPU)}
+    sdp.close()
