@@ -50,8 +50,8 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def block_size_for(device: torch.device, backend: str = "auto") -> int:
-    """The tile (elements per Triton program) for layouts whose kernels run on `device` with `backend`.
+def block_size_for(device: torch.device) -> int:
+    """The tile (elements per Triton program) for layouts whose kernels run on `device`.
 
     `kernels.layout.DEFAULT_BLOCK_SIZE`, what a GPU runs, except where Triton's interpreter runs CPU
     tensors: there every program is Python over numpy, tens of milliseconds whatever its size, so
@@ -63,7 +63,7 @@ def block_size_for(device: torch.device, backend: str = "auto") -> int:
     """
     from kernels.layout import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 
-    if device.type == "cpu" and backend != "reference" and _triton_unavailable_reason(device) is None:
+    if device.type == "cpu" and _triton_unavailable_reason(device) is None:
         return MAX_BLOCK_SIZE
     return DEFAULT_BLOCK_SIZE
 
