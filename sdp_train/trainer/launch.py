@@ -201,13 +201,21 @@ def leave_error_to_launcher(line: str) -> bool:
     return True
 
 
+def input_error_line(exitcode: int, data) -> str | None:
+    """The one-line input error a rank left with `leave_error_to_launcher`, given its exit code and
+    its error file's contents; None for any other ending."""
+    if (exitcode == EXIT_USAGE and isinstance(data, dict) and data.get(_INPUT_ERROR)
+            and isinstance(data.get("message"), str)):
+        return data["message"]
+    return None
+
+
 def _refused_input(failures) -> tuple[int, str] | None:
     """(exit code, line) of the lowest rank that exited refusing its input, or None (another failure)."""
     for _, failure in sorted(failures.items()):
-        data = failure.error_file_data
-        if (failure.exitcode == EXIT_USAGE and isinstance(data, dict) and data.get(_INPUT_ERROR)
-                and isinstance(data.get("message"), str)):
-            return failure.exitcode, data["message"]
+        line = input_error_line(failure.exitcode, failure.error_file_data)
+        if line is not None:
+            return failure.exitcode, line
     return None
 
 

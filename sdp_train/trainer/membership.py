@@ -41,7 +41,7 @@ from masklab.failures import survivors_mask
 from masklab.io import mask_to_dict
 from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import DistInfo, collective_timeout
-from sdp_train.trainer.launch import _INPUT_ERROR, _agent_store, destroy_distributed, restart_attempt
+from sdp_train.trainer.launch import _agent_store, destroy_distributed, input_error_line, restart_attempt
 
 LAUNCHER_ENV = "SDP_KEEPS_SURVIVORS"  # set for the ranks of `launch_keeping_survivors`
 MEMBERS_KEY = "sdp/members"  # the workers of the newest membership, comma-separated (the launcher reads it)
@@ -279,6 +279,7 @@ def _refused(errors: str, codes: Sequence[int]) -> str | None:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and data.get(_INPUT_ERROR) and isinstance(data.get("message"), str):
-            return data["message"]
+        line = input_error_line(code, data)
+        if line is not None:
+            return line
     return None

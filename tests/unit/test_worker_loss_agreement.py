@@ -103,3 +103,24 @@ def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(change
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
 def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue").on_worker_loss == "continue"
+
+
+def test_the_keeping_launcher_reports_the_lowest_ranks_input_error_line_and_nothing_else(tmp_path, monkeypatch):
+    """`launch_keeping_survivors` reads the ranks' error files as `launch_local` does: only a rank that
+    exited 2 having left its one-line input error (`leave_error_to_launcher`) is an input error."""
+    import json
+
+    from sdp_train.trainer import launch, membership
+
+    def leave(rank: int, line: str) -> None:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"rank{rank}.json"))
+        monkeypatch.setattr(launch, "under_torchrun", lambda: True)
+        assert launch.leave_error_to_launcher(line)
+
+    leave(1, "sdp train: error: bad shard")
+    leave(2, "sdp train: error: another")
+    assert membership._refused(str(tmp_path), [0, 2, 2]) == "sdp train: error: bad shard"
+    assert membership._refused(str(tmp_path), [0, 1, 2]) == "sdp train: error: another"  # rank 1 failed otherwise
+    assert membership._refused(str(tmp_path), [0, 1, 1]) is None
+    (tmp_path / "rank2.json").write_text(json.dumps({"message": "a crash's record"}))  # not an input error
+    assert membership._refused(str(tmp_path), [0, 1, 2]) is None
