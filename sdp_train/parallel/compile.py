@@ -53,9 +53,11 @@ def compile_blocks(model: nn.Module, blocks: Sequence[str], *, backend: str = "i
     fullgraph : bool
         Raise on a graph break inside a block instead of running its pieces.
     """
-    for name in blocks:
-        block = model.get_submodule(name)
-        if "forward" in vars(block):  # activation checkpointing replaced it (`apply_checkpointing`)
-            raise ConfigError(f"block {name!r}: torch.compile of a block under activation checkpointing captures "
-                              "nothing (the checkpoint's context keeps its buffers): compile without it")
+    modules = [(name, model.get_submodule(name)) for name in blocks]
+    for name, block in modules:
+        if "forward" in vars(block):  # as activation checkpointing (`apply_checkpointing`) replaces it
+            raise ConfigError(f"block {name!r}: its forward was replaced on the instance (activation checkpointing "
+                              "does so, and torch.compile captures nothing under the checkpoint's context); "
+                              "compile the block before wrapping its forward, or without activation checkpointing")
+    for _, block in modules:
         block.compile(backend=backend, dynamic=False, fullgraph=fullgraph)

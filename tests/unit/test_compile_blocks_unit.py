@@ -94,3 +94,11 @@ def test_sdp_train_compile_flag_alone_means_inductor(argv, backend):
 
     args = build_parser().parse_args(["train", "--model", "llama-debug", "--mode", "ddp", *argv])
     assert config_from_args(args).compile == backend
+
+
+def test_a_block_whose_forward_was_replaced_is_refused_naming_the_block_and_why():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].forward = lambda x: x  # as activation checkpointing, or another tool, wraps it
+    with pytest.raises(ConfigError, match=r"block '1': its forward was replaced on the instance"):
+        compile_blocks(model, ["0", "1"], backend="eager")
+    assert model[0]._compiled_call_impl is None  # checked before any block compiles
