@@ -2,7 +2,8 @@
 
 Each subcommand lives beside the code it drives (``masklab/cli.py`` for ``design``/``inspect``, ...)
 and exposes ``register(subparsers)``, which adds its parser and sets ``func`` to a callable
-``func(args) -> int``. This module only dispatches and turns user-input errors into one clear line
+``func(args) -> int``; `COMMAND_MODULES` names each command's module, so that a command imports
+only its own (a rank of ``sdp train`` parses its arguments too). This module only dispatches and turns user-input errors into one clear line
 on stderr and a non-zero exit; it deliberately holds no command logic.
 """
 
@@ -28,7 +29,13 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "sdp_train.cli.estimate",
     "sdp_train.cli.data",
 )
-
+# The module that registers each command: a command's parser is built without importing the
+# others (``sdp verify`` loads scipy.optimize, which every rank of ``sdp train`` would pay for).
+COMMAND_MODULES: dict[str, str] = {
+    "design": "masklab.cli", "inspect": "masklab.cli", "verify": "theory.cli", "train": "sdp_train.cli.train",
+    "compare": "sdp_train.cli.compare", "plan": "sdp_train.cli.plan", "estimate": "sdp_train.cli.estimate",
+    "data": "sdp_train.cli.data",
+}
 
 
 def _is_user_error(exc: BaseException) -> bool:
@@ -56,7 +63,9 @@ def _reports_interrupt() -> bool:
     return os.environ["RANK"] == "0" and LOCKED_ENV not in os.environ
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``sdp`` parser. Given the `argv` it will parse, only the named command's module is
+    imported; without a known command (``sdp --help``, a typo) every command is registered."""
     parser = argparse.ArgumentParser(
         prog="sdp",
         description="Subnetwork Data Parallelism: design masks, verify them, train with them.",
@@ -64,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for module_name in SUBCOMMAND_MODULES:
+    command = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
+    modules = (COMMAND_MODULES[command],) if command in COMMAND_MODULES else SUBCOMMAND_MODULES
+    for module_name in modules:
         importlib.import_module(module_name).register(subparsers)
     for sub in (parser, *subparsers.choices.values()):
         sub.allow_abbrev = False  # ``--step`` is not ``--steps``: a typo must fail, not guess
@@ -97,8 +108,8 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
