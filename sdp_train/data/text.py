@@ -10,6 +10,7 @@ neighbouring ranks). Nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -31,14 +32,20 @@ def stdlib_files(root: str | Path | None = None) -> list[Path]:
     Installed third-party packages (``site-packages``) are excluded so the corpus depends on the
     Python version only.
     """
-    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    return list(_python_files(Path(sysconfig.get_paths()["stdlib"] if root is None else root)))
+
+
+@functools.lru_cache(maxsize=4)
+def _python_files(root: Path) -> tuple[Path, ...]:
+    """`stdlib_files` under `root`, walked once per process (a rank builds the train and the
+    validation split, each of which lists the standard library's thousands of files)."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]  # prune: site-packages can be huge
         files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
     if not files:
         raise DataError(f"no *.py files under the standard library directory {root}")
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def stdlib_corpus(*, split: str, max_bytes: int, val_every: int = 10) -> list[np.ndarray]:
