@@ -5,6 +5,9 @@
 #   build, say) is kept, not replaced.
 # - Without torch and without an NVIDIA GPU, it installs the CPU build torch==2.13.0 first;
 #   the project's own range (torch>=2.13) is then already satisfied and pulls nothing more.
+# - It byte-compiles the project's sources (an editable install does not): with
+#   PYTHONDONTWRITEBYTECODE set, every process would otherwise compile them again, and the test
+#   suite starts hundreds (each rank of each launch).
 # Idempotent: a second run only re-checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,3 +24,4 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 "${pip[@]}" -e ".[dev]"
+.venv/bin/python -m compileall -q masklab theory kernels sdp_train tests examples benchmarks scripts >/dev/null
