@@ -90,7 +90,7 @@ class SDPTrainer(Trainer):
         masking it holds every parameter: a block's new holders step it with the optimizer they have,
         and Trainer's holds only those that require gradients now (torch's skip those without one)."""
         sdp = self.model_wrapped
-        every = self.optimizer is None and sdp.masking == "backward" and not sdp.mask.schedule.is_static
+        every = self.optimizer is None and sdp.cut.keeps_whole_model and not sdp.mask.schedule.is_static
         with _every_parameter_trainable(sdp.module) if every else contextlib.nullcontext():
             optimizer = super().create_optimizer(model)
         if optimizer is not self._registered_optimizer:

@@ -18,7 +18,7 @@ from torch import nn
 
 from sdp_train.parallel import clip_guard
 from sdp_train.parallel.blockmap import SliceSpec, owned_parameters, owned_state
-from sdp_train.parallel.masking import ModelLayout, drop_blocks
+from sdp_train.parallel.masking import Cut, ModelLayout, drop_blocks
 from sdp_train.parallel.parts import apply_checkpointing
 from sdp_train.parallel.schedule import OptimizerPlaces, gain_block, move_optimizer_state, recut_neurons, send_blocks
 from sdp_train.parallel.sync import holder_set_groups
@@ -26,14 +26,13 @@ from sdp_train.parallel.wire import ByteCount
 
 
 class MaskChanges:
-    """Changes of this worker's part of `module` (cut by `masking` at `layout`'s level) from one round's
+    """Changes of this worker's part of `module` (cut by `cut`) from one round's
     mask to the next; `watch_clipping` says whether new parameters join `clip_guard`'s watch."""
 
     def __init__(self, module: nn.Module, layout: ModelLayout, rank: int, world_size: int, device: torch.device, *,
-                 masking: str, activation_checkpointing: bool, watch_clipping: bool) -> None:
+                 cut: Cut, activation_checkpointing: bool, watch_clipping: bool) -> None:
         self.module, self.layout, self.rank, self.world_size, self.device = module, layout, rank, world_size, device
-        self.moves_blocks = masking == "forward" and layout.level == "block"
-        self.recuts = masking == "forward" and layout.level == "neuron"
+        self.moves_blocks, self.recuts = cut.moves_blocks, cut.slices_neurons
         self.activation_checkpointing, self.watch_clipping = activation_checkpointing, watch_clipping
         self.bytes = ByteCount()
         """Bytes of the optimizer state (and blocks) moved, apart from gradient traffic."""

@@ -17,10 +17,10 @@ from torch import nn
 
 from masklab import Mask
 from sdp_train.errors import ConfigError
-from sdp_train.parallel.blockmap import WHOLE, SliceSpec
+from sdp_train.parallel.blockmap import SliceSpec
 from sdp_train.parallel.discovery import MLPSpec, find_blocks
 from sdp_train.parallel.dist import rank_and_world
-from sdp_train.parallel.masking import ModelLayout, describe, drop_blocks, freeze_blocks, slice_neurons
+from sdp_train.parallel.masking import Cut, ModelLayout, describe
 from sdp_train.parallel.parts import resolve_mask
 
 
@@ -44,6 +44,7 @@ def cut_subnetwork(module: nn.Module, *, mask: Mask | str | os.PathLike | None =
     `SubnetworkDataParallel`'s (``has_init_state``: a full state dict will fill a meta model;
     ``schedules``: a mask with a schedule is accepted)."""
     rank, world_size = rank_and_world()
+    cut = Cut(masking, level)
     # 1. blocks, the full model's layout and the mask (identical on every rank)
     block_names = find_blocks(module, blocks)
     layout = describe(module, block_names, level, neuron_groups=neuron_groups, mlp=mlp)
@@ -52,15 +53,7 @@ def cut_subnetwork(module: nn.Module, *, mask: Mask | str | os.PathLike | None =
     held_by_rank = [layout.held(matrix[r]) for r in range(world_size)]
     row = matrix[rank]
     # 2. this worker's subnetwork (state-dict names stay the full model's)
-    if masking == "backward":
-        freeze_blocks(module, layout, row)
-        local_index: dict[str, SliceSpec] = {n: WHOLE for n in layout.tensors}
-    else:
-        if level == "block":
-            drop_blocks(module, block_names, row)
-        else:
-            slice_neurons(module, layout, row)
-        local_index = dict(held_by_rank[rank])
+    local_index = cut.apply(module, layout, row)
     # 3. values: materialise a meta model (the wrapper then takes init_state's part, or agrees among holders)
     device = _materialise(module, device, init, has_init_state)
     return Subnetwork(module, layout, mask, held_by_rank, local_index, device)

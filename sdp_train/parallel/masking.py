@@ -9,7 +9,8 @@ The cuts change the model in place: `drop_blocks` replaces each non-held block b
 (`sdp_train.parallel.blockmap`; the block's parameters are moved to the meta device, so nothing is
 allocated for them, except its shared children, such as a downsampling block's shortcut, which
 every worker holds), `slice_neurons` cuts each MLP to the held hidden neurons, `freeze_blocks` is
-backward masking.
+backward masking. `Cut` decodes the ``masking`` and ``level`` options once into what differs
+between them: which cut, which blocks run backward, what a mask change moves.
 State-dict names stay the full model's. Not here: gradients (the sync engine) and the public
 wrapper (`sdp_train.parallel.wrapper`).
 """
@@ -232,3 +233,61 @@ def freeze_blocks(model: nn.Module, layout: ModelLayout, row: np.ndarray) -> Non
     for name, param in model.named_parameters():
         if name not in held:
             param.requires_grad_(False)
+
+
+MASKINGS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a worker's part is cut from the model: the only reading of ``masking`` and ``level``.
+
+    Forward masking removes what a worker does not hold: whole blocks (level ``"block"``, B-SDP) or
+    hidden neurons (level ``"neuron"``, N-SDP). Backward masking (Bb-SDP, block level) keeps the
+    whole model on every worker and freezes the blocks it does not hold.
+    """
+
+    masking: str
+    level: str
+
+    def __post_init__(self) -> None:
+        if self.level not in ("block", "neuron"):
+            raise ConfigError(f"level must be 'block' or 'neuron', got {self.level!r}")
+        if self.masking not in MASKINGS:
+            raise ConfigError(f"masking must be one of {MASKINGS}, got {self.masking!r}")
+        if self.keeps_whole_model and self.level != "block":
+            raise ConfigError(f"backward masking works at level 'block' only, got level={self.level!r}")
+
+    @property
+    def keeps_whole_model(self) -> bool:
+        """Backward masking: every worker keeps every block (and runs its backward)."""
+        return self.masking == "backward"
+
+    @property
+    def moves_blocks(self) -> bool:
+        """Forward masking at block level: a worker's blocks come and go with the mask."""
+        return not self.keeps_whole_model and self.level == "block"
+
+    @property
+    def slices_neurons(self) -> bool:
+        """Forward masking at neuron level: a worker's slices are re-cut when the mask changes."""
+        return not self.keeps_whole_model and self.level == "neuron"
+
+    def held_blocks(self, blocks: Sequence[str], row: np.ndarray) -> tuple[str, ...]:
+        """The blocks a worker with mask row `row` holds (at neuron level, a slice of every block)."""
+        return tuple(b for j, b in enumerate(blocks) if self.level == "neuron" or row[j])
+
+    def running_blocks(self, blocks: Sequence[str], held: Sequence[str]) -> tuple[str, ...]:
+        """The blocks whose forward and backward run on a worker that holds `held`."""
+        return tuple(blocks if self.keeps_whole_model else held)
+
+    def apply(self, model: nn.Module, layout: ModelLayout, row: np.ndarray) -> dict[str, SliceSpec]:
+        """Cut `model` in place to row `row`'s part; returns each kept tensor's slice of the full one."""
+        if self.keeps_whole_model:
+            freeze_blocks(model, layout, row)
+            return {n: WHOLE for n in layout.tensors}
+        if self.level == "block":
+            drop_blocks(model, layout.blocks, row)
+        else:
+            slice_neurons(model, layout, row)
+        return dict(layout.held(row))

@@ -357,11 +357,12 @@ class HolderFSDP(Sync):
         return total
 
 
-def choose_sync(*, masking: str, fsdp: bool, local_steps: int, comm_dtype: torch.dtype | None) -> Sync:
-    """The one place the wrapper's options pick its sync (the options are checked before)."""
+def choose_sync(*, broadcast: bool, fsdp: bool, local_steps: int, comm_dtype: torch.dtype | None) -> Sync:
+    """The one place the wrapper's options pick its sync (the options are checked before);
+    `broadcast`: backward masking's holders send their blocks' new values after each step."""
     if fsdp:
         return HolderFSDP()
     if local_steps > 1:
         return LocalSteps(local_steps)
-    return Stepwise(comm_dtype=comm_dtype, broadcast=masking == "backward")
+    return Stepwise(comm_dtype=comm_dtype, broadcast=broadcast)
 

@@ -35,7 +35,7 @@ from sdp_train.parallel.discovery import MLPSpec, find_blocks
 from sdp_train.parallel.forwarding import ForwardWithModelSignature, signature_of
 from sdp_train.parallel.dist import rank_and_world
 from sdp_train.parallel.fullmodel import FullModelMixin
-from sdp_train.parallel.masking import ModelLayout
+from sdp_train.parallel.masking import Cut, ModelLayout
 from sdp_train.parallel.parts import apply_checkpointing, broadcast_from_holders
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.strategies import Holdings, Sync, choose_sync
@@ -44,7 +44,6 @@ from sdp_train.parallel.wire import ByteCount
 
 unpin_default_group()  # before any user group exists, or undoing what an earlier import pinned
 
-MASKINGS = ("forward", "backward")
 MODEL_ATTRIBUTES = ("config", "generation_config", "main_input_name", "accepts_loss_kwargs", "loss_type",
                     "_keys_to_ignore_on_save", "name_or_path", "model_tags")
 """Attributes the wrapper reads from the wrapped model when it has none of its own: those Hugging Face's
@@ -121,12 +120,13 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
                  fsdp: bool = False, autocast_dtype: torch.dtype | None = None,
                  comm_dtype: torch.dtype | None = None, local_steps: int = 1, compile: bool | str = False) -> None:
         super().__init__()
-        sync = _choose_sync(level, masking, fsdp, comm_dtype, local_steps)
+        cut = Cut(masking, level)
+        sync = _choose_sync(cut, fsdp, comm_dtype, local_steps)
         # 1. to 3. (blocks, mask, this worker's subnetwork, materialised): `cut_subnetwork`
         part = cut_subnetwork(module, mask=mask, active=active, blocks=blocks, level=level, masking=masking,
                               neuron_groups=neuron_groups, mlp=mlp, seed=seed, init=init, device=device,
                               has_init_state=init_state is not None, schedules=sync.trains_schedules)
-        self._setup(*part, masking=masking,
+        self._setup(*part, cut=cut,
                     activation_checkpointing=activation_checkpointing, autocast_dtype=autocast_dtype,
                     init_state=init_state, values_agree=False, seed=seed, sync=sync,
                     options=(fsdp, comm_dtype, local_steps), compile=compile)
@@ -151,12 +151,13 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         forward masking, replace each block it does not hold by a `sdp_train.parallel.masking.PassThrough`,
         which keeps the block's meta-device copy: a worker that gains the block builds it from that).
         """
-        sync = _choose_sync(layout.level, masking, fsdp, comm_dtype, local_steps)
+        cut = Cut(masking, layout.level)
+        sync = _choose_sync(cut, fsdp, comm_dtype, local_steps)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         params = list(module.parameters())
         device = params[0].device if params else torch.device("cpu")
-        self._setup(module, layout, mask, held_by_rank, dict(local_index), device, masking=masking,
+        self._setup(module, layout, mask, held_by_rank, dict(local_index), device, cut=cut,
                     activation_checkpointing=activation_checkpointing, autocast_dtype=autocast_dtype,
                     init_state=None, values_agree=values_agree, seed=seed, sync=sync,
                     options=(fsdp, comm_dtype, local_steps), compile=compile)
@@ -164,7 +165,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
 
     def _setup(self, module: nn.Module, layout: ModelLayout, mask: Mask,
                held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: dict[str, SliceSpec],
-               device: torch.device, *, masking: str, activation_checkpointing: bool,
+               device: torch.device, *, cut: Cut, activation_checkpointing: bool,
                autocast_dtype: torch.dtype | None, init_state: Mapping[str, torch.Tensor] | None,
                values_agree: bool, seed: int, sync: Sync, options: tuple, compile: bool | str = False) -> None:
         """Steps 3 (values) to 5 (the sync), for a module already cut to this worker's part."""
@@ -175,11 +176,12 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         self.fsdp, self.comm_dtype, self.local_steps = options  # as given; `sync` is what they chose
         self.seed, self.activation_checkpointing = seed, activation_checkpointing
         self.rounds = Rounds(mask, seed, counts=not mask.schedule.is_static or sync.counts_steps)
-        self.level, self.masking, self.autocast_dtype = layout.level, masking, autocast_dtype
+        self.cut, self.autocast_dtype = cut, autocast_dtype
+        self.level, self.masking = cut.level, cut.masking  # the options as given
         self.layout, self.mask, self.held_by_rank, self.local_index = layout, mask, list(held_by_rank), local_index
         self.module, self.device = module, device
         watch_clipping = self.world_size > 1 and sync.shared_norm  # torch's clipping would scale holders differently
-        self.changes = MaskChanges(module, layout, self.rank, self.world_size, device, masking=masking,
+        self.changes = MaskChanges(module, layout, self.rank, self.world_size, device, cut=cut,
                                    activation_checkpointing=activation_checkpointing, watch_clipping=watch_clipping)
         self.optimizers_registered = 0
         if init_state is not None:
@@ -193,14 +195,13 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         self.groups.update({h: None if len(h) == 1 else g for h, g in every.items()})  # a single holder sends nothing
         if init_state is None and not values_agree and self.world_size > 1:
             broadcast_from_holders(module, self.plans, self.local_index, self.groups, self.rank)
-        # 4. activation checkpointing, inside each held block
-        if activation_checkpointing:  # backward masking runs every block's backward: checkpoint them all
-            apply_checkpointing([module.get_submodule(b) for b in
-                                 (layout.blocks if masking == "backward" else self.held_blocks)])
+        # 4. activation checkpointing, inside each block this worker runs
+        running = cut.running_blocks(layout.blocks, self.held_blocks)
+        if activation_checkpointing:
+            apply_checkpointing([module.get_submodule(b) for b in running])
         # 4b. torch.compile, one graph per block it runs: the gradient hooks (step 5) fire as each block's backward ends
         if self.compile_backend is not None:
-            compile_blocks(module, layout.blocks if masking == "backward" else self.held_blocks,
-                           backend=self.compile_backend)
+            compile_blocks(module, running, backend=self.compile_backend)
         # 5. the sync: gradient averaging among holders (FSDP2 over holder meshes, or the sync engine)
         sync.start(held, every, mask, values_agree=values_agree)
         if watch_clipping:
@@ -219,7 +220,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
     def _plan(self) -> Holdings:
         """The buckets of the mask in force (parameters, and floating-point buffers: one per holder set)."""
         rows = self.rounds.matrix[self.rank].astype(bool)
-        self.held_blocks = tuple(b for j, b in enumerate(self.layout.blocks) if self.level == "neuron" or rows[j])
+        self.held_blocks = self.cut.held_blocks(self.layout.blocks, rows)
         shapes = {n: shape for n, (shape, _) in self.layout.tensors.items()}
         self.plans = plan_buckets(self.held_by_rank, self.layout.parameter_names, shapes=shapes)
         names = self.layout.buffer_names
@@ -350,27 +351,21 @@ def _check_compile(compile: bool | str, fsdp: bool, activation_checkpointing: bo
     return backend
 
 
-def _choose_sync(level: str, masking: str, fsdp: bool, comm_dtype, local_steps: int) -> Sync:
+def _choose_sync(cut: Cut, fsdp: bool, comm_dtype, local_steps: int) -> Sync:
     """Check the options, then pick the sync they describe (the only place that reads them)."""
     if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
         raise ConfigError(f"local_steps must be a positive integer, got {local_steps!r}")
-    if local_steps > 1 and (masking != "forward" or fsdp):
-        raise ConfigError(f"local_steps={local_steps} trains forward masking without fsdp (got masking={masking!r}, "
-                          f"fsdp={fsdp}); backward masking with local steps, where non-holders keep their own "
-                          "copies, is sdp_train.OverlapAveraging")
-    if level not in ("block", "neuron"):
-        raise ConfigError(f"level must be 'block' or 'neuron', got {level!r}")
-    if masking not in MASKINGS:
-        raise ConfigError(f"masking must be one of {MASKINGS}, got {masking!r}")
-    if masking == "backward" and level != "block":
-        raise ConfigError(f"backward masking works at level 'block' only, got level={level!r}")
-    if fsdp and (level != "block" or masking != "forward"):
-        raise ConfigError(f"fsdp=True needs level='block' and masking='forward', got {level!r}, {masking!r}")
+    if local_steps > 1 and (cut.keeps_whole_model or fsdp):
+        raise ConfigError(f"local_steps={local_steps} trains forward masking without fsdp (got "
+                          f"masking={cut.masking!r}, fsdp={fsdp}); backward masking with local steps, where "
+                          "non-holders keep their own copies, is sdp_train.OverlapAveraging")
+    if fsdp and not cut.moves_blocks:
+        raise ConfigError(f"fsdp=True needs level='block' and masking='forward', got {cut.level!r}, {cut.masking!r}")
     if comm_dtype is not None and comm_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ConfigError(f"comm_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {comm_dtype!r}")
     if comm_dtype is not None and fsdp:
         raise ConfigError("comm_dtype applies to the sync engine; with fsdp=True FSDP's own buffers are used")
-    return choose_sync(masking=masking, fsdp=fsdp, local_steps=local_steps, comm_dtype=comm_dtype)
+    return choose_sync(broadcast=cut.keeps_whole_model, fsdp=fsdp, local_steps=local_steps, comm_dtype=comm_dtype)
 
 
 __all__ = ["MLPSpec", "SDP", "SubnetworkDataParallel", "find_blocks"]

@@ -43,7 +43,7 @@ from sdp_train.parallel.compile import compile_backend, compile_blocks
 from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
 from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.dist import DistInfo
-from sdp_train.parallel.masking import ModelLayout, shared_inside
+from sdp_train.parallel.masking import Cut, ModelLayout, shared_inside
 from sdp_train.parallel.overlap import OverlapAveraging
 from sdp_train.parallel.parallelize import parallelize
 from sdp_train.parallel.wire import ByteCount
@@ -279,7 +279,7 @@ class SubnetworkSync(ModeSync):
         buckets and hooks); activation checkpointing is already inside the module."""
         old = self.sdp
         if (not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1
-                or old.masking != "forward"):  # Bb-SDP's broadcast after the step: docs/design.md §7
+                or old.cut.keeps_whole_model):  # Bb-SDP's broadcast after the step: docs/design.md §7
             return super().for_survivors(mask, rows, info)
         sdp = SubnetworkDataParallel.from_subnetwork(
             old.module, layout=old.layout, mask=mask, held_by_rank=[old.held_by_rank[r] for r in rows],
@@ -381,16 +381,16 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
             compile_blocks(model, blocks, backend=compile_backend(cfg.compile))
         overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps, seed=cfg.seed)
         return OverlapSync(overlap, info)
-    masking = "backward" if cfg.mode == "bbsdp" else "forward"
-    library_cut = user or (not prep.mask.schedule.is_static and masking == "forward")
+    cut = Cut("backward" if cfg.mode == "bbsdp" else "forward", cfg.level)
+    library_cut = user or (not prep.mask.schedule.is_static and not cut.keeps_whole_model)
     if library_cut:
         # the full model, cut by the library; a family's seeded values: B-SDP's equal the family path's,
         # N-SDP's sliced tensors are drawn at their local shape, then each neuron group takes its
         # lowest-ranked holder's values (values_agree=False)
         part = cut_subnetwork(
-            model, mask=prep.mask, blocks=_blocks(model, prep), level=cfg.level, masking=masking, seed=cfg.seed,
+            model, mask=prep.mask, blocks=_blocks(model, prep), level=cfg.level, masking=cut.masking, seed=cfg.seed,
             device=device, neuron_groups=USER_NEURON_GROUPS if user else getattr(mc, "neuron_groups", 1),
-            mlp=user_mlp(cfg) if user else family_of(mc).mlp if cfg.level == "neuron" else None,
+            mlp=user_mlp(cfg) if user else family_of(mc).mlp if cut.slices_neurons else None,
             init=None if user else lambda m: m.init_weights(cfg.seed))
     else:  # the family built this worker's part: every rank from the same seed, so holders agree
         rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
@@ -398,7 +398,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         part = Subnetwork(model, family_layout(mc, cfg.level), prep.mask, held_by_rank, model.full_index(), device)
     sdp = SubnetworkDataParallel.from_subnetwork(
         part.module, layout=part.layout, mask=part.mask, held_by_rank=part.held_by_rank,
-        local_index=part.local_index, masking=masking, activation_checkpointing=cfg.activation_checkpointing,
+        local_index=part.local_index, masking=cut.masking, activation_checkpointing=cfg.activation_checkpointing,
         fsdp=cfg.fsdp, values_agree=not library_cut, seed=cfg.seed, local_steps=cfg.local_steps,
         compile=cfg.compile or False)
     return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
