@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+import copy
 import functools
 import importlib
 
@@ -185,6 +186,23 @@ class _TrackerMixin:
 
     def _track_grad(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _tracker_module()._MemRefType.GRAD)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        """torch's update after every operator, reading the tracked modules' statistics without
+        dereferencing each module's weak reference (per operator, most of a measured step's host
+        time). A module that died keeps its statistics here until collected; nothing reads them."""
+        snap, parents = self._curr_mem_snap, self._mod_tracker.parents
+        total = _tracker_module()._TOTAL_KEY
+        for mod_stats in list(self.memory_tracking.data.values()):
+            if mod_stats.mod_fqn in parents and peak_state in mod_stats.snapshots:
+                for dev, dev_snap in snap.items():
+                    if mod_stats.local_peak.get(dev, 0) < dev_snap[total]:
+                        mod_stats.local_peak[dev] = dev_snap[total]
+                        mod_stats.snapshots[peak_state][-1][dev] = copy.deepcopy(dev_snap)
+        for dev, dev_snap in snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[total]:
+                self._peak_mem[dev] = dev_snap[total]
+                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
 
 
 def format_bytes(n: int) -> str:

@@ -53,3 +53,33 @@ def test_format_bytes_picks_the_largest_unit():
     assert (format_bytes(512), format_bytes(3 * 2**20), format_bytes(5 * 2**30)) == ("512 B", "3.0 MiB", "5.0 GiB")
     # `sdp plan`'s "saved vs DDP" of Bb-SDP is negative: it printed "-1126256 B"
     assert (format_bytes(-1126256), format_bytes(-512)) == ("-1.1 MiB", "-512 B")
+
+
+def test_the_trackers_peaks_equal_torchs_memtracker_on_the_same_steps():
+    """`MemoryMeter`'s tracker reads module statistics its own (faster) way: every peak, global and
+    per module, must stay torch's."""
+    import importlib
+
+    from sdp_train.trainer.memory import TRACKER_MODULE, _tracker_class
+
+    def run(tracker_type) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU()),
+                              nn.Linear(HIDDEN, CLASSES))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tracker = tracker_type()
+        tracker.track_external(model, optimizer)
+        inputs, targets = torch.randn(BATCH, DIM), torch.randint(0, CLASSES, (BATCH,))
+        for _ in range(2):
+            tracker.reset_mod_stats()
+            with tracker:
+                nn.functional.cross_entropy(model(inputs), targets).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        modules = {s.mod_fqn: ({str(k): [{str(d): dict(v) for d, v in per.items()} for per in states]
+                                for k, states in s.snapshots.items()}, dict(s.local_peak))
+                   for s in tracker.memory_tracking.values()}
+        return tracker.get_tracker_snapshot("peak"), modules
+
+    ours, torchs = run(_tracker_class()), run(importlib.import_module(TRACKER_MODULE).MemTracker)
+    assert len(ours[1]) == 7 and ours == torchs  # the root, its 4 children, the inner 2
