@@ -22,7 +22,7 @@ def test_nsdp_trains_and_validates_when_one_worker_holds_a_whole_layer(tmp_path)
     path = save_mask(Mask(mask), tmp_path / "mask.json")
     cfg = {"model": "llama-debug", "mode": "nsdp", "workers": mask.shape[0], "mask": str(path), "active": None,
            "steps": 2, "batch_size": 2, "seq_len": 16, "eval_batches": 1, "max_data_bytes": 100_000,
-           "warmup_steps": 1, "out": str(tmp_path / "run")}
+           "warmup_steps": 1, "memory_steps": 0, "out": str(tmp_path / "run")}
     run_rank_script(mask.shape[0], "train", {"configs": [cfg]}, tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert np.isfinite(summary["final_val_loss"]) and summary["final_val_loss"] > 0

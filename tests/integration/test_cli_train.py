@@ -171,7 +171,7 @@ def test_swin_trains_with_bsdp_and_its_assembled_model_scores_the_reported_valid
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "sdp_train.cli", "train", "--model", "swin-debug", "--mode", "bsdp", "--active", "0.5",
-         "--workers", "2", "--steps", "3", "--eval-batches", "1", "--out", str(out)],
+         "--workers", "2", "--steps", "3", "--eval-batches", "1", "--memory-steps", "0", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=child_env(TRITON_INTERPRET="0"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
