@@ -1,9 +1,10 @@
 """Run under torchrun by test_teardown.py: a user's own loop with the library API, then list threads.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 api_teardown_script.py OUTDIR ORDER
+    python -m torch.distributed.run --standalone --nproc-per-node 2 api_teardown_script.py OUTDIR [ORDER]
 
 ORDER is ``import-first`` (``sdp_train.parallel.wrapper`` imported before ``init_process_group``, as a script
-importing at its top does) or ``init-first`` (the group exists before the API is imported). The
+importing at its top does) or ``init-first`` (the group exists before the API is imported); without
+it, rank 0 imports first and rank 1 initialises first (the order is each process's own). The
 loop drops half of the model's blocks (their pass-throughs probe the block's output on the meta
 device, whose first operation imports ``torch._dynamo``), trains two steps, clips, saves the full
 model, and calls ``dist.destroy_process_group()``, as the examples do. After it no gloo thread may
@@ -75,7 +76,9 @@ def train(out: str) -> None:
     model.save_full(os.path.join(out, "model.safetensors"))
 
 
-def main(out: str, order: str) -> None:
+def main(out: str, order: str | None = None) -> None:
+    if order is None:
+        order = ("import-first", "init-first")[int(os.environ["RANK"]) % 2]
     if order == "import-first":
         import sdp_train.parallel.wrapper  # noqa: F401
     elif order != "init-first":
