@@ -1,4 +1,5 @@
-"""Tests run the Triton code itself: interpreted on CPU-only machines, compiled on a GPU.
+"""Tests run the Triton code itself: interpreted on CPU-only machines, compiled on a GPU; and torch
+uses one intra-op thread per test process unless OMP_NUM_THREADS says otherwise.
 
 TRITON_INTERPRET must be set before `kernels.triton_ops` is imported (Triton reads it when
 `@triton.jit` decorates), hence in this root conftest, loaded before any test or doctest module
@@ -13,6 +14,13 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# One intra-op thread per test process unless the caller set OMP_NUM_THREADS, as torchrun gives each
+# of its ranks; child processes inherit it. The suite's tensors are small: on 2 cores, with two
+# pytest-xdist workers, a second thread only spins (it cost the in-process tests about 40% more CPU).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if os.environ["OMP_NUM_THREADS"].isdigit() and os.environ["OMP_NUM_THREADS"].isascii():
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 try:
     import kernels.triton_ops  # noqa: E402,F401  (after the variable: see above)
