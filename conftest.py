@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 # One intra-op thread per test process unless the caller set OMP_NUM_THREADS, as torchrun gives each
 # of its ranks; child processes inherit it. The suite's tensors are small: on 2 cores, with two
-# pytest-xdist workers, a second thread only spins (it cost the in-process tests about 40% more CPU).
+# pytest-xdist workers, a second thread only spins (test_estimate and test_norms: 30 CPU-s with two
+# threads, 20 with one).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ["OMP_NUM_THREADS"].isdigit() and os.environ["OMP_NUM_THREADS"].isascii():
     torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))

@@ -3,8 +3,9 @@
 Each subcommand lives beside the code it drives (``masklab/cli.py`` for ``design``/``inspect``, ...)
 and exposes ``register(subparsers)``, which adds its parser and sets ``func`` to a callable
 ``func(args) -> int``; `COMMAND_MODULES` names each command's module, so that a command imports
-only its own (a rank of ``sdp train`` parses its arguments too). This module only dispatches and turns user-input errors into one clear line
-on stderr and a non-zero exit; it deliberately holds no command logic.
+only its own (a rank of ``sdp train`` parses its arguments too). This module only dispatches and
+turns user-input errors into one clear line on stderr and a non-zero exit; it deliberately holds no
+command logic.
 """
 
 from __future__ import annotations
