@@ -69,7 +69,8 @@ class OverlapAveraging(nn.Module):
         ``cyclic`` every R steps) says which mask is in force at each step
         (``Mask.round_matrix(step, seed=seed)``). Exactly one of ``mask`` / ``active``.
     active : float, optional
-        Active fraction C: design the mask with ``masklab.design``.
+        Active fraction C, some c/K of the K ranks (within 0.005; another C is refused, naming the K
+        that realise it, as ``sdp train --active`` does): design the mask with ``masklab.design``.
     schedule : masklab.Schedule, optional
         Replaces the mask's schedule (e.g. ``Schedule("permute", every=4)`` with ``active=``).
     blocks : str or sequence, optional

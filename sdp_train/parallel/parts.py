@@ -20,6 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from masklab import Mask, design, load_mask, neuron_design
+from masklab.design import exact_coverage
+from masklab.errors import DesignError
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import SliceSpec, outer_units, shared_children
 from sdp_train.parallel.masking import ModelLayout
@@ -35,13 +37,19 @@ def resolve_mask(mask: Mask | str | os.PathLike | None, active: float | None, wo
     Raises
     ------
     ConfigError
-        Neither or both of ``mask`` / ``active``, a shape that does not fit, a dynamic schedule,
-        or a row that breaks the model's rules (at level ``"neuron"``: a block with no neurons).
+        Neither or both of ``mask`` / ``active``, an ``active`` that is no c/K of the ``workers``
+        (`masklab.design.exact_coverage`: refused naming the K that would realise it, not rounded),
+        a shape that does not fit, a dynamic schedule, or a row that breaks the model's rules (at
+        level ``"neuron"``: a block with no neurons).
     """
     if (mask is None) == (active is None):
         raise ConfigError(f"pass exactly one of mask= and active=, got mask={mask!r}, active={active!r}")
     columns = layout.columns
     if active is not None:
+        try:
+            exact_coverage(workers, active)
+        except DesignError as exc:
+            raise ConfigError(f"active={active!r}: {exc}") from None
         if layout.level == "block":
             result = design(workers, len(columns), active=active, construction=construction,
                             seed=seed).replace(block_names=columns)

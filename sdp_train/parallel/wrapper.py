@@ -64,7 +64,8 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
     mask : masklab.Mask, str or os.PathLike, optional
         The K x B mask (K = world size), or a mask file. Exactly one of ``mask`` / ``active``.
     active : float, optional
-        Active fraction C: design the mask with ``masklab.design`` (one design per block's neuron
+        Active fraction C, some c/K of the K ranks (within 0.005; another C is refused, naming the K
+        that realise it, as ``sdp train --active`` does): design the mask with ``masklab.design`` (one design per block's neuron
         groups at level ``"neuron"``, so every worker keeps some neurons of every MLP).
     blocks : str or sequence, optional
         The maskable residual blocks: a pattern (``"model.layers.*"``), names or submodules;

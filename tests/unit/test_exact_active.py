@@ -64,3 +64,27 @@ def test_a_mask_file_or_a_baseline_is_not_held_to_active():
     assert TrainConfig(mode="bsdp", workers=16, active=0.69).active == 0.69
     with pytest.raises(ConfigError, match="K = 13 \\(c = 9\\), or with a multiple of 4 workers K = 16 \\(c = 11\\)"):
         TrainConfig(mode="overlap", workers=4, active=0.69)
+
+
+@pytest.mark.parametrize("level", ["block", "neuron"])
+def test_the_library_refuses_a_c_the_ranks_cannot_realise_instead_of_rounding_it(level):
+    """``SubnetworkDataParallel(active=)`` and ``OverlapAveraging(active=)`` (both `resolve_mask`)
+    designed C = 0.75 for ``active=0.69`` on 4 ranks; now the C is refused as ``sdp train`` refuses it."""
+    from torch import nn
+
+    from sdp_train.parallel.masking import describe
+    from sdp_train.parallel.parts import resolve_mask
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    model = nn.Sequential(*(Block() for _ in range(4)))
+    blocks = [str(i) for i in range(4)]
+    layout = describe(model, blocks, level, **({"neuron_groups": 4} if level == "neuron" else {}))
+    with pytest.raises(ConfigError, match=r"^active=0\.69: C = 0\.69 is not c/K .* K = 16 \(c = 11\)$"):
+        resolve_mask(None, 0.69, 4, layout, seed=0)
+    mask = resolve_mask(None, 0.75, 4, layout, seed=0)
+    assert mask.active_fraction == 0.75
+    assert resolve_mask(None, 0.6875, 16, layout, seed=0).active_fraction == pytest.approx(11 / 16)
