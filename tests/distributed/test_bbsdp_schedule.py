@@ -47,54 +47,60 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rank_main(out: Path) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/schedule_launch.py shares among the schedule modules."""
     import torch.distributed as dist
 
-    from sdp_train import SubnetworkDataParallel
-
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        model = SubnetworkDataParallel(make_net(), mask=MASK, masking="backward", seed=SEED)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-        model.register_optimizer(opt)
-        names = {p: n for n, p in model.module.named_parameters()}
-        trace = []
-        for step in range(STEPS):
-            x, y = batch(step, rank)
-            (model(x) - y).square().mean().backward()
-            opt.step()  # the hook sends new values; at a change the next forward moves the state
-            opt.zero_grad()
-            trace.append({"params": {n: t.clone() for n, t in model.module.state_dict().items()},
-                          "state": {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()
-                                    if s},
-                          "held": model.held_blocks, "moved": model.mask_change_bytes.buffer})
-        torch.save(trace, out / f"rank{rank}.pt")
-        model.close()
-        # an optimizer over the first round's trainable parameters only: the first change (made by step
-        # 2's forward) is refused on every rank (one error, no rank left waiting in a collective)
-        partial = SubnetworkDataParallel(make_net(), mask=MASK, masking="backward", seed=SEED)
-        opt = torch.optim.AdamW([p for p in partial.parameters() if p.requires_grad], lr=LR)
-        partial.register_optimizer(opt)
-        error = None
-        try:
-            for step in range(3):
-                (partial(batch(step, rank)[0]) - batch(step, rank)[1]).square().mean().backward()
-                opt.step()
-        except ValueError as exc:
-            error = str(exc)
-        (out / f"error_rank{rank}.txt").write_text(repr(error))
-        partial.close()
+        rank_work(out)
     finally:
         dist.destroy_process_group()
 
 
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
+    import torch.distributed as dist
+
+    from sdp_train import SubnetworkDataParallel
+
+    rank = dist.get_rank()
+    model = SubnetworkDataParallel(make_net(), mask=MASK, masking="backward", seed=SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    model.register_optimizer(opt)
+    names = {p: n for n, p in model.module.named_parameters()}
+    trace = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        (model(x) - y).square().mean().backward()
+        opt.step()  # the hook sends new values; at a change the next forward moves the state
+        opt.zero_grad()
+        trace.append({"params": {n: t.clone() for n, t in model.module.state_dict().items()},
+                      "state": {names[p]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()
+                                if s},
+                      "held": model.held_blocks, "moved": model.mask_change_bytes.buffer})
+    torch.save(trace, out / f"rank{rank}.pt")
+    model.close()
+    # an optimizer over the first round's trainable parameters only: the first change (made by step
+    # 2's forward) is refused on every rank (one error, no rank left waiting in a collective)
+    partial = SubnetworkDataParallel(make_net(), mask=MASK, masking="backward", seed=SEED)
+    opt = torch.optim.AdamW([p for p in partial.parameters() if p.requires_grad], lr=LR)
+    partial.register_optimizer(opt)
+    error = None
+    try:
+        for step in range(3):
+            (partial(batch(step, rank)[0]) - batch(step, rank)[1]).square().mean().backward()
+            opt.step()
+    except ValueError as exc:
+        error = str(exc)
+    (out / f"error_rank{rank}.txt").write_text(repr(error))
+    partial.close()
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.schedule_launch import shared_out
 
-    out = tmp_path_factory.mktemp("bbsdp_schedule")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
-    return out
+    return shared_out(tmp_path_factory, "test_bbsdp_schedule")
 
 
 @pytest.fixture(scope="module")

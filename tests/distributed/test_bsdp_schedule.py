@@ -111,41 +111,47 @@ def _wrapped():
 
 
 def rank_main(out: Path) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/schedule_launch.py shares among the schedule modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        from sdp_train.trainer.memory import MemoryMeter
-
-        model, opt = _wrapped()
-        meter = MemoryMeter(model.module, opt, torch.device("cpu"))
-        torch.save(_train(model, opt, rank, range(STEPS), meter), out / f"rank{rank}.pt")
-        model.close()
-        # stop after step STOP, save, resume in a fresh wrapper (built in round 0) and go on
-        model, opt = _wrapped()
-        _train(model, opt, rank, range(STOP + 1))
-        saved = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "schedule": model.schedule_state()}
-        torch.save(saved, out / f"ckpt{rank}.pt")
-        model.close()
-        saved = torch.load(out / f"ckpt{rank}.pt", weights_only=True)
-        model, opt = _wrapped()
-        model.load_schedule_state(saved["schedule"])  # first: it rebuilds the saved round's subnetwork
-        model.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        torch.save(_train(model, opt, rank, range(STOP + 1, STEPS)), out / f"resumed{rank}.pt")
-        model.close()
+        rank_work(out)
     finally:
         dist.destroy_process_group()
 
 
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    from sdp_train.trainer.memory import MemoryMeter
+
+    model, opt = _wrapped()
+    meter = MemoryMeter(model.module, opt, torch.device("cpu"))
+    torch.save(_train(model, opt, rank, range(STEPS), meter), out / f"rank{rank}.pt")
+    model.close()
+    # stop after step STOP, save, resume in a fresh wrapper (built in round 0) and go on
+    model, opt = _wrapped()
+    _train(model, opt, rank, range(STOP + 1))
+    saved = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "schedule": model.schedule_state()}
+    torch.save(saved, out / f"ckpt{rank}.pt")
+    model.close()
+    saved = torch.load(out / f"ckpt{rank}.pt", weights_only=True)
+    model, opt = _wrapped()
+    model.load_schedule_state(saved["schedule"])  # first: it rebuilds the saved round's subnetwork
+    model.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    torch.save(_train(model, opt, rank, range(STOP + 1, STEPS)), out / f"resumed{rank}.pt")
+    model.close()
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.schedule_launch import shared_out
 
-    out = tmp_path_factory.mktemp("bsdp_schedule")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
-    return out
+    return shared_out(tmp_path_factory, "test_bsdp_schedule")
 
 
 @pytest.fixture(scope="module")

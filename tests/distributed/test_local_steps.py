@@ -72,39 +72,45 @@ def _train(model, opt, rank: int, steps: range) -> list[dict]:
 
 
 def rank_main(out: Path) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/schedule_launch.py shares among the schedule modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        for case in CASES:
-            model, opt = _wrapped(case)
-            torch.save(_train(model, opt, rank, range(STEPS)), out / f"{case}{rank}.pt")
-            model.close()
-        model, opt = _wrapped("permute")
-        _train(model, opt, rank, range(STOP + 1))
-        full = model.full_state_dict()  # in the middle of a round: the holders' average, on copies
-        if rank == 0:
-            torch.save(full, out / "full_mid_round.pt")
-        saved = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "schedule": model.schedule_state()}
-        model.close()
-        model, opt = _wrapped("permute")
-        model.load_schedule_state(saved["schedule"])
-        model.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        torch.save(_train(model, opt, rank, range(STOP + 1, STEPS)), out / f"resumed{rank}.pt")
-        model.close()
+        rank_work(out)
     finally:
         dist.destroy_process_group()
 
 
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for case in CASES:
+        model, opt = _wrapped(case)
+        torch.save(_train(model, opt, rank, range(STEPS)), out / f"{case}{rank}.pt")
+        model.close()
+    model, opt = _wrapped("permute")
+    _train(model, opt, rank, range(STOP + 1))
+    full = model.full_state_dict()  # in the middle of a round: the holders' average, on copies
+    if rank == 0:
+        torch.save(full, out / "full_mid_round.pt")
+    saved = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "schedule": model.schedule_state()}
+    model.close()
+    model, opt = _wrapped("permute")
+    model.load_schedule_state(saved["schedule"])
+    model.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    torch.save(_train(model, opt, rank, range(STOP + 1, STEPS)), out / f"resumed{rank}.pt")
+    model.close()
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.schedule_launch import shared_out
 
-    out = tmp_path_factory.mktemp("local_steps")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
-    return out
+    return shared_out(tmp_path_factory, "test_local_steps")
 
 
 def _load(out: Path, prefix: str) -> list[list[dict]]:
