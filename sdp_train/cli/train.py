@@ -229,7 +229,8 @@ def check_data(prep) -> None:
     unreadable for some rank is refused here in one line instead of by every rank after launch.
 
     The last rank gets the fewest items (items are dealt out in rank order). Token shards are
-    scanned for ids beyond the model's vocabulary here, once, not by every rank.
+    scanned for ids beyond the model's vocabulary here, once, not by every rank, and image labels
+    (CIFAR-100's 100 classes) for classes beyond a built-in model's ``num_classes``.
     """
     from sdp_train.data import build_batches
     from sdp_train.trainer.prepare import check_token_ids
@@ -237,9 +238,16 @@ def check_data(prep) -> None:
     check_token_ids(prep)
 
     workers = prep.config.workers
+    classes = getattr(prep.model_config, "num_classes", None)  # a built-in image model's
     for split in ("train", "val"):
         for rank in sorted({0, workers - 1}):
-            build_batches(prep.data, split=split, seed=prep.config.seed, rank=rank, world_size=workers)
+            batches = build_batches(prep.data, split=split, seed=prep.config.seed, rank=rank, world_size=workers)
+        labels = getattr(batches, "labels", None)  # every example of the split, not this rank's shard
+        if classes is not None and labels is not None and len(labels) and int(labels.max()) >= classes:
+            raise ConfigError(
+                f"data {prep.config.data!r} ({split} split) holds class label {int(labels.max())} but model "
+                f"{prep.config.model!r} has num_classes={classes}; give the model {int(labels.max()) + 1} or more "
+                f'classes (--config with "model_overrides": {{"num_classes": {int(labels.max()) + 1}}})')
 
 
 def report_mask(prep) -> None:

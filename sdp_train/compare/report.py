@@ -64,8 +64,10 @@ def _bound_cell(row: dict[str, Any]) -> str:
 def markdown_table(report: dict[str, Any]) -> str:
     """The comparison as a Markdown table, one row per run, with ratios to DDP."""
     s = report["settings"]
+    accuracy = any(r.get("final_val_accuracy") is not None for r in report["runs"].values())
+    batch = f"{s['batch_size']} images" if accuracy else f"{s['batch_size']} x {s['seq_len']} tokens"
     lines = [
-        f"`{report['command']}`: {s['model']}, {s['workers']} workers, {s['batch_size']} x {s['seq_len']} tokens "
+        f"`{report['command']}`: {s['model']}, {s['workers']} workers, {batch} "
         f"per worker per step, lr {s['lr']}, seed 0; {report['machine']}, {report['date']}. "
         "Ratios (x) are to DDP in the same comparison. Memory is the measured peak of the largest rank "
         "(MiB: parameters / gradients / optimizer / activations). Buffer MiB/step: the sizes of the buffers "
@@ -76,11 +78,15 @@ def markdown_table(report: dict[str, Any]) -> str:
         "theorem is for constant-step SGD), the same ratio for constant-step SGD with the run's mask: a design "
         "figure (heuristic), not a guarantee for the run; for overlap averaging it is Theorem 6's, for the mean "
         "of all K copies. '-' where no theorem covers even that (forward-masked B-/N-SDP, whose subnetworks are "
-        "not the backward-masked algorithm the theorems bound), 'inf' where it gives no finite bound.",
+        "not the backward-masked algorithm the theorems bound), 'inf' where it gives no finite bound."
+        + (" val acc: top-1 accuracy of the final full model on the validation batches; - DDP: its difference "
+           "to DDP's, in percentage points." if accuracy else ""),
         "",
-        "| run | C | steps | val loss | x | train FLOPs x | peak MiB | x | P / G / O / A | buffer MiB/step | x "
-        "| wire MiB/step | x | step s | x | bound x |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | C | steps | val loss | x" + (" | val acc | - DDP" if accuracy else "")
+        + " | train FLOPs x | peak MiB | x | P / G / O / A | buffer MiB/step | x | wire MiB/step | x | step s | x "
+        "| bound x |",
+        "|---|---:|---:|---:|---:" + ("|---:|---:" if accuracy else "") + "|---:|---:|---:|---|---:|---:|---:|---:"
+        "|---:|---:|---:|",
     ]
     for name, r in report["runs"].items():
         p = r["peak_memory_bytes"]
@@ -89,6 +95,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         bound = _bound_cell(r)
         lines.append(
             f"| {name} | {active} | {r['steps']} | {r['final_val_loss']:.4f} | {_ratio(r, 'final_val_loss', 3)} "
+            + (_accuracy_cells(r) if accuracy else "") +
             f"| {_ratio(r, 'training_flops')} | {_mib(p.get('total', 0))} | {_ratio(r, 'peak_memory')} | {parts} "
             f"| {_mib(r['comm_bytes_per_step'])} | {_ratio(r, 'comm_bytes_per_step')} "
             f"| {'-' if r.get('wire_bytes_per_step') is None else _mib(r['wire_bytes_per_step'])} "
@@ -104,6 +111,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         lines.append(f"\n{note}")
     return "\n".join(lines) + "\n"
+
+
+def _accuracy_cells(row: dict[str, Any]) -> str:
+    acc, diff = row.get("final_val_accuracy"), row.get("final_val_accuracy_minus_ddp")
+    return (f"| {'-' if acc is None else f'{acc:.2%}'} "
+            f"| {'-' if diff is None else f'{100 * diff:+.2f}'} ")
 
 
 def consensus_table(report: dict[str, Any]) -> list[str]:

@@ -6,11 +6,11 @@ public for users who assemble their own streams.
 """
 
 from sdp_train.data.batches import Batches, shard_items
-from sdp_train.data.config import DATASETS, DataConfig, build_batches
+from sdp_train.data.config import DATASETS, IMAGE_DATASETS, DataConfig, build_batches
 from sdp_train.data.images import ImageBatches, digits_split, load_cifar_batches
 from sdp_train.data.text import TokenBatches, load_token_shard, stdlib_corpus, stdlib_files
 
 __all__ = [
-    "DATASETS", "Batches", "DataConfig", "ImageBatches", "TokenBatches", "build_batches", "digits_split",
+    "DATASETS", "IMAGE_DATASETS", "Batches", "DataConfig", "ImageBatches", "TokenBatches", "build_batches", "digits_split",
     "load_cifar_batches", "load_token_shard", "shard_items", "stdlib_corpus", "stdlib_files",
 ]

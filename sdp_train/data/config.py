@@ -22,6 +22,8 @@ from sdp_train.data.text import TokenBatches, load_token_shard, stdlib_corpus
 from sdp_train.errors import ConfigError, DataError, DataFileError
 
 DATASETS: tuple[str, ...] = ("stdlib-bytes", "digits", "token-bin", "cifar")
+IMAGE_DATASETS: tuple[str, ...] = ("digits", "cifar")
+"""The classification datasets of `DATASETS`: (images, class labels), scored by accuracy too."""
 
 
 @dataclass(kw_only=True)

@@ -98,7 +98,7 @@ class TrainConfig:
     """Seed of the model initialization, the data order and the mask design."""
     data: str = "auto"
     """``auto`` (stdlib bytes for LMs, digits for images), ``stdlib``, ``digits``,
-    ``bin:DIR`` (uint16 token shards) or ``cifar:DIR`` (CIFAR python batches)."""
+    ``bin:DIR`` (uint16 token shards) or ``cifar:DIR`` (CIFAR-10 or CIFAR-100 python batches)."""
     heterogeneous: bool = False
     """Give each worker a different part of the data (by file / by class)."""
     max_data_bytes: int = 2_000_000

@@ -27,9 +27,10 @@ from sdp_train.trainer.memory import format_bytes
 
 TENSORBOARD_DIR = "tensorboard"
 _TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "val_loss": "val/loss",
+         "val_accuracy": "val/accuracy",
          "step_time_s": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s",
          "comm_bytes": "comm/comm_bytes", "wire_bytes": "comm/wire_bytes"}
-_LINE_KEYS = ("loss", "val_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes", "wire_bytes")
+_LINE_KEYS = ("loss", "val_loss", "val_accuracy", "lr", "grad_norm", "step_time_s", "tokens_per_s", "comm_bytes", "wire_bytes")
 
 
 class RunLog:
@@ -76,10 +77,12 @@ class RunLog:
         elif step == 0 or done % max(1, self.total // 10) == 0 or done == self.total:
             print(f"step {done}/{self.total}  {info}", flush=True)
 
-    def final(self, val_loss: float) -> None:
-        """The validation loss of the final full model, at the last step."""
+    def final(self, val_loss: float, val_accuracy: float | None = None) -> None:
+        """The validation loss (and accuracy, on image data) of the final full model, at the last step."""
         if self.writer is not None:
             self.writer.add_scalar(_TAGS["val_loss"], val_loss, self.total - 1)
+            if val_accuracy is not None:
+                self.writer.add_scalar(_TAGS["val_accuracy"], val_accuracy, self.total - 1)
 
     def close(self) -> None:
         if self.bar is not None:

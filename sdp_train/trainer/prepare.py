@@ -311,16 +311,19 @@ def _data_config(cfg: TrainConfig, is_lm: bool, *, any_kind: bool = False) -> Da
         root = Path(where)
         if not root.is_dir():
             raise ConfigError(f"data {cfg.data!r}: {root} is not a directory")
-        pattern = "*.bin" if kind == "bin" else "data_batch_*"
+        # CIFAR-10's python batches are data_batch_1..5 and test_batch; CIFAR-100's are train and test
+        cifar100 = kind == "cifar" and (root / "train").is_file() and not any(root.glob("data_batch_*"))
+        pattern, val_pattern = (("*.bin", "val*.bin") if kind == "bin" else ("train", "test") if cifar100
+                                else ("data_batch_*", "test_batch"))
         files = tuple(str(p) for p in sorted(root.glob(pattern)))
-        val = tuple(str(p) for p in sorted(root.glob("val*.bin" if kind == "bin" else "test_batch")))
+        val = tuple(str(p) for p in sorted(root.glob(val_pattern)))
         files = tuple(f for f in files if f not in val)
         kind = "token-bin" if kind == "bin" else "cifar"
         if not files:
-            raise ConfigError(f"data {cfg.data!r}: no training files ({pattern}) in {root}")
+            also = "" if kind == "token-bin" else ", or train and test for CIFAR-100"
+            raise ConfigError(f"data {cfg.data!r}: no training files ({pattern}{also}) in {root}")
         if not val:
-            raise ConfigError(f"data {cfg.data!r}: no validation files "
-                              f"({'val*.bin' if kind == 'token-bin' else 'test_batch'}) in {root}")
+            raise ConfigError(f"data {cfg.data!r}: no validation files ({val_pattern}) in {root}")
         if kind == "token-bin":
             shards = read_format(root)
             check_listed(root, shards, (*files, *val))

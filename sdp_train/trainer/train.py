@@ -25,7 +25,9 @@ seconds and the survivors' mask (that step's metrics line has ``membership``; `s
 ``local_steps`` steps, means over every step); ``model_file``: the
 final full model's file name, ``model.safetensors`` (null under ``save_model=False``), written by
 rank 0 just before summary.json (`sdp_train.trainer.outputs`). Validation loss is that of the full
-assembled model, the very tensors the model file holds. While the run goes, rank 0 shows a
+assembled model, the very tensors the model file holds. On image data (``digits``, ``cifar``) that
+model's top-1 accuracy on the same batches is ``final_val_accuracy`` (null for language models),
+and every evaluation's ``val_accuracy`` in `val_history` and the metrics line. While the run goes, rank 0 shows a
 progress bar, plain ``--log-every`` lines and TensorBoard scalars (`sdp_train.trainer.log`).
 
 Checkpoints and restarts: with ``checkpoint_every`` the loop writes ``DIR/checkpoints/step_N``
@@ -55,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from masklab.io import atomic_write_text, mask_to_dict
-from sdp_train.data import build_batches
+from sdp_train.data import IMAGE_DATASETS, build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import model_class
 from sdp_train.parallel.blockmap import on_meta
@@ -76,7 +78,7 @@ from sdp_train.trainer.membership import LAUNCHER_ENV, MembershipChange, Surviva
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
-from sdp_train.trainer.run import Run, forward_precision, loss_chunks_of, train_loss
+from sdp_train.trainer.run import Run, forward_precision, logits_of, loss_chunks_of, loss_fn, train_loss
 from sdp_train.trainer.user_model import UserModel
 
 
@@ -151,8 +153,11 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
         values = run.finish(step, stats)  # nonfinite='stop' raises here, on every rank
         record.update(loss=values["loss"], lr=values["lr"], grad_norm=values["grad_norm"], skipped=values["skipped"])
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            val_history.append({"step": step, "val_loss": evaluate(run, prep)})
-            record["val_loss"] = val_history[-1]["val_loss"]
+            val_loss, val_accuracy = evaluate(run, prep)
+            val_history.append({"step": step, "val_loss": val_loss})
+            record["val_loss"] = val_loss
+            if val_accuracy is not None:
+                val_history[-1]["val_accuracy"] = record["val_accuracy"] = val_accuracy
             if (consensus := run.consensus_distance()) is not None:  # mode overlap (a collective)
                 val_history[-1]["consensus_distance"] = record["consensus_distance"] = consensus
         records.append(record)
@@ -212,10 +217,10 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             if must_close_now(step):
                 close_step(*pending)
                 pending = None
-        val_loss = evaluate(run, prep, save_to=out if cfg.save_model else None)
+        val_loss, val_accuracy = evaluate(run, prep, save_to=out if cfg.save_model else None)
         final_consensus = run.consensus_distance()
         mask_change_bytes = run.mask_change_bytes
-        log.final(val_loss)
+        log.final(val_loss, val_accuracy)
         trained = sum(p.numel() for p in _optimizer_params(run))
         per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
         num_params_local = sum(p.numel() for p in run.model.parameters())
@@ -238,6 +243,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     summary = {
         "final_train_loss": finite[-1] if finite else None,
         "final_val_loss": val_loss,
+        "final_val_accuracy": val_accuracy,
         "val_history": val_history,
         "comm_bytes_per_step": per_step([r["comm_bytes"] for r in every]),
         "wire_bytes_per_step": per_step(w) if (w := [r["wire_bytes"] for r in every if "wire_bytes" in r])
@@ -265,7 +271,8 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
         summary["membership_changes"] = [c.to_dict() for c in survival.changes]
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     final = summary["final_train_loss"]
-    print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}, "
+    accuracy = "" if val_accuracy is None else f", val accuracy {val_accuracy:.2%}"
+    print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}{accuracy}, "
            f"{summary['comm_bytes_per_step'] / 1e6:.3f} MB of collective buffers per step per rank "
            f"({(summary['wire_bytes_per_step'] or 0) / 1e6:.3f} MB sent, ring model), peak memory "
            f"{_peak_text(summary['peak_memory_bytes'])}"
@@ -380,8 +387,9 @@ def _gather(value: Any, world_size: int) -> list[Any]:
 
 
 @torch.no_grad()
-def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
-    """Mean validation loss of the full assembled model, evaluated on rank 0 only; every rank gets it.
+def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> tuple[float, float | None]:
+    """Mean validation loss of the full assembled model, and its top-1 accuracy on image data (None on
+    text), evaluated on rank 0 only; every rank gets both.
 
     With `save_to`, rank 0 also writes that full model to ``save_to/model.safetensors``
     (`sdp_train.trainer.outputs.save_model`): the file holds exactly the model this loss scores.
@@ -395,7 +403,7 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
     """
     info = run.info
     full = run.full_state()
-    total = torch.zeros(2, dtype=torch.float64, device=run.device)
+    total = torch.zeros(4, dtype=torch.float64, device=run.device)
     if full is not None:
         if isinstance(prep.model_config, UserModel):  # built for real: its non-persistent buffers are computed
             model = prep.model_config.build(run.device).to(run.device)
@@ -411,22 +419,32 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> float:
         del model, full
     if info.world_size > 1:
         dist.broadcast(total, src=0)
-    return float(total[0] / total[1])
+    return float(total[0] / total[1]), (float(total[2] / total[3]) if total[3] else None)
 
 
 @torch.no_grad()
 def validation_sums(model: torch.nn.Module, prep: Prepared, world_size: int, device: torch.device) -> torch.Tensor:
-    """``[sum of batch losses, number of batches]`` (float64) of a full `model` over every rank's
-    validation shard, ``eval_batches`` each: what the validation loss of a run averages."""
+    """``[sum of batch losses, number of batches, correct top-1 predictions, examples]`` (float64) of a
+    full `model` over every rank's validation shard, ``eval_batches`` each: what the validation loss
+    (the first over the second) and, on image data, the accuracy (the third over the fourth; both 0
+    on text) of a run are."""
     cfg = prep.config
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(4, dtype=torch.float64, device=device)
     val_data = dataclasses.replace(prep.data, heterogeneous=False)
+    classifies = prep.data.dataset in IMAGE_DATASETS
     for rank in range(world_size):
         val = build_batches(val_data, split="val", seed=cfg.seed, rank=rank, world_size=world_size)
         for _, (inputs, targets) in zip(range(cfg.eval_batches), val.epoch()):
+            inputs, targets = inputs.to(device), targets.to(device)
             with forward_precision(cfg, device):
-                loss = train_loss(model, inputs.to(device), targets.to(device), loss_chunks_of(prep))
+                if classifies:  # class logits of the whole batch: the loss of `train_loss` and the top-1 hits
+                    logits = logits_of(model(inputs))
+                    loss = loss_fn(logits, targets)
+                    total[2] += (logits.argmax(dim=-1) == targets).sum()
+                    total[3] += targets.numel()
+                else:
+                    loss = train_loss(model, inputs, targets, loss_chunks_of(prep))
             total[0] += loss.double()
             total[1] += 1
     return total

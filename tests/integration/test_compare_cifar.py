@@ -1,0 +1,58 @@
+"""The image presets of ``sdp compare`` (issue 28): DDP against B-, N- and Bb-SDP at the paper's C
+values on CIFAR-format batches, with top-1 accuracy in every row; the CPU smoke preset trains for
+real on generated files."""
+
+from __future__ import annotations
+
+import json
+
+from sdp_train.cli import main
+from sdp_train.compare import runner as compare_mod
+from sdp_train.compare.runner import PRESETS, plan_runs
+from tests.cifar_files import write_cifar_dir
+
+
+def test_the_image_presets_run_every_sdp_mode_at_the_papers_c_values(tmp_path):
+    for name in ("cifar10", "cifar100"):
+        for model in ("resnet18", "wrn18", "swin-tiny"):
+            preset = PRESETS[f"{name}-{model}"]
+            assert preset.workers == 8 and preset.gpus and preset.needs_data == "cifar"
+            assert dict(preset.model_overrides).get("num_classes", 10) == (100 if name == "cifar100" else 10)
+    root = write_cifar_dir(tmp_path / "data")
+    preset = compare_mod.replace(PRESETS["cifar10-resnet18"], data=f"cifar:{root}")
+    planned = {p.spec.name: p for p in plan_runs(preset, tmp_path / "plan")}
+    assert list(planned) == ["ddp", *(f"{mode}-C{c}" for c in ("0.375", "0.5", "0.75")
+                                      for mode in ("bsdp", "nsdp", "bbsdp"))]
+    for name, p in planned.items():  # every label carries the C its mask realises: c of 8 workers
+        if name != "ddp":
+            assert f"C{p.mask.active_fraction:.4g}" in name and p.verification["verified"]
+
+
+def test_an_image_preset_without_its_data_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["compare", "--preset", "cpu-cifar", "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pass --data cifar:DIR" in err, err
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_the_cpu_cifar_smoke_comparison_trains_every_system_and_reports_accuracy(tmp_path, monkeypatch):
+    """Four 2-rank launches: DDP, B-SDP, N-SDP and Bb-SDP at C = 0.5 on learnable generated images
+    (10 classes, chance 10%). DDP and Bb-SDP (full forward) must learn them; B- and N-SDP on 2 workers
+    train disjoint halves of the blocks, whose assembled model is reported as it scores."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the suite's default; the ranks' kernels need none on CPU
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    root = write_cifar_dir(tmp_path / "data")
+    out = tmp_path / "cmp"
+    assert main(["compare", "--preset", "cpu-cifar", "--data", f"cifar:{root}", "--out", str(out)]) == 0
+    runs = json.loads((out / "compare.json").read_text())["runs"]
+    assert list(runs) == ["ddp", "bsdp-C0.5", "nsdp-C0.5", "bbsdp-C0.5"]
+    for name, row in runs.items():
+        summary = json.loads((out / "runs" / name / "summary.json").read_text())
+        # 2 ranks x 4 batches of 16 test images: accuracy is a count of them
+        assert round(row["final_val_accuracy"] * 128, 6) == round(row["final_val_accuracy"] * 128)
+        assert row["final_val_accuracy"] == summary["final_val_accuracy"] == row["val_history"][-1]["val_accuracy"]
+        assert "val_accuracy" in summary["val_history"][0]
+        assert row["final_val_accuracy_minus_ddp"] == row["final_val_accuracy"] - runs["ddp"]["final_val_accuracy"]
+    assert runs["ddp"]["final_val_accuracy"] > 0.5 and runs["bbsdp-C0.5"]["final_val_accuracy"] > 0.3
+    table = (out / "compare.md").read_text()
+    assert "| val acc | - DDP |" in table and "16 images per worker per step" in table
