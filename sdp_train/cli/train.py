@@ -43,7 +43,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--on-worker-loss": ("on_worker_loss", str),
     "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--mlp": ("mlp", str), "--schedule": ("schedule", str),
     "--every": ("every", int), "--local-steps": ("local_steps", int), "--loss-chunks": ("loss_chunks", int),
-    "--dtype": ("dtype", str),
+    "--dtype": ("dtype", str), "--bn-recalibration": ("bn_recalibration", int),
 }
 _CHOICES = {"mode": MODES, "dtype": COMPUTE_DTYPES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS,
             "on_worker_loss": WORKER_LOSS_POLICIES}

@@ -107,6 +107,12 @@ class TrainConfig:
     """Validation batches per rank for the final (and periodic) validation loss."""
     eval_every: int = 0
     """Validate every N steps (0: only at the end)."""
+    bn_recalibration: int | None = None
+    """Before each validation, recompute the BatchNorm running statistics of the assembled full model
+    over this many training batches per rank (forward passes, no update); 0: never. None (auto): the
+    ``eval_batches`` for modes bsdp and nsdp, whose workers train subnetworks, so each block's
+    statistics come from its holders' subnetworks and not from the full model; 0 for the others.
+    Models without BatchNorm are unaffected. The saved model holds the recomputed statistics."""
     activation_checkpointing: bool = False
     """Recompute each residual block's activations in backward (torch.utils.checkpoint), any mode."""
     fsdp: bool = False
@@ -190,6 +196,8 @@ class TrainConfig:
         _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
                           "keep_checkpoints", "max_restarts", "log_every", "loss_chunks")
         _positive_int(self, "max_consecutive_skips", "every", "local_steps")
+        if self.bn_recalibration is not None:
+            _non_negative_int(self, "bn_recalibration")
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"schedule={self.schedule!r} is not one of {SCHEDULE_KINDS}")
         if self.every != 1 and self.schedule in (None, "static"):
