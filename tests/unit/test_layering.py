@@ -92,8 +92,9 @@ SDP_ALLOWED = {
     "trainer": {"parallel", "models", "data"},
     "planning": {"parallel", "models", "data", "trainer"},
     "compare": {"parallel", "models", "data", "trainer", "planning"},
-    "cli": {"parallel", "models", "data", "trainer", "planning", "compare"},
-    "integrations": {"parallel"},  # other libraries' loops (Hugging Face's Trainer) driving the wrapper
+    "cli": {"parallel", "models", "data", "trainer", "planning", "compare", "integrations"},
+    # other libraries driving ours: Hugging Face's Trainer the wrapper; lm-eval a built-in model, converted
+    "integrations": {"parallel", "models", "data"},
 }
 
 
