@@ -1,4 +1,4 @@
-"""One torchrun launch of 3 gloo ranks for the schedule modules that each used to start their own.
+"""One torchrun launch of 3 gloo ranks for the 3-rank library modules that each used to start their own.
 
 Each module (`MODULES`) keeps its ``rank_work(out)``; this script runs them one after another in
 the same ranks and process group, each into ``OUTDIR/<module>``, which saves a torchrun agent and
@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 K = 3
-MODULES = ("test_bsdp_schedule", "test_bbsdp_schedule", "test_nsdp_schedule", "test_local_steps")
+MODULES = ("test_bsdp_schedule", "test_bbsdp_schedule", "test_nsdp_schedule", "test_local_steps",
+           "test_overlap_averaging", "test_resnet_skipped_blocks")
 
 
 def shared_out(tmp_path_factory, module: str) -> Path:

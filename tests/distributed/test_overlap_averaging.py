@@ -78,40 +78,49 @@ def optimizer_for(params, sgd: bool = False) -> torch.optim.Optimizer:
 
 # -- the ranks ----------------------------------------------------------------------------------
 def rank_main(out: Path) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/schedule_launch.py shares among the 3-rank library modules."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        rank_work(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from sdp_train import OverlapAveraging
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
-    try:
-        for run, (mask, h) in RUNS.items():
-            model = OverlapAveraging(make_model(), mask=mask, local_steps=h, blocks="layers.*")
-            opt = optimizer_for(model.parameters(), sgd=run == "complete")
-            model.register_optimizer(opt)
-            copies, distances, held = [], [], []
-            for step in range(STEPS):
-                held.append(model.held_blocks)
-                x, y = batch(run, rank, step)
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                copies.append({n: t.detach().clone() for n, t in model.module.state_dict().items()})
-                distances.append(model.consensus_distance())
-            full = model.full_state_dict(rank0_only=True)
-            torch.save({"copies": copies, "distances": distances, "held": held, "bytes": model.comm_bytes,
-                        "full": full}, out / f"{run}_rank{rank}.pt")
-        ddp = DistributedDataParallel(make_model())
-        opt = optimizer_for(ddp.parameters(), sgd=True)
+    for run, (mask, h) in RUNS.items():
+        model = OverlapAveraging(make_model(), mask=mask, local_steps=h, blocks="layers.*")
+        opt = optimizer_for(model.parameters(), sgd=run == "complete")
+        model.register_optimizer(opt)
+        copies, distances, held = [], [], []
         for step in range(STEPS):
-            x, y = batch("complete", rank, step)
-            F.cross_entropy(ddp(x), y).backward()
+            held.append(model.held_blocks)
+            x, y = batch(run, rank, step)
+            F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        torch.save(ddp.module.state_dict(), out / f"ddp_rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            copies.append({n: t.detach().clone() for n, t in model.module.state_dict().items()})
+            distances.append(model.consensus_distance())
+        full = model.full_state_dict(rank0_only=True)
+        torch.save({"copies": copies, "distances": distances, "held": held, "bytes": model.comm_bytes,
+                    "full": full}, out / f"{run}_rank{rank}.pt")
+    ddp = DistributedDataParallel(make_model())
+    opt = optimizer_for(ddp.parameters(), sgd=True)
+    for step in range(STEPS):
+        x, y = batch("complete", rank, step)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(ddp.module.state_dict(), out / f"ddp_rank{rank}.pt")
 
 
 # -- the reference ------------------------------------------------------------------------------
@@ -166,11 +175,9 @@ def consensus(states: list[dict]) -> dict[str, float]:
 # -- the tests ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory) -> Path:
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.schedule_launch import shared_out
 
-    out = tmp_path_factory.mktemp("overlap")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
-    return out
+    return shared_out(tmp_path_factory, "test_overlap_averaging")
 
 
 def _load(out: Path, run: str) -> list[dict]:

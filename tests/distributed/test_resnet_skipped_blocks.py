@@ -67,37 +67,45 @@ def _wrapped(kind: str):
 
 
 def rank_main(out: Path) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/schedule_launch.py shares among the 3-rank library modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        for kind in MASKS:
-            model = _wrapped(kind)
-            opt = optimizer(model.module.parameters())
-            model.register_optimizer(opt)
-            trace = []
-            for step in range(STEPS):
-                x, y = batch(step, rank)
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                names = {id(p): n for n, p in model.module.named_parameters()}
-                trace.append({"state": {n: t.clone() for n, t in model.module.state_dict().items()},
-                              "optimized": sorted(names[id(p)] for g in opt.param_groups for p in g["params"])})
-            export = model.full_state_dict()
-            torch.save({"trace": trace, "export": export}, out / f"{kind}{rank}.pt")
-            model.close()
+        rank_work(out)
     finally:
         dist.destroy_process_group()
 
 
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for kind in MASKS:
+        model = _wrapped(kind)
+        opt = optimizer(model.module.parameters())
+        model.register_optimizer(opt)
+        trace = []
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            names = {id(p): n for n, p in model.module.named_parameters()}
+            trace.append({"state": {n: t.clone() for n, t in model.module.state_dict().items()},
+                          "optimized": sorted(names[id(p)] for g in opt.param_groups for p in g["params"])})
+        export = model.full_state_dict()
+        torch.save({"trace": trace, "export": export}, out / f"{kind}{rank}.pt")
+        model.close()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.schedule_launch import shared_out
 
-    out = tmp_path_factory.mktemp("resnet_skipped")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
+    out = shared_out(tmp_path_factory, "test_resnet_skipped_blocks")
     return {kind: [torch.load(out / f"{kind}{r}.pt", weights_only=False) for r in range(K)] for kind in MASKS}
 
 
