@@ -383,18 +383,27 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def rank_main(out: Path) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/shared_launch.py shares among modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        accumulation_and_clipping_ranks(out, rank)
-        for kind in KINDS:
-            extra = ("backward", "block_fsdp") if kind == "custom" else ()
-            for level in ("block", "neuron", "complete", None, *extra):
-                train_ranks(kind, level, out, rank)
+        rank_work(out)
     finally:
         dist.destroy_process_group()
+
+
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    accumulation_and_clipping_ranks(out, rank)
+    for kind in KINDS:
+        extra = ("backward", "block_fsdp") if kind == "custom" else ()
+        for level in ("block", "neuron", "complete", None, *extra):
+            train_ranks(kind, level, out, rank)
 
 
 if __name__ == "__main__":
@@ -410,11 +419,9 @@ pytest.importorskip("safetensors")
 
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory) -> Path:
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.shared_launch import shared_out
 
-    out = tmp_path_factory.mktemp("api")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
-    return out
+    return shared_out(tmp_path_factory, "test_api_training")
 
 
 def _load(out: Path, tag: str) -> list[dict]:

@@ -156,16 +156,25 @@ def unchanged_blocks(sdp, initial: dict, full: dict) -> list[str]:
 
 
 def main(out: str) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/shared_launch.py shares among modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        records = {masking: train_and_record(masking, Path(out), rank) for masking in MASKINGS}
-        records["accelerate"] = accelerate_loop_and_record(rank)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(records))
+        rank_work(Path(out))
     finally:
         dist.destroy_process_group()
+
+
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    records = {masking: train_and_record(masking, out, rank) for masking in MASKINGS}
+    records["accelerate"] = accelerate_loop_and_record(rank)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(records))
 
 
 # -- the tests ---------------------------------------------------------------------------------------
@@ -176,10 +185,9 @@ pytestmark = pytest.mark.slow
 def ranks(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.shared_launch import shared_out
 
-    out = tmp_path_factory.mktemp("hf_trainer")
-    torchrun(2, [__file__, str(out)])
+    out = shared_out(tmp_path_factory, "test_hf_trainer")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

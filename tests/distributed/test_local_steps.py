@@ -73,7 +73,7 @@ def _train(model, opt, rank: int, steps: range) -> list[dict]:
 
 def rank_main(out: Path) -> None:
     """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/schedule_launch.py shares among the schedule modules."""
+    tests/distributed/shared_launch.py shares among modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -108,7 +108,7 @@ def rank_work(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
-    from tests.distributed.schedule_launch import shared_out
+    from tests.distributed.shared_launch import shared_out
 
     return shared_out(tmp_path_factory, "test_local_steps")
 

@@ -79,7 +79,7 @@ def optimizer_for(params, sgd: bool = False) -> torch.optim.Optimizer:
 # -- the ranks ----------------------------------------------------------------------------------
 def rank_main(out: Path) -> None:
     """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/schedule_launch.py shares among the 3-rank library modules."""
+    tests/distributed/shared_launch.py shares among modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -175,7 +175,7 @@ def consensus(states: list[dict]) -> dict[str, float]:
 # -- the tests ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory) -> Path:
-    from tests.distributed.schedule_launch import shared_out
+    from tests.distributed.shared_launch import shared_out
 
     return shared_out(tmp_path_factory, "test_overlap_averaging")
 

@@ -68,7 +68,7 @@ def _wrapped(kind: str):
 
 def rank_main(out: Path) -> None:
     """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/schedule_launch.py shares among the 3-rank library modules."""
+    tests/distributed/shared_launch.py shares among modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -103,7 +103,7 @@ def rank_work(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    from tests.distributed.schedule_launch import shared_out
+    from tests.distributed.shared_launch import shared_out
 
     out = shared_out(tmp_path_factory, "test_resnet_skipped_blocks")
     return {kind: [torch.load(out / f"{kind}{r}.pt", weights_only=False) for r in range(K)] for kind in MASKS}

@@ -156,16 +156,27 @@ def _run(model_name: str, run: str, out: Path) -> dict:
 
 
 def main(out: Path) -> None:
+    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
+    tests/distributed/shared_launch.py shares among modules."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    try:
+        rank_work(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists."""
+    import torch.distributed as dist
+
     results = {}
     try:
         for model_name, run in CASES:
             results[f"{model_name}_{run}"] = _run(model_name, run, out)
     finally:
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -176,10 +187,9 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def ranks_out(tmp_path_factory):
     pytest.importorskip("transformers")
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.shared_launch import shared_out
 
-    out = tmp_path_factory.mktemp("tied")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
+    out = shared_out(tmp_path_factory, "test_tied_parameters")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(K)]
 
 
