@@ -74,12 +74,16 @@ class SegmentSpec:
         Held rows/columns, in buffer order; empty for ``whole``. No duplicates.
     coverage : int
         c_j, the number of workers holding this segment (>= 1); its scale is 1/c_j.
+    in_norm : bool
+        Whether the segment's squares count in the ``partials`` of `pack`, `unpack` and
+        `squared_norm` (False: a slice whose share of a clipping norm another rank counts).
     """
 
     tensor_index: int
     kind: str = "whole"
     index: tuple[int, ...] = ()
     coverage: int = 1
+    in_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in SEGMENT_KINDS:
@@ -92,6 +96,8 @@ class SegmentSpec:
             raise LayoutError(f"segment tensor_index={self.tensor_index} must be >= 0")
         if self.coverage < 1:
             raise LayoutError(f"segment coverage={self.coverage} must be >= 1 (every block needs a holder)")
+        if not isinstance(self.in_norm, bool):
+            raise LayoutError(f"segment in_norm={self.in_norm!r} must be a bool")
         index = self.index
         if isinstance(index, torch.Tensor):
             if index.dim() != 1 or index.is_floating_point() or index.is_complex():
@@ -126,6 +132,7 @@ class Segment:
     outer: int
     extent: int
     inner: int
+    in_norm: bool = True
 
     @property
     def scale(self) -> float:
@@ -147,7 +154,7 @@ def _place(spec: SegmentSpec, shape: torch.Size, offset: int) -> Segment:
         if bad:
             raise LayoutError(f"{spec.kind} {bad} of tensor {spec.tensor_index} out of range [0, {extent}) for shape {tuple(shape)}")
     seg_numel = outer * len(index) * inner
-    return Segment(spec.tensor_index, spec.kind, index, spec.coverage, offset, seg_numel, outer, extent, inner)
+    return Segment(spec.tensor_index, spec.kind, index, spec.coverage, offset, seg_numel, outer, extent, inner, spec.in_norm)
 
 
 def _check_disjoint(segments: Sequence[Segment]) -> None:
@@ -199,6 +206,9 @@ class BucketLayout:
         (start, length) of each run of padding elements in the buffer; `pack` writes zeros there.
     inverse_coverage : torch.Tensor
         (n_segments,) float32 on `device`: 1/c_j, the `scale` that averages over holders.
+    norm_flags : torch.Tensor
+        (n_segments,) int32 on `device`: 1 where the segment's squares count in ``partials``
+        (`SegmentSpec.in_norm`), else 0.
     index_values : torch.Tensor
         (sum of index lengths,) int64 on `device`: all rows/cols indices, concatenated.
     index_tensors : tuple of (torch.Tensor or None)
@@ -259,7 +269,7 @@ class BucketLayout:
 
     def _build_metadata(self) -> None:
         key = (self.device, self.block_size, self.shapes, self.gaps,
-               tuple((s.tensor_index, s.kind, s.index, s.coverage, s.offset) for s in self.segments))
+               tuple((s.tensor_index, s.kind, s.index, s.coverage, s.offset, s.in_norm) for s in self.segments))
         metadata = _METADATA.get(key)
         if metadata is None:
             metadata = _DeviceMetadata(build_work_list(self.segments, self.gaps, self.block_size), self.segments, self.device)
@@ -267,6 +277,7 @@ class BucketLayout:
         self._metadata = metadata  # keeps the shared entry alive as long as this layout
         self.descriptors, self.column_offsets = metadata.descriptors, metadata.column_offsets
         self.index_values, self.inverse_coverage = metadata.index_values, metadata.inverse_coverage
+        self.norm_flags = metadata.norm_flags
         self.run_cols, self.gather_cols, self.num_data_tiles = metadata.run_cols, metadata.gather_cols, metadata.num_data_tiles
         starts = np.cumsum([0] + [len(s.index) if s.kind != "whole" else 0 for s in self.segments])
         self.index_tensors = tuple(
@@ -352,14 +363,17 @@ class _DeviceMetadata:
         columns = work.columns if len(work.columns) else np.zeros(1, dtype=np.int32)
         index_values = np.array([i for seg in segments if seg.kind != "whole" for i in seg.index], dtype=np.int64)
         inverse_coverage = np.float32(1.0) / np.array([s.coverage for s in segments], dtype=np.float32)
-        sections = [_words(work.descriptors.ravel()), _words(index_values), _words(columns), _words(inverse_coverage)]
+        norm_flags = np.array([s.in_norm for s in segments], dtype=np.int32)
+        sections = [_words(work.descriptors.ravel()), _words(index_values), _words(columns), _words(inverse_coverage),
+                    _words(norm_flags)]
         starts = np.cumsum([0] + [len(w) for w in sections])
         blob = upload(torch.from_numpy(np.concatenate(sections)), device)
-        descriptors, index, cols, scale = (blob[a:b] for a, b in zip(starts[:-1], starts[1:]))
+        descriptors, index, cols, scale, flags = (blob[a:b] for a, b in zip(starts[:-1], starts[1:]))
         self.descriptors = descriptors[: work.descriptors.size].view(work.descriptors.shape)
         self.index_values = index[: len(index_values)]
         self.column_offsets = cols.view(torch.int32)[: len(columns)]
         self.inverse_coverage = scale.view(torch.float32)[: len(inverse_coverage)]
+        self.norm_flags = flags.view(torch.int32)[: len(norm_flags)]
 
 
 _METADATA: weakref.WeakValueDictionary[tuple, _DeviceMetadata] = weakref.WeakValueDictionary()

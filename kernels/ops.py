@@ -49,8 +49,9 @@ def pack(
         tensors' dtype. Must equal ``out.dtype`` if both are given.
     partials : torch.Tensor, optional
         (layout.num_norm_partials,) float32 on ``layout.device``, overwritten so that its sum is
-        the squared norm of the held slices as read (unscaled): `squared_norm` fused into the
-        same launch. Sum the partials of many buckets with one ``sum()``.
+        the squared norm of the held slices as read (unscaled), over the segments with
+        ``in_norm`` (`SegmentSpec`): `squared_norm` fused into the same launch. Sum the partials
+        of many buckets with one ``sum()``.
     backend : {"auto", "triton", "reference"}
         See `kernels.dispatch`.
 
@@ -101,9 +102,9 @@ def unpack(
         (n_segments,) float32 per-segment factor, as in `pack`; None for 1.
     partials : torch.Tensor, optional
         (layout.num_norm_partials,) float32 on ``layout.device``, overwritten so that its sum is
-        the squared norm of the held slices as written: `squared_norm` of the result, fused into
-        the same launch (after an averaging all-reduce, the averaged gradient's share of a
-        clipping norm).
+        the squared norm of the held slices as written (segments with ``in_norm``):
+        `squared_norm` of the result, fused into the same launch (after an averaging all-reduce,
+        the averaged gradient's share of a clipping norm).
     backend : {"auto", "triton", "reference"}
     """
     impl = select_backend(backend, layout.device)
@@ -112,7 +113,8 @@ def unpack(
 
 def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, partials: torch.Tensor | None = None,
                  backend: str = "auto") -> torch.Tensor:
-    """Sum of squares, in float32, of every held slice of the bucket's tensors, read in place.
+    """Sum of squares, in float32, of every held slice of the bucket's tensors, read in place
+    (of the segments with ``in_norm``, `SegmentSpec`).
 
     What a gradient-clipping norm needs from a bucket, without packing it first (a single-holder
     bucket) or reading its buffer again (after `unpack` the held slices are the averages). The

@@ -125,7 +125,7 @@ def _fill_partials(partials: torch.Tensor, tensors: Sequence[torch.Tensor], layo
 def _squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=layout.device)
     for j, seg in enumerate(layout.segments):
-        if seg.numel:
+        if seg.numel and seg.in_norm:
             src = tensors[seg.tensor_index]
             held = src if seg.kind == "whole" else _held_view(src, seg).index_select(1, layout.index_tensors[j])
             total += held.float().pow(2).sum()

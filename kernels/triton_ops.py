@@ -203,12 +203,19 @@ def _tensor_pointer(pointers, tensor_index, DTYPE: tl.constexpr, ALIGNED: tl.con
 
 
 @triton.jit
+def _counted(total, norm_flags, segment):
+    """The tile's sum of squares where its segment counts in the norm (`SegmentSpec.in_norm`), else 0."""
+    return tl.where(tl.load(norm_flags + segment) != 0, total, 0.0)
+
+
+@triton.jit
 def _pack_kernel(
-    pointers, descriptors, columns, scale, out, partials,
+    pointers, descriptors, columns, scale, norm_flags, out, partials,
     SRC_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, OP: tl.constexpr, HW_BF16: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
-    """OP is OP_PACK, or OP_PACK_NORM: each data tile also stores its sum of squares in partials[tile]."""
+    """OP is OP_PACK, or OP_PACK_NORM: each data tile also stores its sum of squares in partials[tile]
+    (0 for a segment whose norm_flags entry is 0)."""
     tile = tl.program_id(0)
     (tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, tensor_index, segment, kind,
      col_start) = tile_descriptor(descriptors, tile)
@@ -223,12 +230,12 @@ def _pack_kernel(
         total = _tile(tensor, out, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start,
                       factor, OP, HAS_SCALE, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
         if OP == _PACK_NORM:
-            tl.store(partials + tile, total)
+            tl.store(partials + tile, _counted(total, norm_flags, segment))
 
 
 @triton.jit
 def _unpack_kernel(
-    pointers, descriptors, columns, scale, buffer, partials,
+    pointers, descriptors, columns, scale, norm_flags, buffer, partials,
     DST_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, OP: tl.constexpr, HW_BF16: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
@@ -243,12 +250,12 @@ def _unpack_kernel(
     total = _tile(tensor, buffer, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start,
                   factor, OP, HAS_SCALE, ACCUMULATE, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
     if OP == _UNPACK_NORM:
-        tl.store(partials + tile, total)
+        tl.store(partials + tile, _counted(total, norm_flags, segment))
 
 
 @triton.jit
 def _squared_norm_kernel(
-    pointers, descriptors, columns, partials,
+    pointers, descriptors, columns, norm_flags, partials,
     DTYPE: tl.constexpr, HW_BF16: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr, RUN_COLS: tl.constexpr, GATHER_COLS: tl.constexpr,
 ):
@@ -258,7 +265,7 @@ def _squared_norm_kernel(
     tensor = _tensor_pointer(pointers, tensor_index, DTYPE, ALIGNED)
     total = _tile(tensor, tensor, columns, tensor_start, buffer_start, t_stride, b_stride, nrows, ncols, kind, col_start, 1.0,
                   _NORM, False, False, HW_BF16, BLOCK, RUN_COLS, GATHER_COLS, ALIGNED)
-    tl.store(partials + tile, total)  # one partial per tile, summed on the host side: deterministic
+    tl.store(partials + tile, _counted(total, norm_flags, segment))  # one partial per tile, summed after: deterministic
 
 
 def _aligned(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> bool:
@@ -310,7 +317,7 @@ def pack(
     if layout.num_tiles:
         _pack_kernel[(layout.num_tiles,)](
             pointers, layout.descriptors, layout.column_offsets,
-            layout.inverse_coverage if scale is None else scale, out, partials,
+            layout.inverse_coverage if scale is None else scale, layout.norm_flags, out, partials,
             SRC_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None,
             OP=OP_PACK if partials is None else OP_PACK_NORM, **constants,
         )
@@ -333,7 +340,7 @@ def unpack(
     if layout.num_data_tiles:
         _unpack_kernel[(layout.num_data_tiles,)](
             pointers, layout.descriptors, layout.column_offsets,
-            layout.inverse_coverage if scale is None else scale, buffer, partials,
+            layout.inverse_coverage if scale is None else scale, layout.norm_flags, buffer, partials,
             DST_DTYPE=_TL_DTYPES[tensors[0].dtype], HAS_SCALE=scale is not None, ACCUMULATE=mode == "accumulate",
             OP=OP_UNPACK if partials is None else OP_UNPACK_NORM, **constants,
         )
@@ -348,7 +355,7 @@ def squared_norm(tensors: Sequence[torch.Tensor], layout: BucketLayout, *, parti
     pointers, constants = _launch_plan(tensors, layout, out, "partials")
     if layout.num_data_tiles:
         _squared_norm_kernel[(layout.num_data_tiles,)](
-            pointers, layout.descriptors, layout.column_offsets, out,
+            pointers, layout.descriptors, layout.column_offsets, layout.norm_flags, out,
             DTYPE=_TL_DTYPES[tensors[0].dtype], **constants,
         )
     return out.sum() if partials is None else partials

@@ -55,7 +55,7 @@ def record_launches() -> list[dict]:
     """Every launch the package makes on the benchmark's buckets, as (label, kernel, args, kwargs)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_kernels import llama_block, resnet50_stage3
-    from kernels import BucketLayout, triton_ops
+    from kernels import BucketLayout, concat_layouts, triton_ops
     from kernels.layout import MAX_BLOCK_SIZE
 
     launches: list[dict] = []
@@ -93,6 +93,17 @@ def record_launches() -> list[dict]:
             for path, call in paths.items():
                 label[0] = f"{name} | {path}"
                 call(lambda dtype: torch.empty(layout.total_numel, dtype=dtype))
+        # The sync engine's runs (kernels.concat_layouts): several buckets as one layout, one of them out of
+        # the norm, packed by one launch and unpacked by one with the norm partials.
+        (block_shapes, block_specs), (neuron_shapes, neuron_specs) = llama_block(2048, False), llama_block(2048, True)
+        run, _ = concat_layouts([BucketLayout(block_shapes, block_specs), BucketLayout(neuron_shapes, neuron_specs)],
+                                [list(range(len(block_shapes))), list(range(len(block_shapes), len(block_shapes) + len(neuron_shapes)))],
+                                in_norm=[True, False])
+        grads = [torch.empty(s) for s in run.shapes]
+        label[0] = "sync engine run of buckets | pack fp32->fp32 scaled (the buckets one gradient completes)"
+        triton_ops.pack(grads, run, torch.empty(run.total_numel), scale=run.inverse_coverage)
+        label[0] = "sync engine run of buckets | unpack fp32->fp32 copy, norm partials (finish)"
+        triton_ops.unpack(torch.empty(run.total_numel), grads, run, partials=torch.empty(run.num_norm_partials))
         # Larger tiles than the default, up to the layout's limit: num_warps must follow, or they spill.
         shapes, specs = llama_block(2048, True)
         grads = [torch.empty(s) for s in shapes]
