@@ -3,8 +3,9 @@
 SDP: rank 0 of llama-1b at K = 8, C = 0.5 (the designed mask of `sdp train --active 0.5`), B-SDP
 and N-SDP: `plan_buckets` builds the bucket plan, `SyncEngine` is built on that rank's
 parameters, and one step is what backward and the loop ask of it: the gradient hook for every
-parameter in backward order (packing and launching each bucket as it completes), then `finish`
-(unpacking every bucket with its norm fused in, one sum). The collectives are replaced by a
+parameter in backward order (packing the buckets each gradient completes with one launch and
+starting their all-reduces), then `finish` (unpacking every bucket with one launch, its norm fused
+in, one sum). The collectives are replaced by a
 recorder on every device. On CPU the tensors are real allocations that are never touched and
 Triton's launcher is replaced by a recorder too, so what is timed is the package's host side up
 to the launcher (checks, pointer tables, constants; Triton's own launch cost is not counted).

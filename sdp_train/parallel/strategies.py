@@ -159,11 +159,8 @@ class Stepwise(_EngineSync):
         self._finish_queued = False
 
     def _new_engine(self) -> SyncEngine:
-        engine = super()._new_engine()
-        if self.comm_dtype is not None:
-            for bucket in engine.buckets:  # pack casts into the buffer's dtype, unpack casts back
-                bucket.buffer = torch.empty_like(bucket.buffer, dtype=self.comm_dtype)
-        return engine
+        held = self.held  # pack casts into the buffers' dtype, unpack casts back
+        return SyncEngine(held.module, held.plans, held.local_index, held.groups, held.rank, comm_dtype=self.comm_dtype)
 
     def start(self, held: Holdings, groups_with_singletons: Mapping, mask: Mask, *, values_agree: bool) -> None:
         self.held = held

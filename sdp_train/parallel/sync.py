@@ -34,6 +34,7 @@ from torch import nn
 import kernels
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import SliceSpec
+from sdp_train.parallel.bucket_runs import BucketRun, bucket_run, place_buffers
 from sdp_train.parallel.dist import collective_timeout
 from sdp_train.parallel.wire import ByteCount
 
@@ -184,7 +185,7 @@ class _Bucket:
     """This rank's share of one BucketPlan: its parameters, layout, buffer and group."""
 
     def __init__(self, plan: BucketPlan, params: dict[str, nn.Parameter], local_index: Mapping[str, SliceSpec],
-                 group: dist.ProcessGroup | None, device: torch.device) -> None:
+                 group: dist.ProcessGroup | None, device: torch.device, *, own_buffer: bool = True) -> None:
         self.plan = plan
         self.group = group
         self.params = [params[a.name] for a in plan.atoms]
@@ -192,8 +193,10 @@ class _Bucket:
                  for i, a in enumerate(plan.atoms)]
         self.layout = kernels.BucketLayout([p.shape for p in self.params], specs, device=device,
                                            block_size=kernels.block_size_for(device))
-        self.buffer = torch.empty(self.layout.total_numel, dtype=self.params[0].dtype, device=device)
-        self.partials: torch.Tensor | None = None  # this bucket's slice of the engine's norm partials
+        # the engine's buckets are slices of its flat buffers (`bucket_runs.place_buffers`)
+        self.buffer = torch.empty(self.layout.total_numel, dtype=self.params[0].dtype, device=device) if own_buffer else None
+        self.flat: torch.Tensor | None = None
+        self.start = 0
         self.pending = 0
         self.work: dist.Work | None = None
         self.launched = False
@@ -299,26 +302,39 @@ class SyncEngine:
     rank : int
     backend : {"auto", "triton", "reference"}
         Passed to `kernels.pack` / `kernels.unpack`.
+    comm_dtype : torch.dtype, optional
+        dtype of the buffers sent (pack casts into it, unpack casts back); default the gradients'.
     """
 
     def __init__(self, model: nn.Module, plans: Sequence[BucketPlan], local_index: Mapping[str, SliceSpec],
-                 groups: Mapping[tuple[int, ...], dist.ProcessGroup | None], rank: int, *, backend: str = "auto") -> None:
+                 groups: Mapping[tuple[int, ...], dist.ProcessGroup | None], rank: int, *, backend: str = "auto",
+                 comm_dtype: torch.dtype | None = None) -> None:
         params = dict(model.named_parameters())
         device = next(iter(params.values())).device
         self.rank = rank
         self.backend = backend
-        self.buckets = [_Bucket(p, params, local_index, groups[p.holders], device) for p in plans if rank in p.holders]
+        self.buckets = [_Bucket(p, params, local_index, groups[p.holders], device,
+                                own_buffer=groups[p.holders] is None)  # the others' are slices of flat buffers
+                        for p in plans if rank in p.holders]
         self._of_param: dict[nn.Parameter, list[_Bucket]] = defaultdict(list)
         for bucket in self.buckets:
             for p in bucket.params:
                 self._of_param[p].append(bucket)
-        # this rank counts each slice it is the lowest-ranked holder of towards the norm: the partial sums
-        # of those buckets are slices of one tensor, written by unpack (or squared_norm), summed once
-        counted = [b for b in self.buckets if b.plan.holders[0] == rank]
-        self._partials = torch.zeros(sum(b.layout.num_norm_partials for b in counted), dtype=torch.float32,
-                                     device=device)
-        for bucket, part in zip(counted, self._partials.split([b.layout.num_norm_partials for b in counted])):
-            bucket.partials = part
+        sending = [b for b in self.buckets if b.communicates]
+        self.flat_buffers = place_buffers(sending, comm_dtype)
+        # One unpack launch per flat buffer (one dtype) for every bucket, and one norm launch for the
+        # single holders' buckets. This rank counts each slice it is the lowest-ranked holder of towards
+        # the norm: the unpack's partials are zero for the other slices (`SegmentSpec.in_norm`).
+        self._unpacks = []
+        for flat in self.flat_buffers:
+            members = [b for b in sending if b.flat is flat]
+            self._unpacks.append(bucket_run(members, in_norm=[b.plan.holders[0] == rank for b in members]))
+        alone = [b for b in self.buckets if not b.communicates and b.plan.holders[0] == rank]
+        self._norm = bucket_run(alone, in_norm=[True] * len(alone)) if alone else None
+        runs = [*self._unpacks, *([self._norm] if self._norm else [])]
+        self._partials = torch.zeros(sum(r.layout.num_norm_partials for r in runs), dtype=torch.float32, device=device)
+        self._run_partials = self._partials.split([r.layout.num_norm_partials for r in runs])
+        self._packs: dict[tuple[int, int], list[BucketRun]] = {}  # per range of buckets completed together
         self._next = 0
         self.bytes = ByteCount()
         # The hooks live in C++, out of the garbage collector's sight: they hold the engine weakly,
@@ -338,18 +354,32 @@ class SyncEngine:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
+        stop = self._next
+        while stop < len(self.buckets) and self.buckets[stop].pending == 0:
+            stop += 1
+        self._launch(stop)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        # A single holder's average is its own gradient: nothing to pack, send or unpack.
-        if bucket.communicates:
-            kernels.pack(bucket.grads(), bucket.layout, bucket.buffer, scale=bucket.layout.inverse_coverage,
-                         backend=self.backend)
-            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
-            self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(), len(bucket.plan.holders))
-        bucket.launched = True
-        self._next += 1
+    def _launch(self, stop: int) -> None:
+        """Pack the buckets from the next one up to `stop` (one launch per flat buffer: the buckets that
+        one gradient completed) and start their all-reduces, in the global order. A single holder's
+        average is its own gradient: nothing to pack, send or unpack."""
+        start = self._next
+        if start == stop:
+            return
+        runs = self._packs.get((start, stop))
+        if runs is None:  # built once per range: in a steady state backward completes the same ranges
+            sending = [b for b in self.buckets[start:stop] if b.communicates]
+            runs = [bucket_run(members) for flat in self.flat_buffers
+                    if (members := [b for b in sending if b.flat is flat])]
+            self._packs[(start, stop)] = runs
+        for run in runs:
+            kernels.pack(run.grads(), run.layout, run.buffer, scale=run.layout.inverse_coverage, backend=self.backend)
+        for bucket in self.buckets[start:stop]:
+            if bucket.communicates:
+                bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+                self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(), len(bucket.plan.holders))
+            bucket.launched = True
+        self._next = stop
 
     def finish(self) -> torch.Tensor:
         """Complete this step's averaging; return this rank's share of the squared gradient norm.
@@ -357,19 +387,18 @@ class SyncEngine:
         The share counts each averaged slice on exactly one rank (its lowest-ranked holder), so
         summing it over ranks gives the squared norm of the whole averaged gradient.
         """
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
+        self._launch(len(self.buckets))
         for bucket in self.buckets:
             if bucket.work is not None:
                 self._wait(bucket)
-            # pack scaled by 1/c_j and the holders summed: the buffer is the average, unpacked into
-            # the gradients with this rank's share of the norm fused in; a single holder's gradient is
-            # its own average, its share read in place. No launch of its own, no host synchronisation.
-            if bucket.communicates:
-                kernels.unpack(bucket.buffer, bucket.grads(), bucket.layout, mode="copy", partials=bucket.partials,
-                               backend=self.backend)
-            elif bucket.partials is not None:
-                kernels.squared_norm(bucket.grads(), bucket.layout, partials=bucket.partials, backend=self.backend)
+        # pack scaled by 1/c_j and the holders summed: the flat buffers hold the averages, unpacked into
+        # the gradients by one launch each with this rank's share of the norm fused in; a single holder's
+        # gradient is its own average, its share read in place. No host synchronisation.
+        for run, partials in zip(self._unpacks, self._run_partials):
+            kernels.unpack(run.buffer, run.grads(), run.layout, mode="copy", partials=partials, backend=self.backend)
+        if self._norm is not None:
+            kernels.squared_norm(self._norm.grads(), self._norm.layout, partials=self._run_partials[-1],
+                                 backend=self.backend)
         self._reset()
         return self._partials.sum()
 
@@ -384,6 +413,11 @@ class SyncEngine:
                 f"{list(bucket.plan.holders)}, {bucket.layout.total_numel} elements: {shown}) did not "
                 f"complete: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from exc
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The long-lived buffers: the flat buffers, and the buffers of buckets that send nothing."""
+        return [*self.flat_buffers, *(b.buffer for b in self.buckets if not b.communicates)]
 
     @property
     def comm_bytes(self) -> int:

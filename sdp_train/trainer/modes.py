@@ -264,7 +264,7 @@ class SubnetworkSync(ModeSync):
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        return [b.buffer for b in self.engine.buckets] if self.engine is not None else []
+        return self.engine.buffers if self.engine is not None else []
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Each tensor slice from its lowest-ranked holder, one tensor at a time, summed onto rank 0."""
