@@ -154,7 +154,8 @@ def _place(spec: SegmentSpec, shape: torch.Size, offset: int) -> Segment:
         if bad:
             raise LayoutError(f"{spec.kind} {bad} of tensor {spec.tensor_index} out of range [0, {extent}) for shape {tuple(shape)}")
     seg_numel = outer * len(index) * inner
-    return Segment(spec.tensor_index, spec.kind, index, spec.coverage, offset, seg_numel, outer, extent, inner, spec.in_norm)
+    return Segment(spec.tensor_index, spec.kind, index, spec.coverage, offset, seg_numel, outer, extent, inner,
+                   spec.in_norm)
 
 
 def _check_disjoint(segments: Sequence[Segment]) -> None:

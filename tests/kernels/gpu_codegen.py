@@ -96,9 +96,9 @@ def record_launches() -> list[dict]:
         # The sync engine's runs (kernels.concat_layouts): several buckets as one layout, one of them out of
         # the norm, packed by one launch and unpacked by one with the norm partials.
         (block_shapes, block_specs), (neuron_shapes, neuron_specs) = llama_block(2048, False), llama_block(2048, True)
+        n = len(block_shapes)
         run, _ = concat_layouts([BucketLayout(block_shapes, block_specs), BucketLayout(neuron_shapes, neuron_specs)],
-                                [list(range(len(block_shapes))), list(range(len(block_shapes), len(block_shapes) + len(neuron_shapes)))],
-                                in_norm=[True, False])
+                                [list(range(n)), list(range(n, n + len(neuron_shapes)))], in_norm=[True, False])
         grads = [torch.empty(s) for s in run.shapes]
         label[0] = "sync engine run of buckets | pack fp32->fp32 scaled (the buckets one gradient completes)"
         triton_ops.pack(grads, run, torch.empty(run.total_numel), scale=run.inverse_coverage)
