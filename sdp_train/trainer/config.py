@@ -28,7 +28,7 @@ MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (den
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
 COMPUTE_DTYPES = ("float32", "bfloat16")  # TrainConfig.dtype: the forward's, under autocast for bfloat16
 WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_train.trainer.membership`)
-SURVIVABLE_MODES = ("bsdp", "nsdp")  # modes whose survivors can continue without rollback (static masks)
+SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose survivors can continue without rollback (static masks)
 
 
 @dataclass(kw_only=True)
@@ -145,9 +145,10 @@ class TrainConfig:
     ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
     on_worker_loss: str = "stop"
     """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
-    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, static mask:
-    the survivors agree on who is left, train on with the dead rows dropped from the mask, rerunning
-    only the interrupted step, without a checkpoint; a loss that leaves a block without holder
+    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp``, static
+    mask: the survivors agree on who is left, train on with the dead rows dropped from the mask,
+    rerunning only the interrupted step (Bb-SDP: not rerunning a step every survivor applied, whose
+    new values are sent again), without a checkpoint; a loss that leaves a block without holder
     stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no

@@ -276,15 +276,18 @@ class SubnetworkSync(ModeSync):
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo) -> SubnetworkSync:
         """A static mask: every survivor keeps its blocks, so only the wrapper is new (its holder groups,
-        buckets and hooks); activation checkpointing is already inside the module."""
+        buckets and hooks); activation checkpointing is already inside the module. Under backward
+        masking (Bb-SDP) the new wrapper first sends each block's values from its lowest-ranked surviving
+        holder to every survivor: a loss during the broadcast that follows the optimizer step leaves
+        some non-holders with the new values and others with the old (docs/design.md §7)."""
         old = self.sdp
-        if (not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1
-                or old.cut.keeps_whole_model):  # Bb-SDP's broadcast after the step: docs/design.md §7
+        if not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1:
             return super().for_survivors(mask, rows, info)
         sdp = SubnetworkDataParallel.from_subnetwork(
             old.module, layout=old.layout, mask=mask, held_by_rank=[old.held_by_rank[r] for r in rows],
             local_index=old.local_index, masking=old.masking, activation_checkpointing=False,
-            autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype, values_agree=True, seed=old.seed)
+            autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype,
+            values_agree=not old.cut.keeps_whole_model, seed=old.seed)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
 
 

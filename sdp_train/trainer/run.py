@@ -111,6 +111,7 @@ class Run:
         self.run_bytes = ByteCount()  # the per-step stats all-reduce
         self.retired_bytes = ByteCount()  # of syncs that a lost worker retired (`continue_with`)
         self.steps_applied = 0  # optimizer steps this rank has taken (what survivors agree on)
+        self.applied_stats: StepStats | None = None  # the last applied step's values (`step`)
         self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
         self.sync: ModeSync | None = build_sync(prep, info, device)
         self.model, self.train_model = self.sync.model, self.sync.train_model
@@ -200,11 +201,14 @@ class Run:
             self.optimizer.found_inf = nonfinite.float()
         self.optimizer.step()
         self.steps_applied = step + 1
+        # kept for a worker lost in `after_step` (Bb-SDP sends the new values there): the survivors
+        # have all applied this step, so they go on with the next, not rerun it (`train_prepared`)
+        self.applied_stats = StepStats(stats[0] / self.info.world_size, grad_norm, lr, nonfinite)
         sync.after_step()
         if step + 1 < cfg.steps:  # after the last step no round follows: nothing may move for one
             sync.enter_next_round()
         self.optimizer.zero_grad(set_to_none=False)
-        return StepStats(stats[0] / self.info.world_size, grad_norm, lr, nonfinite)
+        return self.applied_stats
 
     def continue_with(self, mask, rows, info: DistInfo) -> None:
         """Train on in a new world of survivors (`sdp_train.trainer.membership.Survival.recover`, after the

@@ -201,7 +201,11 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                     if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
                         metrics_file, history = open_metrics(out, start)
                         metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
-                    report_change(change, info, cfg.steps)
+                    applied = run.steps_applied == step + 1  # lost while Bb-SDP sent the step's new values
+                    report_change(change, info, cfg.steps, applied=applied)
+                    if applied:  # every survivor applied this step (they agreed on it): go on, do not rerun
+                        stats = run.applied_stats
+                        break
             step_time = time.perf_counter() - t0
             tokens = targets.numel() * info.world_size
             record = {"step": step, "loss": None, "lr": None, "grad_norm": None,
@@ -280,8 +284,9 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     return summary
 
 
-def report_change(change: MembershipChange, info, steps: int) -> None:
-    """Print, on the new rank 0, who was lost, who trains on and the survivors' mask with its certificate."""
+def report_change(change: MembershipChange, info, steps: int, *, applied: bool = False) -> None:
+    """Print, on the new rank 0, who was lost, who trains on and the survivors' mask with its certificate
+    (`applied`: every survivor had applied the step, which is not rerun)."""
     if not info.is_main:
         return
     from masklab import analyze
@@ -289,8 +294,9 @@ def report_change(change: MembershipChange, info, steps: int) -> None:
 
     lost = ", ".join(map(str, change.lost))
     print(f"sdp train: step {change.step + 1}/{steps}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
-          f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), rerunning "
-          f"this step under the survivors' mask:", flush=True)
+          f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), "
+          + ("having applied this step, from the next step" if applied else "rerunning this step")
+          + " under the survivors' mask:", flush=True)
     print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
 
 

@@ -87,7 +87,7 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"mode": "bbsdp"}, "mode 'bbsdp': continuing is built for bsdp, nsdp"),
+    ({"mode": "overlap"}, "mode 'overlap': continuing is built for bsdp, nsdp, bbsdp"),
     ({"schedule": "permute"}, "a static mask averaged every step"),
     ({"fsdp": True}, "a static mask averaged every step"),
     ({"max_restarts": 1}, "max_restarts=1"),
