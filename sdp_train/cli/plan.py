@@ -15,6 +15,7 @@ _DEFAULTS = TrainConfig()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from masklab.design import list_constructions
     from sdp_train.planning.memory import COMMUNICATOR_BYTES_ENV, DEFAULT_ACTIVE, DEVICES, DTYPE_BYTES
 
     p = subparsers.add_parser(
@@ -59,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--loss-chunks", type=int, default=_DEFAULTS.loss_chunks, metavar="N",
                    help="language models: the head and loss computed N chunks of tokens at a time, never the full "
                         f"logits; 0: the plain loss (default {_DEFAULTS.loss_chunks}, as sdp train)")
+    p.add_argument("--construction", default="auto", choices=list_constructions(),
+                   help="the SDP rows' mask design, as sdp train --construction (default auto); cyclic: holder "
+                        "sets of consecutive ranks, which add the fewest ring neighbours to the world's NCCL "
+                        "communicator (--device cuda), at a lower spectral gap (which only overlap averaging uses)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -71,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from sdp_train.trainer.memory import format_bytes
 
     if args.budgets is not None:
+        if args.construction != "auto":
+            raise ConfigError(f"--construction {args.construction} designs the plain plan's masks; --budgets designs "
+                              "its own mask for the devices (masklab.design_for_costs)")
         return _run_budgets(args)
     for flag in ("mask_out", "costs_out"):
         if getattr(args, flag) is not None:
@@ -82,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     rows = plan_systems(args.model, workers=args.workers, memory_per_device=budget, ac=args.ac, fsdp=args.fsdp,
                         actives=tuple(args.active), batch_size=args.batch_size, seq_len=args.seq_len,
                         dtype=args.dtype, image_size=args.image_size, device=args.device,
-                        loss_chunks=args.loss_chunks)
+                        loss_chunks=args.loss_chunks, construction=args.construction)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

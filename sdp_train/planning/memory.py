@@ -152,7 +152,7 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
             fsdp: bool = False, batch_size: int = 8, seq_len: int = 64, dtype: str = "float32",
             mask: Mask | str | Path | None = None, model_overrides: Mapping[str, Any] | None = None,
             image_size: int = 8, seed: int = 0, device: str = "cpu",
-            loss_chunks: int = TrainConfig.loss_chunks) -> dict[str, Any]:
+            loss_chunks: int = TrainConfig.loss_chunks, construction: str = "auto") -> dict[str, Any]:
     """Predicted peak memory of the largest rank, in bytes, with its breakdown.
 
     Parameters
@@ -179,6 +179,10 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
         Image side for vision models (8: the digits ``sdp train`` uses by default; 32: CIFAR).
     seed : int
         Seed of the mask design.
+    construction : str
+        The mask design's construction (``sdp train --construction``; `masklab.design`): ``cyclic``
+        gives holder sets of consecutive ranks, whose rings add the fewest neighbours to the world's
+        (at most 2 per rank here), so the fewest communicator bytes on ``cuda``.
     device : {"cpu", "cuda"}
         Where the ranks run: on ``"cuda"`` each rank's NCCL communicators are counted
         (`communicator_bytes` each), on ``"cpu"`` gloo's are not.
@@ -216,11 +220,12 @@ def predict(model: str | ModelConfig, *, mode: str, workers: int, active: float 
     # the same checks as `sdp train` (the mask itself is checked against the model below)
     TrainConfig(model=config.name, mode=mode, workers=workers, active=active if mask is None else None,
                 mask=None if mask is None else "given", batch_size=batch_size, seq_len=seq_len, fsdp=fsdp,
-                activation_checkpointing=ac, seed=seed, loss_chunks=loss_chunks)
+                activation_checkpointing=ac, seed=seed, loss_chunks=loss_chunks, construction=construction)
     if hasattr(config, "max_seq_len") and seq_len > config.max_seq_len:
         raise ConfigError(f"seq_len={seq_len} exceeds {config.name}'s max_seq_len={config.max_seq_len}")
     per_communicator = communicator_bytes(device)
-    matrix = None if mode in ("ddp", "fsdp") else _mask_matrix(config, mode, workers, active, mask, seed)
+    matrix = None if mode in ("ddp", "fsdp") else _mask_matrix(config, mode, workers, active, mask, seed,
+                                                               construction)
     elem = DTYPE_BYTES[dtype]
     held = _held(config, mode, matrix, workers)
     groups = process_group_holder_sets(config, mode, held, workers, fsdp=fsdp)
@@ -357,12 +362,14 @@ def _model_config(model: str | ModelConfig, overrides: Mapping[str, Any] | None,
     return dataclasses.replace(model, **changes) if changes else model
 
 
-def _mask_matrix(config: ModelConfig, mode: str, workers: int, active: float | None, mask, seed: int) -> np.ndarray:
+def _mask_matrix(config: ModelConfig, mode: str, workers: int, active: float | None, mask, seed: int,
+                 construction: str = "auto") -> np.ndarray:
     from sdp_train.trainer.prepare import design_for_model
 
     level = LEVEL_OF_MODE[mode]
     if mask is None:
-        cfg = TrainConfig(model=config.name, mode=mode, workers=workers, active=active, seed=seed)
+        cfg = TrainConfig(model=config.name, mode=mode, workers=workers, active=active, seed=seed,
+                          construction=construction)
         with _no_init():
             mask = design_for_model(cfg, config)
     elif not isinstance(mask, Mask):

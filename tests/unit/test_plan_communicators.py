@@ -89,3 +89,30 @@ def test_cli_prints_the_saving_against_ddp_and_the_communicators_share_of_it(cap
     bsdp = next(line for line in lines if line.startswith("B-SDP ")).split()
     assert bsdp[-2] == f"{share['communicator_share']:.0%}"  # then fits
     assert any("per ring neighbour its groups add" in line for line in lines)
+
+
+def test_a_cyclic_design_adds_at_most_two_ring_neighbours_and_the_cli_plans_it(monkeypatch, capsys):
+    """Issue 27: the communicators as a share of what SDP saves, the world's counted too. The auto design's
+    holder sets are spread over the ranks (each adds ring neighbours); ``--construction cyclic`` takes
+    consecutive ranks, whose rings run along the world's: at most 2 new neighbours per rank."""
+    monkeypatch.delenv("NCCL_COMM_SPLIT_SHARE_RESOURCES", raising=False)
+    for env in ("SDP_NCCL_COMMUNICATOR_BYTES", "SDP_NCCL_PEER_BYTES"):
+        monkeypatch.delenv(env, raising=False)
+    ddp = predict("llama-1b", mode="ddp", workers=16, device="cuda")
+    rows = {c: predict("llama-1b", mode="nsdp", workers=16, active=0.5, device="cuda", construction=c)
+            for c in ("auto", "cyclic")}
+    assert rows["cyclic"]["communicator_peers"] <= 2 < rows["auto"]["communicator_peers"]
+    for row in rows.values():  # the same saving: the held bytes do not depend on which ranks hold a block
+        assert communicator_share(row, ddp)["saved_vs_ddp"] == communicator_share(rows["auto"], ddp)["saved_vs_ddp"]
+    cyclic = communicator_share(rows["cyclic"], ddp)
+    assert rows["cyclic"]["communicators"] / cyclic["saved_vs_ddp"] <= 0.25  # the world's communicator included
+    assert main(["plan", "--model", "llama-debug", "--workers", "6", "--memory-per-device", "2GiB", "--device", "cuda",
+                 "--batch-size", "2", "--seq-len", "16", "--active", "0.5", "--construction", "cyclic", "--json"]) == 0
+    import json
+
+    planned = {r["system"]: r for r in json.loads(capsys.readouterr().out)}
+    want = predict("llama-debug", mode="bsdp", workers=6, active=0.5, device="cuda", construction="cyclic", **LLAMA)
+    assert planned["B-SDP"]["communicator_peers"] == want["communicator_peers"]
+    assert main(["plan", "--model", "llama-debug", "--workers", "4", "--budgets", "1GiB,1GiB,1GiB,1GiB",
+                 "--construction", "cyclic"]) == 2
+    assert "--construction cyclic designs the plain plan's masks" in capsys.readouterr().err
