@@ -84,7 +84,7 @@ class OverlapAveraging(nn.Module):
 
     def __init__(self, module: nn.Module, *, mask: Mask | str | None = None, active: float | None = None,
                  schedule: Schedule | None = None, blocks: str | Sequence[str | nn.Module] | None = None,
-                 local_steps: int = 1, seed: int = 0) -> None:
+                 local_steps: int = 1, seed: int = 0, _start_equal: bool = True) -> None:
         super().__init__()
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ConfigError(f"local_steps must be a positive integer, got {local_steps!r}")
@@ -107,6 +107,7 @@ class OverlapAveraging(nn.Module):
         self.rounds = Rounds(self.mask, seed, counts=True)
         self.bytes = ByteCount()
         self.optimizers_registered = 0
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         tensors = dict(module.state_dict(keep_vars=True))
         params = set(self.layout.parameter_names)
         self._tensors = {n: tensors[n] for n in [*self.layout.parameter_names,
@@ -118,7 +119,7 @@ class OverlapAveraging(nn.Module):
         self._round_key: bytes | None = None
         self._buckets: list[_Bucket] = []
         self._device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
-        if self.world_size > 1:
+        if self.world_size > 1 and _start_equal:
             with torch.no_grad():
                 for t in tensors.values():  # one starting point for every copy
                     dist.broadcast(t.data, src=0)
@@ -159,8 +160,26 @@ class OverlapAveraging(nn.Module):
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s steps: after every ``local_steps``-th, average each block among its
         holders and switch to the next round's mask. The hooks hold this wrapper weakly."""
-        optimizer.register_step_post_hook(_weak(weakref.ref(self), "step_done"))
+        self._hooks.append(optimizer.register_step_post_hook(_weak(weakref.ref(self), "step_done")))
         self.optimizers_registered += 1
+
+    def close(self) -> None:
+        """Remove the optimizer hooks and drop the holder groups (after the last collective)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._groups, self._buckets, self._round_key = [], {}, [], None
+
+    def for_survivors(self, mask: Mask) -> OverlapAveraging:
+        """This wrapper over the survivors of a lost worker, in their new world (the default group
+        after `sdp_train.trainer.membership` re-formed it): the same module, each worker's own copy
+        and the step count kept, `mask` (the survivors' rows of a static mask) in force. Call
+        `close` on this one first and `register_optimizer` on the new one."""
+        if not self.mask.schedule.is_static:
+            raise ConfigError("overlap averaging continues after a lost worker with a static mask only")
+        new = OverlapAveraging(self.module, mask=mask, blocks=list(self.layout.blocks), local_steps=self.local_steps,
+                               seed=self.seed, _start_equal=False)
+        new.load_schedule_state(self.schedule_state())
+        return new
 
     def step_done(self) -> None:
         """One optimizer step has been taken (the registered hook calls this; every rank must).

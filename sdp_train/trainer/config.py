@@ -28,7 +28,8 @@ MAX_WORKERS = 4096  # larger K would not finish designing/certifying a mask (den
 NONFINITE_POLICIES = ("stop", "skip")  # what a non-finite loss or gradient norm does
 COMPUTE_DTYPES = ("float32", "bfloat16")  # TrainConfig.dtype: the forward's, under autocast for bfloat16
 WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_train.trainer.membership`)
-SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose survivors can continue without rollback (static masks)
+# modes whose survivors can continue without rollback (static masks)
+SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")
 
 
 @dataclass(kw_only=True)
@@ -145,11 +146,11 @@ class TrainConfig:
     ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
     on_worker_loss: str = "stop"
     """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
-    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp``, static
-    mask: the survivors agree on who is left, train on with the dead rows dropped from the mask,
-    rerunning only the interrupted step (Bb-SDP: not rerunning a step every survivor applied, whose
-    new values are sent again), without a checkpoint; a loss that leaves a block without holder
-    stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
+    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp``,
+    ``overlap``, static mask: the survivors agree on who is left, train on with the dead rows dropped
+    from the mask, rerunning only the interrupted step (Bb-SDP and overlap: not rerunning a step every
+    survivor applied, whose new values are sent or averaged again), without a checkpoint; a loss that
+    leaves a block without holder stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
@@ -283,8 +284,10 @@ class TrainConfig:
         why = None
         if self.mode not in SURVIVABLE_MODES:
             why = f"mode {self.mode!r}: continuing is built for {', '.join(SURVIVABLE_MODES)}"
-        elif self.schedule not in (None, "static") or self.fsdp or self.local_steps != 1:
-            why = "a static mask averaged every step without fsdp (no --schedule, --fsdp or --local-steps)"
+        elif (self.schedule not in (None, "static") or self.fsdp
+              or (self.local_steps != 1 and self.mode != "overlap")):
+            why = ("a static mask without fsdp, averaged every step or by overlap averaging (no --schedule, --fsdp, "
+                   "or --local-steps outside mode overlap)")
         elif self.max_restarts:
             why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
         elif self.workers < 2:

@@ -9,8 +9,8 @@ other live ranks on the survivors through the store (`agree`: the first decision
 refuses a loss that leaves a block without holder (`decide`), re-forms the world over a new store
 prefix with the survivors renumbered in the old order, and has the run rebuild its holder groups
 and sync for the survivors' mask (`masklab.failures.survivors_mask`). The run then reruns the
-interrupted step on its batch, unless every survivor had applied it (Bb-SDP, lost during the
-broadcast of the new values). Why the store and not torchft: docs/design.md §7.
+interrupted step on its batch, unless every survivor had applied it (Bb-SDP and overlap averaging,
+lost while the new values were sent or averaged). Why the store and not torchft: docs/design.md §7.
 
 Not here: what a mode rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`), the loop that
 reruns the step (`sdp_train.trainer.train`). Rejoining workers are not built.

@@ -332,6 +332,19 @@ class OverlapSync(ModeSync):
     def load_schedule_state(self, state: dict[str, int]) -> None:
         self.overlap.load_schedule_state(state)
 
+    def close(self) -> None:
+        self.overlap.close()
+
+    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo) -> OverlapSync:
+        """The survivors' wrapper over the same copies (`OverlapAveraging.for_survivors`). If the last step
+        taken ended a round, its average is taken again among the survivors: a loss during the average
+        leaves some blocks averaged with the lost worker's copy and others not, while averaging again
+        what the survivors already agree on changes nothing (docs/design.md §7)."""
+        overlap = self.overlap.for_survivors(mask)
+        if overlap.steps and overlap.steps % overlap.local_steps == 0:
+            overlap.average()
+        return OverlapSync(overlap, info)
+
 
 def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     """This rank's model, made and wrapped for ``prep.config.mode`` (`sdp_train.trainer.prepare.Prepared`).

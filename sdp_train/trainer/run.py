@@ -199,11 +199,12 @@ class Run:
             grads.clip_(grads.grads_of(self.model.parameters()), clip_sq, cfg.grad_clip)
         if cfg.nonfinite == "skip":
             self.optimizer.found_inf = nonfinite.float()
-        self.optimizer.step()
+        # set before the optimizer step, whose post-hooks may communicate (overlap averaging averages
+        # there, Bb-SDP sends the new values in `after_step`): a worker lost then interrupts a step that
+        # every survivor has applied, so they go on with the next, not rerun it (`train_prepared`)
         self.steps_applied = step + 1
-        # kept for a worker lost in `after_step` (Bb-SDP sends the new values there): the survivors
-        # have all applied this step, so they go on with the next, not rerun it (`train_prepared`)
         self.applied_stats = StepStats(stats[0] / self.info.world_size, grad_norm, lr, nonfinite)
+        self.optimizer.step()
         sync.after_step()
         if step + 1 < cfg.steps:  # after the last step no round follows: nothing may move for one
             sync.enter_next_round()

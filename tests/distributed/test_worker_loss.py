@@ -1,5 +1,5 @@
-"""Losing a worker without rollback: ``sdp train --mode bsdp|nsdp|bbsdp --on-worker-loss continue`` on 3
-gloo ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to.
+"""Losing a worker without rollback: ``sdp train --mode bsdp|nsdp|bbsdp|overlap --on-worker-loss
+continue`` on 3 gloo ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to.
 
 The fault is the test-only ``SDP_TEST_KILL_AT_STEP=STEP:RANK`` (`sdp_train.trainer.faults`): the rank
 kills itself after step STEP's collectives, before its optimizer step, so the survivors apply step
@@ -9,7 +9,7 @@ sending the new values after the optimizer step: they agree that they applied it
 again from its lowest-ranked surviving holder and go on with step STEP + 1. One launch per mode
 checks: exit 0; the membership change recorded at the failing step in summary.json and its metrics
 line, every step's line once; the holders of every tensor (N-SDP: every row or column; Bb-SDP:
-every tensor) identical at the end (each survivor's rank
+every tensor; overlap averaging: every block both hold) identical at the end (each survivor's rank
 file of the final checkpoint, written after the last step); and the final model, and every step's
 loss, equal to a single-process reference that averages each entry over its holders among the
 members of the step, with 3 workers
@@ -32,11 +32,12 @@ STEPS, KILL_STEP, KILL_RANK = 6, 2, 0
 ARGS = ["--model", "llama-debug", "--active", "0.67", "--workers", "3", "--steps", str(STEPS),
         "--batch-size", "2", "--seq-len", "16", "--max-data-bytes", "100000", "--eval-batches", "1",
         "--memory-steps", "0", "--warmup-steps", "2", "--seed", "3", "--on-worker-loss", "continue"]
-LEVEL = {"bsdp": "block", "nsdp": "neuron", "bbsdp": "block"}
+LEVEL = {"bsdp": "block", "nsdp": "neuron", "bbsdp": "block", "overlap": "block"}
 # The step whose collective fails on the survivors: B-/N-SDP send nothing after the optimizer step, so
 # the survivors apply step KILL_STEP and fail in step KILL_STEP + 1, which they rerun; Bb-SDP fails in
 # KILL_STEP's broadcast of the new values, after every survivor applied it, and goes on with the next.
-CHANGE_STEP = {"bsdp": KILL_STEP + 1, "nsdp": KILL_STEP + 1, "bbsdp": KILL_STEP}
+# Overlap averaging (every step here, local_steps 1) averages in the optimizer step's hook: the same as Bb-SDP.
+CHANGE_STEP = {"bsdp": KILL_STEP + 1, "nsdp": KILL_STEP + 1, "bbsdp": KILL_STEP, "overlap": KILL_STEP}
 
 
 @pytest.fixture(scope="module", params=sorted(LEVEL))
@@ -66,6 +67,8 @@ def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
 
     cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, "--out", "unused"]))
     prep = prepare(cfg)
+    if mode == "overlap":
+        return _overlap_reference(cfg, prep)
     model, _, subnetwork = from_sdp_train(prep.model_config, LEVEL[mode], seed=cfg.seed)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -95,6 +98,66 @@ def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
         opt.step()
         losses.append(sum(v.item() for v in values) / len(members))
     return model.state_dict(), losses
+
+
+def _overlap_reference(cfg, prep) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Overlap averaging on one process: a copy and an AdamW per worker over its held blocks and the
+    shared tensors, each clipped by its own norm; after every step each tensor is replaced by its
+    mean over its holders among the survivors of that step (the lost worker took no step 2)."""
+    import copy
+
+    from sdp_train.data import build_batches
+    from sdp_train.testing import from_sdp_train
+    from sdp_train.trainer.run import loss_fn, lr_at
+
+    base, _, _ = from_sdp_train(prep.model_config, "block", seed=cfg.seed)
+    matrix = prep.mask.matrix.astype(bool)
+
+    def block(name: str) -> int | None:
+        return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+    copies, opts = [], []
+    for k in range(3):
+        model = copy.deepcopy(base)
+        params = {n: p for n, p in model.named_parameters() if block(n) is None or matrix[k, block(n)]}
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in params)
+        opts.append(torch.optim.AdamW(
+            [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+             {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8))
+        copies.append(model)
+    batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
+    losses = []
+    for step in range(STEPS):
+        members = [0, 1, 2] if step < KILL_STEP else [k for k in range(3) if k != KILL_RANK]
+        stepping = [0, 1, 2] if step != KILL_STEP else members  # at KILL_STEP rank 0 computes its loss, then dies
+        values = []
+        for k in (range(3) if step <= KILL_STEP else members):
+            x, y = next(batches[k])
+            loss = loss_fn(copies[k](x), y)
+            values.append(loss.item())
+            if k in stepping:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for p in copies[k].parameters() if p.requires_grad], cfg.grad_clip)
+                for group in opts[k].param_groups:
+                    group["lr"] = lr_at(step, cfg)
+                opts[k].step()
+                opts[k].zero_grad()
+        losses.append(sum(values) / len(values))
+        with torch.no_grad():
+            states = [dict(m.named_parameters()) for m in copies]
+            for name in states[0]:
+                holders = [k for k in members if block(name) is None or matrix[k, block(name)]]
+                mean = sum(states[k][name] for k in holders) / len(holders)
+                for k in holders:
+                    states[k][name].copy_(mean)
+    survivors = [k for k in range(3) if k != KILL_RANK]
+    final = {}
+    for name, value in copies[survivors[0]].state_dict().items():
+        holders = [k for k in survivors if block(name) is None or matrix[k, block(name)]]
+        final[name] = copies[holders[0]].state_dict()[name]
+    return final, losses
 
 
 def _backward_masked_update(model, matrix, members: list[int], batches: list, loss) -> dict[str, torch.Tensor]:
@@ -152,7 +215,7 @@ def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_
     assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode]]
     assert metrics[CHANGE_STEP[mode]]["membership"]["workers"] == survivors
     assert f"lost worker {KILL_RANK}; workers 1, 2 continue without rollback" in proc.stdout
-    assert ("having applied this step, from the next step" in proc.stdout) == (mode == "bbsdp")
+    assert ("having applied this step, from the next step" in proc.stdout) == (CHANGE_STEP[mode] == KILL_STEP)
     assert f"lost rank {KILL_RANK} (exit code -9)" in proc.stderr
 
     # holders identical: each survivor's copy of every tensor it holds, from the checkpoint after the last step
@@ -162,11 +225,12 @@ def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_
     assert any(name.startswith("layers.") for name in shared)
     if mode == "bbsdp":  # every survivor runs the whole model: every tensor the same on both
         assert set(ranks[0]) == set(ranks[1]) and all(torch.equal(ranks[0][n], ranks[1][n]) for n in shared)
-    else:
+    else:  # overlap averaging: each keeps a copy of the whole model, of which the holders agree
         specs = _held(mode, [k for k in range(3) if k != KILL_RANK])
         for name in shared:
-            a, b = _common_part(specs, ranks, name)
-            assert torch.equal(a, b), name
+            if name in specs[0] and name in specs[1]:
+                a, b = _common_part(specs, ranks, name)
+                assert torch.equal(a, b), name
 
     from safetensors.torch import load_file
 
@@ -175,7 +239,7 @@ def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_
     assert set(model) == set(expected)
     # Bb-SDP: every worker's backward runs through the whole model, and AdamW's step, about lr per
     # entry whatever the gradient's size, turns the reordered sums' rounding into up to ~1e-5 (measured)
-    atol = 5e-5 if mode == "bbsdp" else 1e-5
+    atol = 5e-5 if mode in ("bbsdp", "overlap") else 1e-5
     for name, value in expected.items():
         torch.testing.assert_close(model[name], value, rtol=1e-4, atol=atol, msg=name)
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)

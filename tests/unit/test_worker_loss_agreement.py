@@ -87,9 +87,10 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"mode": "overlap"}, "mode 'overlap': continuing is built for bsdp, nsdp, bbsdp"),
-    ({"schedule": "permute"}, "a static mask averaged every step"),
-    ({"fsdp": True}, "a static mask averaged every step"),
+    ({"mode": "ddp"}, "mode 'ddp': continuing is built for bsdp, nsdp, bbsdp, overlap"),
+    ({"schedule": "permute"}, "a static mask without fsdp"),
+    ({"fsdp": True}, "a static mask without fsdp"),
+    ({"local_steps": 2}, "or --local-steps outside mode overlap"),
     ({"max_restarts": 1}, "max_restarts=1"),
     ({"workers": 1}, "workers=1"),
     ({"on_worker_loss": "rejoin"}, "not one of ('stop', 'continue')"),
