@@ -116,6 +116,17 @@ def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, ste
     return MembershipChange(step, lost, tuple(workers[k] for k in rows), tuple(rows), survivors_mask(mask, gone))
 
 
+def agreement_timeout() -> timedelta:
+    """How long the survivors wait for each other to join an agreement: twice the collective timeout.
+
+    A survivor learns of a loss from a collective that fails. One blocked in a collective with
+    another survivor that has already left it (for the agreement) fails only when that collective
+    times out, so it may join up to one collective timeout after the first; a wait of one timeout
+    would then decide without it, and it would stop although alive (seen under load in the suite).
+    """
+    return 2 * collective_timeout()
+
+
 def agree(store: dist.Store, generation: int, worker: int, workers: Sequence[int], applied: int, *,
           timeout: timedelta) -> dict[int, int]:
     """The live workers of `workers` and the steps each applied, the same on every one of them.
@@ -166,7 +177,7 @@ class Survival:
             destroy_distributed()  # closes this rank's connections: a peer waiting on one of them fails now
             self.generation += 1
             joined = agree(self.store, self.generation, self.worker, self.workers, run.steps_applied,
-                           timeout=collective_timeout())
+                           timeout=agreement_timeout())
             if self.worker not in joined:
                 raise WorkerLossError(f"step {step}: worker {self.worker} joined the survivors after they had "
                                       "decided without it; it stops") from error

@@ -16,7 +16,7 @@ from masklab.failures import is_fatal
 from masklab.testing.strategies import masks
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.config import TrainConfig
-from sdp_train.trainer.membership import WorkerLossError, agree, decide, exited_key
+from sdp_train.trainer.membership import WorkerLossError, agree, agreement_timeout, decide, exited_key
 
 MASK = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
 
@@ -71,6 +71,26 @@ def _agree_in_threads(store, generation: int, applied: dict[int, int], workers=(
     for t in threads:
         t.join()
     return results
+
+
+def test_a_survivor_blocked_for_a_whole_collective_timeout_still_joins_the_agreement(store, monkeypatch):
+    """Worker 1 learns of the loss only when its collective with worker 2 times out (worker 2 left it
+    for the agreement): it joins one collective timeout late and must still be in the decision."""
+    monkeypatch.setenv("SDP_COLLECTIVE_TIMEOUT_S", "0.5")
+    store.set(exited_key(0), "-9")
+    results: dict[int, dict] = {}
+
+    def join(worker: int, delay: float) -> None:
+        threading.Event().wait(delay)
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+        results[worker] = agree(client, 1, worker, (0, 1, 2), 3, timeout=agreement_timeout())
+
+    threads = [threading.Thread(target=join, args=(2, 0.0)), threading.Thread(target=join, args=(1, 0.7))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {1: {1: 3, 2: 3}, 2: {1: 3, 2: 3}}
 
 
 def test_live_workers_agree_at_once_on_every_worker_the_launcher_did_not_mark_exited(store):
