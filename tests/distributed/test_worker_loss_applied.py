@@ -1,0 +1,23 @@
+"""Losing a worker in Bb-SDP and overlap averaging (``--on-worker-loss continue``), whose survivors fail
+after applying the step (in the broadcast or the average of the new values) and go on with the next.
+The runs and their checks are tests/distributed/test_worker_loss.py's (module doc there); a module of
+their own so that pytest-xdist runs them beside B-SDP's and N-SDP's."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_worker_loss import check_survivors, run_mode
+
+
+@pytest.fixture(scope="module", params=["bbsdp", "overlap"])
+def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
+    return run_mode(request.param, tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_row(run):
+    check_survivors(*run)
