@@ -1,6 +1,6 @@
 """Losing a second worker during the recovery from the first (``--on-worker-loss continue``): the
 survivors agree again and refuse, in one line, a loss that leaves a block without holder. Its own
-module (the run waits about 30 s for a world that cannot form), so that pytest-xdist runs it beside
+module (the run waits about 15 s for a world that cannot form), so that pytest-xdist runs it beside
 the other worker-loss launches of tests/distributed/test_worker_loss.py and _applied.py."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_a_survivor_lost_during_the_recovery_leaves_a_block_without_holder_and_t
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
            "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:0", "SDP_TEST_KILL_IN_RECOVERY": "1",
-           "SDP_COLLECTIVE_TIMEOUT_S": "30"}
+           "SDP_COLLECTIVE_TIMEOUT_S": "15"}  # the survivors' agreement waits twice that
     proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", "bsdp", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 1, proc.stderr[-8000:]

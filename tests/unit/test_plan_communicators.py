@@ -98,8 +98,8 @@ def test_a_cyclic_design_adds_at_most_two_ring_neighbours_and_the_cli_plans_it(m
     monkeypatch.delenv("NCCL_COMM_SPLIT_SHARE_RESOURCES", raising=False)
     for env in ("SDP_NCCL_COMMUNICATOR_BYTES", "SDP_NCCL_PEER_BYTES"):
         monkeypatch.delenv(env, raising=False)
-    ddp = predict("llama-1b", mode="ddp", workers=16, device="cuda")
-    rows = {c: predict("llama-1b", mode="nsdp", workers=16, active=0.5, device="cuda", construction=c)
+    ddp = predict("llama-1b", mode="ddp", workers=8, device="cuda")
+    rows = {c: predict("llama-1b", mode="nsdp", workers=8, active=0.5, device="cuda", construction=c)
             for c in ("auto", "cyclic")}
     assert rows["cyclic"]["communicator_peers"] <= 2 < rows["auto"]["communicator_peers"]
     for row in rows.values():  # the same saving: the held bytes do not depend on which ranks hold a block
