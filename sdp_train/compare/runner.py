@@ -603,7 +603,8 @@ def check_devices(preset_name: str, preset: Preset, planned: list[Planned] | Non
     if len(memory) < preset.workers:
         have = f"{len(memory)}" if memory else "none (torch.cuda.is_available() is False)"
         raise ConfigError(f"preset {preset_name} runs one rank per CUDA device and needs {preset.workers}; this "
-                          f"machine has {have}. The cpu-small preset runs on CPUs")
+                          f"machine has {have}. The {'cpu-cifar' if preset.needs_data else 'cpu-small'} preset "
+                          "runs on CPUs")
     if planned is None:
         return
     smallest = min(memory[:preset.workers])

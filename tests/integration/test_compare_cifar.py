@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from sdp_train.cli import main
 from sdp_train.compare import runner as compare_mod
 from sdp_train.compare.runner import PRESETS, plan_runs
@@ -33,6 +35,13 @@ def test_an_image_preset_without_its_data_is_refused_in_one_line(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pass --data cifar:DIR" in err, err
     assert not (tmp_path / "cmp").exists()
+    # a GPU image preset on this CPU machine points at the CPU image preset, not the language one
+    root = write_cifar_dir(tmp_path / "data", train=64, test=32)
+    if not torch.cuda.is_available():
+        assert main(["compare", "--preset", "cifar10-resnet18", "--data", f"cifar:{root}",
+                     "--out", str(tmp_path / "cmp")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "The cpu-cifar preset runs on CPUs" in err, err
 
 
 def test_the_cpu_cifar_smoke_comparison_trains_every_system_and_reports_accuracy(tmp_path, monkeypatch):
