@@ -15,6 +15,7 @@ import fcntl
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 LAUNCHES: dict[int, tuple[str, ...]] = {  # ranks -> the modules whose rank work runs in that launch
@@ -50,19 +51,32 @@ def shared_out(tmp_path_factory, module: str) -> Path:
     return root / module
 
 
-def main(out: Path) -> None:
+def run_alone(rank_work: Callable[[Path], None], out: str | Path) -> None:
+    """One module's ``rank_work`` on its own, each rank in a gloo group made around it (the
+    modules' ``__main__``: ``python -m torch.distributed.run --standalone --nproc-per-node K
+    tests/distributed/test_NAME.py OUTDIR``)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
+        rank_work(Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(out: Path) -> None:
+    """Every module of the launch with this world size, one after another, in one process group."""
+    import torch.distributed as dist
+
+    def every_module(out: Path) -> None:
         for name in LAUNCHES[dist.get_world_size()]:
             (out / name).mkdir(exist_ok=True)
             importlib.import_module(f"tests.distributed.{name}").rank_work(out / name)
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+    run_alone(every_module, out)
 
 
 if __name__ == "__main__":

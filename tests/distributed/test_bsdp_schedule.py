@@ -110,18 +110,6 @@ def _wrapped():
     return model, opt
 
 
-def rank_main(out: Path) -> None:
-    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/shared_launch.py shares among modules."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        rank_work(out)
-    finally:
-        dist.destroy_process_group()
-
-
 def rank_work(out: Path) -> None:
     """What each rank runs and saves into `out`, in a process group that exists."""
     import torch.distributed as dist
@@ -270,5 +258,6 @@ def test_a_run_resumed_in_the_middle_of_the_schedule_goes_on_bit_for_bit(out, ra
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    rank_main(Path(sys.argv[1]))
+    from tests.distributed.shared_launch import run_alone
+
+    run_alone(rank_work, sys.argv[1])

@@ -155,18 +155,6 @@ def unchanged_blocks(sdp, initial: dict, full: dict) -> list[str]:
     return [b for b in sdp.layout.blocks if all(torch.equal(initial[n], full[n]) for n in full if n.startswith(f"{b}."))]
 
 
-def main(out: str) -> None:
-    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/shared_launch.py shares among modules."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        rank_work(Path(out))
-    finally:
-        dist.destroy_process_group()
-
-
 def rank_work(out: Path) -> None:
     """What each rank runs and saves into `out`, in a process group that exists."""
     import torch.distributed as dist
@@ -252,4 +240,6 @@ def test_an_accelerate_loop_with_the_documented_recipe_keeps_holders_identical(r
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from tests.distributed.shared_launch import run_alone
+
+    run_alone(rank_work, sys.argv[1])

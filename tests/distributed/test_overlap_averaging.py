@@ -77,18 +77,6 @@ def optimizer_for(params, sgd: bool = False) -> torch.optim.Optimizer:
 
 
 # -- the ranks ----------------------------------------------------------------------------------
-def rank_main(out: Path) -> None:
-    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/shared_launch.py shares among modules."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        rank_work(out)
-    finally:
-        dist.destroy_process_group()
-
-
 def rank_work(out: Path) -> None:
     """What each rank runs and saves into `out`, in a process group that exists."""
     import torch.distributed as dist
@@ -259,4 +247,6 @@ def test_exported_model_is_the_holder_average_and_a_complete_mask_equals_ddp(ran
 
 
 if __name__ == "__main__":
-    rank_main(Path(sys.argv[1]))
+    from tests.distributed.shared_launch import run_alone
+
+    run_alone(rank_work, sys.argv[1])

@@ -66,18 +66,6 @@ def _wrapped(kind: str):
                                   init=lambda m: m.init_weights(SEED))
 
 
-def rank_main(out: Path) -> None:
-    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/shared_launch.py shares among modules."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        rank_work(out)
-    finally:
-        dist.destroy_process_group()
-
-
 def rank_work(out: Path) -> None:
     """What each rank runs and saves into `out`, in a process group that exists."""
     import torch.distributed as dist
@@ -191,4 +179,6 @@ def test_a_run_equals_the_single_process_reference_and_exports_the_full_model(ru
 
 
 if __name__ == "__main__":
-    rank_main(Path(sys.argv[1]))
+    from tests.distributed.shared_launch import run_alone
+
+    run_alone(rank_work, sys.argv[1])

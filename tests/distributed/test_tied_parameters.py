@@ -155,18 +155,6 @@ def _run(model_name: str, run: str, out: Path) -> dict:
     return result
 
 
-def main(out: Path) -> None:
-    """This module's ranks on their own (run by hand); the suite runs `rank_work` in the launch that
-    tests/distributed/shared_launch.py shares among modules."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        rank_work(out)
-    finally:
-        dist.destroy_process_group()
-
-
 def rank_work(out: Path) -> None:
     """What each rank runs and saves into `out`, in a process group that exists."""
     import torch.distributed as dist
@@ -180,7 +168,9 @@ def rank_work(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    from tests.distributed.shared_launch import run_alone
+
+    run_alone(rank_work, sys.argv[1])
 
 
 # -- the tests --------------------------------------------------------------------------------------
