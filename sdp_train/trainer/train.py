@@ -419,9 +419,9 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> tuple[
                 model = model_class(prep.model_config)(prep.model_config)
             model.load_state_dict(full, assign=True)  # the assembled tensors themselves: no second copy
             model.to(run.device)  # assembled on CPU (`full_state_dict`): a no-op there, one copy on a GPU
-        if recalibrate_batch_norm(model, prep, prep.config.workers, run.device):
-            # the model file holds the statistics this validation uses (the UserModel path copied `full`)
-            full = {**full, **{n: b for n, b in model.state_dict().items() if n in full and _is_bn_stat(model, n)}}
+        # the model file holds the statistics this validation uses (the UserModel path copied `full`)
+        full |= {n: t for n, t in recalibrate_batch_norm(model, prep, prep.config.workers, run.device).items()
+                 if n in full}
         if save_to is not None:
             save_model(save_to, full, config=getattr(model, "config", None))
         total += validation_sums(model, prep, prep.config.workers, run.device)  # every worker's shard, lost or not
@@ -439,32 +439,27 @@ def bn_recalibration_batches(cfg: TrainConfig) -> int:
     return cfg.eval_batches if cfg.mode in ("bsdp", "nsdp") else 0
 
 
-def _batch_norms(model: torch.nn.Module) -> list[torch.nn.modules.batchnorm._BatchNorm]:
-    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-            and m.track_running_stats]
-
-
-def _is_bn_stat(model: torch.nn.Module, name: str) -> bool:
-    owner, _, leaf = name.rpartition(".")
-    return leaf in ("running_mean", "running_var", "num_batches_tracked") and any(
-        m is model.get_submodule(owner) for m in _batch_norms(model))
+_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 @torch.no_grad()
-def recalibrate_batch_norm(model: torch.nn.Module, prep: Prepared, world_size: int, device: torch.device) -> bool:
+def recalibrate_batch_norm(model: torch.nn.Module, prep: Prepared, world_size: int, device: torch.device
+                           ) -> dict[str, torch.Tensor]:
     """Recompute the running mean and variance of every BatchNorm layer of the full `model` as the
     plain average over the first `bn_recalibration_batches` training batches of every rank's shard,
-    forward passes in train mode that update nothing else; returns whether it did (the model has
-    BatchNorm layers and the count is > 0).
+    forward passes in train mode that update nothing else; returns the new statistics by state-dict
+    name (empty where nothing was done: no BatchNorm layer, or a count of 0).
 
     Under forward masking (B-SDP, N-SDP) a block's statistics are those of its holders' subnetworks,
     whose inputs skip the blocks they do not hold; the assembled full model feeds it other inputs,
     which these statistics match (docs/design.md, "Evaluating the assembled model")."""
-    norms, batches = _batch_norms(model), bn_recalibration_batches(prep.config)
+    norms = {name: m for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats}
+    batches = bn_recalibration_batches(prep.config)
     if not norms or not batches:
-        return False
-    momenta = [m.momentum for m in norms]
-    for m in norms:  # new tensors: the assembled ones may be a training rank's own (on CPU)
+        return {}
+    momenta = [m.momentum for m in norms.values()]
+    for m in norms.values():  # new tensors: the assembled ones may be a training rank's own (on CPU)
         m.running_mean, m.running_var = torch.zeros_like(m.running_mean), torch.ones_like(m.running_var)
         m.num_batches_tracked = torch.zeros_like(m.num_batches_tracked)
         m.momentum = None  # a cumulative average over the batches, whatever their order
@@ -476,10 +471,10 @@ def recalibrate_batch_norm(model: torch.nn.Module, prep: Prepared, world_size: i
                 with forward_precision(prep.config, device):
                     model(inputs.to(device))
     finally:
-        for m, momentum in zip(norms, momenta):
+        for m, momentum in zip(norms.values(), momenta):
             m.momentum = momentum
         model.eval()
-    return True
+    return {f"{name}.{stat}" if name else stat: getattr(m, stat) for name, m in norms.items() for stat in _BN_STATS}
 
 
 @torch.no_grad()
