@@ -42,6 +42,9 @@ class ProblemConstants:
         Each f_k is this smooth (A5, local steps only). Defaults to `smoothness`.
     grad_sq : ndarray of shape (B,), optional
         G_j^2: bound on each worker's second moment E||g_{k,j}||^2 (A6, local steps only).
+    round_grad_sq : ndarray of shape (R, B), optional
+        Ghat_{j,r}^2: per round r, bound on the holders' mean of the noise-free block gradient second
+        moment (A6r, overlap averaging only; docs/theory.md Theorem 4.7). Row r is round r.
     """
 
     smoothness: float
@@ -50,6 +53,7 @@ class ProblemConstants:
     suboptimality: float
     worker_smoothness: float | None = None
     grad_sq: np.ndarray | None = None
+    round_grad_sq: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("smoothness", "suboptimality"):
@@ -72,6 +76,14 @@ class ProblemConstants:
                 raise TheoryError(f"{name}={value!r} must be a 1-D array of finite numbers >= 0")
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
+        if self.round_grad_sq is not None:
+            arr = np.array(self.round_grad_sq, dtype=float)
+            if arr.ndim != 2 or arr.shape[1] != np.size(self.sigma_sq) or not np.all(np.isfinite(arr)) \
+                    or np.any(arr < 0):
+                raise TheoryError(f"round_grad_sq must be an (R, {np.size(self.sigma_sq)}) array of finite numbers "
+                                  f">= 0 (one row per round), got shape {arr.shape}")
+            arr.setflags(write=False)
+            object.__setattr__(self, "round_grad_sq", arr)
         if self.sigma_sq.shape != self.zeta_sq.shape:
             raise TheoryError(
                 f"sigma_sq has {self.sigma_sq.size} blocks but zeta_sq has {self.zeta_sq.size}"

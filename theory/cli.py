@@ -160,7 +160,7 @@ def _period_bound(mask: Mask, constants: ProblemConstants, source: dict, args: a
 
 def _overlap_theorem(mask: Mask) -> str:
     """Theorem 6 and the theorem that bounds its consensus deviation (docs/theory.md §4)."""
-    deviation = "Theorem 4.4" if mask.schedule.kind == "permute" else "Theorem 4.6"
+    deviation = "Theorems 4.8 and 4.4" if mask.schedule.kind == "permute" else "Theorems 4.7 and 4.6"
     return f"Theorem 6 (overlap averaging; consensus deviation by {deviation})"
 
 

@@ -13,7 +13,8 @@ mixing operator Q_j = E[Pi_j^T Pi_j] contracts the deviation by lambda_max(Q_j o
 (Theorem 4). g_j is the spectral gap of that operator. For ``permute`` it is the holder-set gap
 (c_j - 1)/(K - 1), equal to gamma(M) for a balanced mask; for ``cyclic`` it is positive whenever
 the rotations reach every worker, although no single round contracts; for a static mask it is 0
-unless c_j = K. Theorem 4.6 bounds the deviation round by round for deterministic schedules; Theorem 6.2
+unless c_j = K. Theorem 4.6 bounds the deviation round by round for deterministic schedules, and Theorems 4.7
+(deterministic) and 4.8 (``permute``) tighten it from per-round displacement sizes (`theory.deviation`); Theorem 6.2
 bounds the mean at period starts for masks held over rounds. This module evaluates rates and bounds; it does
 not simulate (see `theory.simulate.simulate_consensus`).
 """
@@ -37,6 +38,7 @@ from theory.bounds import (
     _check_rounds_align,
     update_statistics,
 )
+from theory.deviation import gram_deviation, permute_deviation
 from theory.errors import AssumptionError, TheoryError
 from theory.holder_sets import permute_holder_set_gaps, permute_variance_coefficients
 
@@ -155,8 +157,10 @@ def consensus_deviation_bound(
     eta: float = 0.0,
     local_steps: int = 1,
     grad_sq: np.ndarray | None = None,
+    round_grad_sq: np.ndarray | None = None,
+    sigma_sq: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Bound on E[Xi_r] for r = 0..rounds (Theorem 4), shape (rounds + 1,).
+    """Bound on E[Xi_r] for r = 0..rounds (Theorems 4.4 and 4.6 to 4.8), shape (rounds + 1,).
 
     Parameters
     ----------
@@ -166,9 +170,13 @@ def consensus_deviation_bound(
         Each round, every worker takes `local_steps` steps of size `eta` on its held blocks before
         the averaging. With ``eta = 0``: sum_j (1 - g_j)^floor(r/P) Xi_j(0).
     grad_sq : ndarray of shape (B,), optional
-        G_j^2 (Assumption A6), required when eta > 0. Then, with q_j = sqrt(1 - g_j), n = floor(r/P),
-        d_j^2 = eta^2 H^2 c_j (1 - c_j/K) G_j^2 and S_j(r) = P (1 - q_j^n)/(1 - q_j) + r - nP,
-        E Xi_j(r) <= (q_j^n sqrt(Xi_j(0)) + d_j S_j(r))^2 (Theorem 4.4).
+        G_j^2 (Assumption A6). With it alone, d_j^2 = eta^2 H^2 c_j (1 - c_j/K) G_j^2 bounds what one
+        round adds, as in Theorem 4.4.
+    round_grad_sq, sigma_sq : ndarray of shape (rounds, B) and (B,), optional
+        Ghat_{j,r}^2 (A6r: the holders' mean noise-free second moment in round r) and sigma_j^2 (A2); then
+        the noise enters as a martingale. One of grad_sq and round_grad_sq is needed when eta > 0.
+        `permute` schedules use Theorem 4.8, deterministic ones Theorem 4.7; each round takes the
+        smaller of that and Theorem 4.4/4.6.
 
     >>> from masklab.mask import Schedule
     >>> m = Mask([[1, 0], [1, 1], [0, 1]], schedule=Schedule("permute", 1))
@@ -184,14 +192,75 @@ def consensus_deviation_bound(
         raise TheoryError(f"rounds={rounds!r} must be an integer >= 0")
     if not (math.isfinite(eta) and eta >= 0):
         raise TheoryError(f"eta={eta!r} must be a finite number >= 0")
-    gap = consensus_rates(mask, local_steps=local_steps)
-    period = consensus_period(mask, local_steps=local_steps)
     if eta == 0.0:
-        n = np.arange(rounds + 1)[:, None] // period
+        gap = consensus_rates(mask, local_steps=local_steps)
+        n = np.arange(rounds + 1)[:, None] // consensus_period(mask, local_steps=local_steps)
         return ((1.0 - gap) ** n * initial).sum(axis=1)
-    drift = deviation_increments(mask, eta=eta, local_steps=local_steps, grad_sq=grad_sq)
-    start, injected = _deviation_factors(gap, period, rounds, mask=mask, local_steps=local_steps)
-    return ((start * np.sqrt(initial) + injected * np.sqrt(drift)) ** 2).sum(axis=1)
+    drift, noise, _ = round_moments(mask, eta=eta, local_steps=local_steps, rounds=rounds, grad_sq=grad_sq,
+                                    round_grad_sq=round_grad_sq, sigma_sq=sigma_sq)
+    return block_deviation_bound(mask, initial, local_steps=local_steps, drift=drift, noise=noise).sum(axis=1)
+
+
+def round_moments(mask: Mask, *, eta: float, local_steps: int, rounds: int, grad_sq: np.ndarray | None,
+                  round_grad_sq: np.ndarray | None = None,
+                  sigma_sq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per round and block, shape (rounds, B) each: (drift, noise, moment) of docs/theory.md Theorem 4.7.
+
+    drift: an L2 bound on the holders' mean displacement, or on its part that is not a martingale
+    difference (eta H sqrt(min(Ghat^2, G^2)) with A6r, eta H G without); noise: E||n||^2 of the
+    martingale part (eta^2 H sigma^2 / c with A6r, 0 without); moment: the holders' mean second moment
+    of the stochastic gradient (min(Ghat^2 + sigma^2, G^2), or G^2), what Theorems 6 and 6.2 charge.
+    """
+    h, b = local_steps, mask.blocks
+    if grad_sq is None and round_grad_sq is None:
+        raise AssumptionError("a deviation bound with local steps (eta > 0) needs grad_sq (G_j^2, A6) "
+                              "or round_grad_sq (A6r)")
+    whole = None
+    if grad_sq is not None:
+        whole = np.asarray(grad_sq, dtype=float)
+        if whole.shape != (b,):
+            raise TheoryError(f"grad_sq has shape {whole.shape}, expected ({b},)")
+    if round_grad_sq is None:
+        moment = np.broadcast_to(whole, (rounds, b))
+        return eta * h * np.sqrt(moment), np.zeros((rounds, b)), moment
+    per_round = np.asarray(round_grad_sq, dtype=float)
+    if per_round.ndim != 2 or per_round.shape[1] != b or per_round.shape[0] < rounds:
+        raise TheoryError(f"round_grad_sq has shape {per_round.shape}, expected at least ({rounds}, {b})")
+    if sigma_sq is None or np.shape(sigma_sq) != (b,):
+        raise TheoryError(f"round_grad_sq needs sigma_sq of shape ({b},) (A2), got {sigma_sq!r}")
+    per_round = per_round[:rounds]
+    sigma_sq = np.asarray(sigma_sq, dtype=float)
+    moment = per_round + sigma_sq
+    if whole is not None:
+        per_round, moment = np.minimum(per_round, whole), np.minimum(moment, whole)
+    noise = np.broadcast_to(eta**2 * h * sigma_sq / mask.coverage, (rounds, b))
+    return eta * h * np.sqrt(per_round), noise, moment
+
+
+def block_deviation_bound(mask: Mask, initial: np.ndarray, *, local_steps: int, drift: np.ndarray,
+                          noise: np.ndarray) -> np.ndarray:
+    """Bound on E Xi_j(r) per round r = 0..R and block, shape (R + 1, B), R = len(drift).
+
+    Theorem 4.8 (`permute`) or 4.7 (deterministic schedules), and per round the smaller of that and
+    Theorem 4.4/4.6 with every round's d_j its largest, sqrt(c_j (1 - c_j/K)) max_s (drift + sqrt(noise)).
+    """
+    h, k = local_steps, mask.workers
+    rounds = drift.shape[0]
+    c = mask.coverage.astype(float)
+    gap = consensus_rates(mask, local_steps=h)
+    period = consensus_period(mask, local_steps=h)
+    largest = np.sqrt(c * (1.0 - c / k)) * (drift + np.sqrt(noise)).max(axis=0, initial=0.0)
+    start, injected = _deviation_factors(gap, period, rounds, mask=mask, local_steps=h)
+    older = (start * np.sqrt(initial) + injected * largest) ** 2
+    if mask.schedule.kind == "permute":
+        return np.minimum(older, permute_deviation(c, k, period, initial, drift, noise))
+    held = np.stack([mask.round_matrix(t * h) > 0 for t in range(period)])
+    newer, covered = gram_deviation(held, initial, drift, noise)
+    if covered < rounds:  # from a period start the schedule repeats: Theorem 4.4/4.6 from the bound there
+        start, injected = _deviation_factors(gap, period, rounds - covered, mask=mask, local_steps=h)
+        rest = (start * np.sqrt(newer[-1]) + injected * largest) ** 2
+        newer = np.concatenate([newer[:-1], rest])
+    return np.minimum(older, newer)
 
 
 def deviation_increments(mask: Mask, *, eta: float, local_steps: int, grad_sq: np.ndarray | None) -> np.ndarray:
@@ -297,29 +366,38 @@ def overlap_bound(
     """
     _check_mask_constants(mask, constants)
     _check_eta_steps(eta, steps, local_steps)
-    if constants.grad_sq is None:
+    if constants.grad_sq is None and constants.round_grad_sq is None:
         raise AssumptionError("overlap averaging needs a bound on the per-worker gradient second moment "
                               "(grad_sq, `--grad-bound`): Theorem 6 bounds the copies' drift with it")
+    _, _, moment = _moments(mask, constants, eta=eta, local_steps=local_steps, rounds=steps // local_steps)
     return _overlap_terms(mask, constants, eta=eta, steps=steps, local_steps=local_steps,
+                          moment_sum=float((moment * mask.coverage).sum(axis=1).mean()),
                           xi_bar=mean_deviation_bound(mask, constants, eta=eta, steps=steps,
                                                       local_steps=local_steps, initial=initial))
 
 
 def mean_deviation_bound(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int, local_steps: int = 1,
                          initial: np.ndarray | None = None, per_block_weight: np.ndarray | None = None) -> float:
-    """(1/R) sum_{r<R} sum_j w_j E Xi_j(r) by Theorem 4.4 (w = 1 unless given); inf where a block with no
-    mixing gap drifts."""
+    """(1/R) sum_{r<R} sum_j w_j E Xi_j(r) by `block_deviation_bound` (w = 1 unless given); inf where a block
+    with no mixing gap drifts."""
     rounds = steps // local_steps
     xi0 = np.zeros(mask.blocks) if initial is None else np.asarray(initial, dtype=float)
     weight = np.ones(mask.blocks) if per_block_weight is None else per_block_weight
-    drift = deviation_increments(mask, eta=eta, local_steps=local_steps, grad_sq=constants.grad_sq)
+    drift, noise, _ = _moments(mask, constants, eta=eta, local_steps=local_steps, rounds=rounds)
     gap = consensus_rates(mask, local_steps=local_steps)
-    if np.any((gap <= 0.0) & (drift > 0.0)):
+    moving = (drift.max(axis=0) + noise.max(axis=0) > 0.0) & (mask.coverage < mask.workers)
+    if np.any((gap <= 0.0) & moving):
         return math.inf
-    start, injected = _deviation_factors(gap, consensus_period(mask, local_steps=local_steps), rounds - 1,
-                                         mask=mask, local_steps=local_steps)
-    per_round = (start * np.sqrt(xi0) + injected * np.sqrt(drift)) ** 2
+    per_round = block_deviation_bound(mask, xi0, local_steps=local_steps, drift=drift[:rounds - 1],
+                                      noise=noise[:rounds - 1])
     return float((per_round * weight).sum(axis=1).mean())
+
+
+def _moments(mask: Mask, constants: ProblemConstants, *, eta: float, local_steps: int,
+             rounds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`round_moments` at the constants' G_j^2, Ghat_{j,r}^2 and sigma_j^2."""
+    return round_moments(mask, eta=eta, local_steps=local_steps, rounds=rounds, grad_sq=constants.grad_sq,
+                         round_grad_sq=constants.round_grad_sq, sigma_sq=constants.sigma_sq)
 
 
 def period_overlap_bound(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int,
@@ -334,7 +412,7 @@ def period_overlap_bound(mask: Mask, constants: ProblemConstants, *, eta: float,
     """
     _check_mask_constants(mask, constants)
     _check_eta_steps(eta, steps, local_steps)
-    if constants.grad_sq is None:
+    if constants.grad_sq is None and constants.round_grad_sq is None:
         raise AssumptionError("Theorem 6.2 bounds the copies' drift with grad_sq (A6, `--grad-bound`)")
     h, k = local_steps, mask.workers
     period = consensus_period(mask, local_steps=h)
@@ -367,7 +445,7 @@ def period_overlap_bound(mask: Mask, constants: ProblemConstants, *, eta: float,
         return BoundTerms(math.inf, math.inf, math.inf, math.inf, eta, eta_max)
     s_h = (h - 1) * h * (2 * h - 1) / 6.0
     s_p = (period - 1) * period * (2 * period - 1) / 6.0
-    g = constants.grad_sq
+    g = _moments(mask, constants, eta=eta, local_steps=h, rounds=periods * period)[2].max(axis=0)
     psi = (math.sqrt(h * period * xi_bar) + eta * math.sqrt(h**3 * s_p * float(np.sum(c * c / k * g)))
            + eta * math.sqrt(period * s_h * float(np.sum(c * g)))) ** 2
     phi = lw**2 / k * psi
@@ -439,7 +517,8 @@ def overlap_flop_matched_steps(
     with np.errstate(divide="ignore"):
         reach = period / (1.0 - np.sqrt(np.clip(1.0 - gap, 0.0, 1.0))) + period - 1.0
     xi_sup = math.inf if np.any((gap <= 0.0) & (drift > 0.0)) else float(np.sum(np.where(drift > 0, reach**2 * drift, 0.0)))
-    probe = _overlap_terms(mask, constants, eta=eta, steps=local_steps, local_steps=local_steps, xi_bar=xi_sup)
+    probe = _overlap_terms(mask, constants, eta=eta, steps=local_steps, local_steps=local_steps, xi_bar=xi_sup,
+                           moment_sum=float(np.sum(mask.coverage * constants.grad_sq)))
     floor = probe.bias + probe.variance + probe.consensus
     gap_to_ddp = ddp - floor
     needed = math.inf if not gap_to_ddp > 0 else probe.optimization * local_steps / gap_to_ddp
@@ -447,8 +526,9 @@ def overlap_flop_matched_steps(
 
 
 def _overlap_terms(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int, local_steps: int,
-                   xi_bar: float) -> BoundTerms:
-    """Theorem 6's terms at the alpha, beta that minimise the total (docs/theory.md §4)."""
+                   xi_bar: float, moment_sum: float) -> BoundTerms:
+    """Theorem 6's terms at the alpha, beta that minimise the total (docs/theory.md §4); `moment_sum` is
+    (1/R) sum_r sum_j c_j G_{j,r}^2."""
     h, k, lip, lw = local_steps, mask.workers, constants.smoothness, constants.local_smoothness
     c = mask.coverage.astype(float)
     lam, lam_max = c / k, float(c.max()) / k  # the step each block's mean takes, relative to DDP's
@@ -459,7 +539,7 @@ def _overlap_terms(mask: Mask, constants: ProblemConstants, *, eta: float, steps
     if room <= 0.0 or not math.isfinite(xi_bar):
         return BoundTerms(math.inf, math.inf, math.inf, math.inf, eta, eta_max)
     bias_sum = float(np.sum(lam * eps_sq * zeta))
-    drift = lw**2 / k * (math.sqrt(h * xi_bar) + eta * math.sqrt(s_h * float(np.sum(c * constants.grad_sq)))) ** 2
+    drift = lw**2 / k * (math.sqrt(h * xi_bar) + eta * math.sqrt(s_h * moment_sum)) ** 2
     optimization = constants.suboptimality / (eta * steps)
     bias_rest = 2.0 * lip * eta * h * lam_max * bias_sum
     variance = lip * eta * h * lam_max * float(np.sum(lam * kappa * zeta)) \

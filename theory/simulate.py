@@ -150,6 +150,9 @@ class ConsensusResult:
     exported_grad_norm_sq : ndarray of shape (S, rounds)
         ||grad f(z_r)||^2 at the exported model z_r: each block its last holders' mean (Corollary 6.1;
         round 0 uses its own holders).
+    round_grad_sq_seen : ndarray of shape (rounds, B)
+        Per round, the largest holders' mean of the noise-free block-gradient second moment,
+        (1/c_j) sum_{k in S_j} ||grad_j f_k(y)||^2, over seeds and local points (A6r); 0 without local steps.
     """
 
     deviation: np.ndarray
@@ -158,6 +161,7 @@ class ConsensusResult:
     mean_grad_norm_sq: np.ndarray
     zeta_sq_seen: np.ndarray
     exported_grad_norm_sq: np.ndarray
+    round_grad_sq_seen: np.ndarray
 
     @property
     def measured(self) -> float:
@@ -216,6 +220,7 @@ def simulate_consensus(
     mean_grad = np.empty((seeds, rounds))
     exported_grad = np.empty((seeds, rounds))
     zeta_seen = np.zeros(mask.blocks)
+    round_seen = np.zeros((rounds, mask.blocks))
     last_held = None
     for r in range(rounds):
         held_blocks = _round_masks(mask, r * h, schedule_seeds)
@@ -231,7 +236,10 @@ def simulate_consensus(
         zeta_seen = np.maximum(zeta_seen, het.max(axis=0))
         for _ in range(h if eta > 0 else 0):
             grads = problem.worker_grads(copies)
-            sq = np.add.reduceat(grads * grads, starts, axis=2) + problem.constants.sigma_sq
+            clean = np.add.reduceat(grads * grads, starts, axis=2)
+            holders_mean = np.einsum("skb,skb->sb", held_blocks, clean) / mask.coverage
+            round_seen[r] = np.maximum(round_seen[r], holders_mean.max(axis=0))
+            sq = clean + problem.constants.sigma_sq
             grad_seen = np.maximum(grad_seen, np.where(held_blocks > 0, sq, 0.0).max(axis=(0, 1)))
             grads = grads + rng.standard_normal((seeds, k, d)) * problem.noise_std
             copies = copies - eta * held * grads
@@ -239,7 +247,7 @@ def simulate_consensus(
         copies = np.where(held > 0, holder_mean[:, None, :], copies)
         deviation[:, r + 1] = per_block_deviation(copies).sum(axis=1)
         last_held = held
-    return ConsensusResult(deviation, initial, grad_seen, mean_grad, zeta_seen, exported_grad)
+    return ConsensusResult(deviation, initial, grad_seen, mean_grad, zeta_seen, exported_grad, round_seen)
 
 
 def _round_masks(mask: Mask, step: int, schedule_seeds: list[int]) -> np.ndarray:

@@ -96,9 +96,10 @@ def test_verify_refuses_local_steps_a_schedule_changes_the_mask_within(mask_file
     assert "every=1 must be a multiple of local_steps=2" in lines[0]
 
 
-@pytest.mark.parametrize(("kind", "deviation"), [("permute", "Theorem 4.4"), ("cyclic", "Theorem 4.6")])
+@pytest.mark.parametrize(("kind", "deviation"), [("permute", "Theorems 4.8 and 4.4"),
+                                                  ("cyclic", "Theorems 4.7 and 4.6")])
 def test_verify_overlap_names_the_deviation_theorem(mask_file, tmp_path, capsys, kind, deviation):
-    """--overlap prints Theorem 6 with the consensus-deviation theorem it used: 4.6 for a deterministic schedule."""
+    """--overlap prints Theorem 6 with the consensus-deviation theorems it used: 4.7/4.6 for a deterministic schedule."""
     path = str(save_mask(load_mask(mask_file).replace(schedule=Schedule(kind, 2)), tmp_path / f"{kind}.json"))
     argv = [path, *BASE, "--local-steps", "2", "--grad-bound", "3", "--overlap", "--json"]
     argv[argv.index("--eta") + 1] = "0.05"

@@ -18,10 +18,12 @@ from masklab.mask import Mask, Schedule
 from tests.strategies import masks
 from theory.bounds import ProblemConstants
 from theory.consensus import (
+    block_deviation_bound,
     consensus_deviation_bound,
     consensus_period,
     _deviation_factors,
     consensus_rates,
+    deviation_increments,
     directional_factors,
     exported_overlap_bound,
     mixing_operator,
@@ -30,6 +32,7 @@ from theory.consensus import (
     period_overlap_bound,
     size_weighted_gap,
 )
+from theory.deviation import gram_deviation, permute_deviation
 from theory.problems import make_quadratic
 from theory.errors import TheoryError
 from theory.simulate import simulate_consensus
@@ -54,13 +57,14 @@ def _scheduled(mask: Mask, kind: str, every: int, data) -> Mask:
     return Mask.sequence(rounds, every=every, block_sizes=mask.block_sizes)
 
 
-def _constants_seen(problem, res) -> ProblemConstants:
-    """The problem's constants with the largest gradient second moment the run met (the bound's G_j^2);
-    a draw whose heterogeneity exceeded the stated zeta is not the bound's case and is discarded."""
+def _constants_seen(problem, res, *, per_round: bool = False) -> ProblemConstants:
+    """The problem's constants with the largest gradient second moment the run met (the bound's G_j^2), and
+    with `per_round` each round's (A6r); a draw whose heterogeneity exceeded the stated zeta is not the
+    bound's case and is discarded."""
     c = problem.constants
     assume(bool(np.all(res.zeta_sq_seen <= c.zeta_sq * (1 + 1e-9) + 1e-9)))
     return ProblemConstants(c.smoothness, c.sigma_sq, c.zeta_sq, c.suboptimality, c.worker_smoothness,
-                            grad_sq=res.grad_sq_seen)
+                            grad_sq=res.grad_sq_seen, round_grad_sq=res.round_grad_sq_seen if per_round else None)
 
 
 def _one_round(mask: Mask, e: np.ndarray) -> float:
@@ -138,14 +142,16 @@ def test_consensus_deviation_stays_under_theorem_4_for_every_schedule(mask, data
     rounds = 2 * consensus_period(mask, local_steps=h) + 1
     res = simulate_consensus(problem, mask, rounds=rounds, eta=eta, local_steps=h, seeds=64, seed=4)
     grad_sq = res.grad_sq_seen if eta > 0 else None
-    per_seed = np.stack([consensus_deviation_bound(mask, xi0, rounds=rounds, eta=eta, local_steps=h,
-                                                   grad_sq=grad_sq) for xi0 in res.initial])
-    if eta == 0.0 and kind != "permute":  # deterministic: the bound holds seed by seed
-        assert np.all(res.deviation <= per_seed * (1 + 1e-9) + 1e-12)
-        return
-    excess = (res.deviation - per_seed)[:, 1:]  # paired by seed: the starting spread cancels; round 0 is x_0
-    stderr = excess.std(axis=0, ddof=1) / np.sqrt(excess.shape[0])
-    assert np.all(excess.mean(axis=0) + Z * stderr <= 1e-9 * per_seed.mean(axis=0)[1:] + 1e-12)
+    per_round = {"round_grad_sq": res.round_grad_sq_seen, "sigma_sq": problem.constants.sigma_sq} if eta > 0 else {}
+    for moments in ({}, per_round):  # A6 for the whole run, then A6r round by round with the noise split off
+        per_seed = np.stack([consensus_deviation_bound(mask, xi0, rounds=rounds, eta=eta, local_steps=h,
+                                                       grad_sq=grad_sq, **moments) for xi0 in res.initial])
+        if eta == 0.0 and kind != "permute":  # deterministic: the bound holds seed by seed
+            assert np.all(res.deviation <= per_seed * (1 + 1e-9) + 1e-12)
+            continue
+        excess = (res.deviation - per_seed)[:, 1:]  # paired by seed: the starting spread cancels; round 0 is x_0
+        stderr = excess.std(axis=0, ddof=1) / np.sqrt(excess.shape[0])
+        assert np.all(excess.mean(axis=0) + Z * stderr <= 1e-9 * per_seed.mean(axis=0)[1:] + 1e-12)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
@@ -160,13 +166,14 @@ def test_mean_of_copies_and_exported_model_stay_under_theorem_6(mask, data):
     rounds = data.draw(st.integers(2, 20), label="rounds")
     res = simulate_consensus(problem, mask, rounds=rounds, eta=eta, local_steps=h, initial_spread=0.0,
                              seeds=48, seed=6)
-    constants = _constants_seen(problem, res)
-    bound = overlap_bound(mask, constants, eta=eta, steps=rounds * h, local_steps=h)
-    assert bound.step_size_ok
-    assert res.measured + Z * res.stderr <= bound.total * (1 + 1e-9)
-    exported = res.exported_grad_norm_sq.mean(axis=1)  # each block its holders' mean (Corollary 6.1)
-    assert exported.mean() + Z * exported.std(ddof=1) / np.sqrt(exported.size) \
-        <= exported_overlap_bound(mask, constants, eta=eta, steps=rounds * h, local_steps=h) * (1 + 1e-9)
+    for per_round in (False, True):  # G_j^2 for the whole run (A6), then round by round (A6r)
+        constants = _constants_seen(problem, res, per_round=per_round)
+        bound = overlap_bound(mask, constants, eta=eta, steps=rounds * h, local_steps=h)
+        assert bound.step_size_ok
+        assert res.measured + Z * res.stderr <= bound.total * (1 + 1e-9)
+        exported = res.exported_grad_norm_sq.mean(axis=1)  # each block its holders' mean (Corollary 6.1)
+        assert exported.mean() + Z * exported.std(ddof=1) / np.sqrt(exported.size) \
+            <= exported_overlap_bound(mask, constants, eta=eta, steps=rounds * h, local_steps=h) * (1 + 1e-9)
 
 
 def test_overlap_bound_is_infinite_without_a_gap_and_finite_with_one():
@@ -190,9 +197,10 @@ def test_theorem_4_6_holds_for_deterministic_schedules_with_mask_aligned_heterog
     rounds = 2 * consensus_period(mask, local_steps=h) + 2
     res = simulate_consensus(problem, mask, rounds=rounds, eta=1.0 / (4 * h), local_steps=h, initial_spread=0.0,
                              seeds=4, seed=8)
-    bound = consensus_deviation_bound(mask, np.zeros(mask.blocks), rounds=rounds, eta=1.0 / (4 * h), local_steps=h,
-                                      grad_sq=res.grad_sq_seen)
-    assert np.all(res.deviation <= bound * (1 + 1e-9) + 1e-12)  # sigma = 0, deterministic masks: per seed
+    for per_round in ({}, {"round_grad_sq": res.round_grad_sq_seen, "sigma_sq": problem.constants.sigma_sq}):
+        bound = consensus_deviation_bound(mask, np.zeros(mask.blocks), rounds=rounds, eta=1.0 / (4 * h),
+                                          local_steps=h, grad_sq=res.grad_sq_seen, **per_round)
+        assert np.all(res.deviation <= bound * (1 + 1e-9) + 1e-12)  # sigma = 0, deterministic masks: per seed
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -226,10 +234,11 @@ def test_theorem_6_2_bounds_the_mean_at_period_starts_for_held_masks(mask, data)
     rounds = period * data.draw(st.integers(1, 4), label="periods")
     res = simulate_consensus(problem, mask, rounds=rounds, eta=eta, local_steps=h, initial_spread=0.0,
                              seeds=32, seed=10)
-    constants = _constants_seen(problem, res)
-    bound = period_overlap_bound(mask, constants, eta=eta, steps=rounds * h, local_steps=h)
     at_starts = res.mean_grad_norm_sq[:, ::period].mean(axis=1)  # rounds is a multiple of the period
-    assert at_starts.mean() + Z * at_starts.std(ddof=1) / np.sqrt(at_starts.size) <= bound.total * (1 + 1e-9)
+    for per_round in (False, True):
+        bound = period_overlap_bound(mask, _constants_seen(problem, res, per_round=per_round), eta=eta,
+                                     steps=rounds * h, local_steps=h)
+        assert at_starts.mean() + Z * at_starts.std(ddof=1) / np.sqrt(at_starts.size) <= bound.total * (1 + 1e-9)
 
 
 def test_theorem_6_2_refuses_schedules_it_does_not_cover():
@@ -244,3 +253,39 @@ def test_theorem_6_2_refuses_schedules_it_does_not_cover():
         period_overlap_bound(unbalanced, c, eta=0.01, steps=10)
     assert np.isfinite(period_overlap_bound(mask.replace(schedule=Schedule("cyclic", 1)), c, eta=0.01,
                                             steps=30).total)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(mask=masks(max_workers=7, max_blocks=3), data=st.data())
+def test_theorems_4_7_and_4_8_never_exceed_theorems_4_4_and_4_6(mask, data):
+    """With one G_j^2 for the run and no noise split, the new bounds are at most the ones they replace."""
+    h = data.draw(st.sampled_from([1, 2]), label="local_steps")
+    kind = data.draw(st.sampled_from(["static", "cyclic", "sequence", "permute"]), label="kind")
+    mask = _scheduled(mask, kind, h * data.draw(st.integers(1, 3), label="rounds per mask"), data)
+    period = consensus_period(mask, local_steps=h)
+    rounds = 3 * period + 1
+    xi0 = np.asarray(data.draw(st.lists(st.floats(0, 4), min_size=mask.blocks, max_size=mask.blocks), label="xi0"))
+    d_sq = deviation_increments(mask, eta=0.1, local_steps=h, grad_sq=np.ones(mask.blocks))
+    start, injected = _deviation_factors(consensus_rates(mask, local_steps=h), period, rounds, mask=mask,
+                                         local_steps=h)
+    older = (start * np.sqrt(xi0) + injected * np.sqrt(d_sq)) ** 2
+    drift = np.full((rounds, mask.blocks), 0.1 * h)  # eta H G_j with G_j = 1
+    wired = block_deviation_bound(mask, xi0, local_steps=h, drift=drift, noise=np.zeros_like(drift))
+    assert np.all(wired <= older * (1 + 1e-9) + 1e-12)
+    if kind == "permute":
+        newer = permute_deviation(mask.coverage, mask.workers, period, xi0, drift, np.zeros_like(drift))
+    else:
+        held = np.stack([mask.round_matrix(t * h) > 0 for t in range(period)])
+        newer = gram_deviation(held, xi0, drift, np.zeros_like(drift))[0]
+    assert np.all(newer <= older * (1 + 1e-9) + 1e-12)
+
+
+def test_theorem_4_8_is_exact_for_two_workers_holding_one_block_each():
+    """K = 2, c = 1, permuted every round, each holder moving by -eta h_k with h = (z, -z): whichever worker
+    holds, the copies part by eta ||z|| more, so E Xi(r) = r^2 eta^2 ||z||^2 / 2; Theorem 4.8 gives exactly that."""
+    mask = Mask([[1, 0], [0, 1]], block_sizes=[2, 2], schedule=Schedule("permute", 1))
+    drift = np.full((6, 2), 0.3)  # eta H G_j
+    bound = permute_deviation(mask.coverage, 2, 1, np.zeros(2), drift, np.zeros_like(drift))
+    np.testing.assert_allclose(bound[:, 0], np.arange(7) ** 2 * 0.3**2 / 2, rtol=1e-12)
+    assert block_deviation_bound(mask, np.zeros(2), local_steps=1, drift=drift, noise=np.zeros_like(drift)) \
+        == pytest.approx(bound, rel=1e-12)
