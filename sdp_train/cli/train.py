@@ -51,6 +51,9 @@ _SWITCHES = {  # flag -> (TrainConfig field, help)
     "--heterogeneous": ("heterogeneous", "give each worker a different part of the data (by file / class)"),
     "--ac": ("activation_checkpointing", "recompute each residual block's activations in backward"),
     "--fsdp": ("fsdp", "with --mode bsdp: shard each held block among its holders (FSDP2)"),
+    "--restore-coverage": ("restore_coverage", "with --on-worker-loss continue (bsdp, nsdp, bbsdp): after a loss "
+                                               "move to a mask for the survivors with the designed coverage, "
+                                               "moving the blocks they gain from surviving holders"),
     "--tensorboard": ("tensorboard", "also write the metrics for TensorBoard into --out/tensorboard "
                                      "(needs the tensorboard package)"),
 }

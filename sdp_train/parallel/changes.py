@@ -1,7 +1,8 @@
 """Between optimizer steps: the mask's rounds and their changes on this worker.
 
 `MaskChanges` makes the change `SubnetworkDataParallel`'s `Rounds` says is due (blocks gained and
-dropped, MLPs re-cut, optimizer state moved); `RoundsMixin` is the wrapper's API around it
+dropped, MLPs re-cut, optimizer state moved), and the change of survivors of lost workers to a mask
+that restores coverage (`MaskChanges.hand_over`); `RoundsMixin` is the wrapper's API around it
 (``register_optimizer``, ``step_done``, ``enter_next_round``, the schedule state), after which the
 wrapper's sync restarts over the new buckets. Not here: when a change is due
 (`sdp_train.parallel.rounds`), how tensors and state are sent (`sdp_train.parallel.schedule`).
@@ -71,6 +72,25 @@ class MaskChanges:
             if name not in held:
                 param.grad = None
         return retired, (dict(held) if self.moves_blocks or self.recuts else local_index)
+
+    def hand_over(self, optimizer: torch.optim.Optimizer, old_matrix: np.ndarray, matrix: np.ndarray,
+                  old_held: Sequence[dict[str, SliceSpec]], new_held: Sequence[dict[str, SliceSpec]],
+                  local_index: dict[str, SliceSpec]) -> dict[str, SliceSpec]:
+        """Survivors of lost workers (this object built over their world): from `old_matrix`, their rows of
+        the mask in force, to `matrix`, a mask that restores coverage, as `enter` changes rounds; every
+        survivor calls it. Under backward masking every worker runs every block, but a block's values
+        on a non-holder may be a step behind (a loss during the broadcast after the optimizer step), so
+        the blocks a worker newly holds come from their lowest-ranked old holder too, and their
+        parameters join `optimizer`, which stepped the held ones only. Returns the new `local_index`."""
+        self.add_optimizer(optimizer, scheduled=True)
+        if not (self.moves_blocks or self.recuts):  # backward masking
+            self._places.add(optimizer, self.module, self.world_size)
+            gained = {n: p for n, p in self.module.named_parameters()
+                      if n in new_held[self.rank] and n not in old_held[self.rank]}
+            self._places.insert(gained, self.module)
+            send_blocks(self.module, self.layout.blocks, old_matrix.astype(bool), matrix.astype(bool), self.rank,
+                        self.device, self.bytes)
+        return self.enter(old_matrix, matrix, old_held, new_held, local_index, move_state=True)[1]
 
     def _move_blocks(self, old_rows: np.ndarray, new_rows: np.ndarray, old_held, new_held,
                      optimizers: list[torch.optim.Optimizer], move_state: bool) -> list[torch.Tensor]:

@@ -30,6 +30,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")  # TrainConfig.dtype: the forward's, un
 WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_train.trainer.membership`)
 # modes whose survivors can continue without rollback (static masks)
 SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")
+RESTORING_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose survivors can restore the designed coverage
 
 
 @dataclass(kw_only=True)
@@ -151,6 +152,13 @@ class TrainConfig:
     from the mask, rerunning only the interrupted step (Bb-SDP and overlap: not rerunning a step every
     survivor applied, whose new values are sent or averaged again), without a checkpoint; a loss that
     leaves a block without holder stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
+    restore_coverage: bool = False
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask): after a loss,
+    train on under a mask designed for the survivors with the designed coverage (the start mask's least
+    c_j, at most the survivors' number; `masklab.survivors.restored_mask`), its rows matched to the
+    survivors so the fewest blocks move, and move each block a survivor newly holds, with its optimizer
+    state, from its lowest-ranked surviving holder. False: the lost rows are dropped and a block keeps
+    its other holders only (coverage falls)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
@@ -177,7 +185,8 @@ class TrainConfig:
         for name in ("mask", "resume", "blocks", "mlp", "schedule"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string or null")
-        for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model"):
+        for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model",
+                     "restore_coverage"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.model_overrides, dict) or not all(isinstance(k, str) for k in self.model_overrides):
@@ -280,6 +289,9 @@ class TrainConfig:
         if self.on_worker_loss not in WORKER_LOSS_POLICIES:
             raise ConfigError(f"on_worker_loss={self.on_worker_loss!r} is not one of {WORKER_LOSS_POLICIES}")
         if self.on_worker_loss == "stop":
+            if self.restore_coverage:
+                raise ConfigError("restore_coverage=True (--restore-coverage) acts after a worker is lost; it needs "
+                                  "on_worker_loss='continue' (--on-worker-loss continue)")
             return
         why = None
         if self.mode not in SURVIVABLE_MODES:
@@ -290,6 +302,9 @@ class TrainConfig:
                    "or --local-steps outside mode overlap)")
         elif self.max_restarts:
             why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
+        elif self.restore_coverage and self.mode not in RESTORING_MODES:
+            why = (f"mode {', '.join(RESTORING_MODES)} with restore_coverage (--restore-coverage), got mode "
+                   f"{self.mode!r}: overlap averaging's survivors keep the lost worker's rows dropped")
         elif self.workers < 2:
             why = f"workers={self.workers}: a single worker has no survivor"
         if why is not None:

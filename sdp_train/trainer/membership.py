@@ -8,7 +8,8 @@ rank that exits in the store. When a step fails on a rank (a collective with a d
 other live ranks on the survivors through the store (`agree`: the first decision written wins),
 refuses a loss that leaves a block without holder (`decide`), re-forms the world over a new store
 prefix with the survivors renumbered in the old order, and has the run rebuild its holder groups
-and sync for the survivors' mask (`masklab.failures.survivors_mask`). The run then reruns the
+and sync for the survivors' mask (`masklab.failures.survivors_mask`, or with ``--restore-coverage``
+`masklab.survivors.restored_mask`, whose new holders first receive their blocks). The run then reruns the
 interrupted step on its batch, unless every survivor had applied it (Bb-SDP and overlap averaging,
 lost while the new values were sent or averaged). Why the store and not torchft: docs/design.md §7.
 
@@ -38,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from masklab import Mask
+from masklab.errors import DesignError, MaskError
 from masklab.failures import survivors_mask
+from masklab.survivors import restored_mask
 from masklab.io import mask_to_dict
 from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import DistInfo, collective_timeout
@@ -75,13 +78,19 @@ class MembershipChange:
     rows: tuple[int, ...]
     """The survivors' ranks in the world they leave (their rows of the mask in force)."""
     mask: Mask
-    """The survivors' mask: the mask in force without the lost rows."""
+    """The survivors' mask: the mask in force without the lost rows, or (`restored`) a mask designed for
+    the survivors with the designed coverage."""
     recovery_s: float = 0.0
     """Seconds from the failure to the new world and sync, this rank's."""
+    restored: bool = False
+    """Whether `mask` restores the designed coverage (blocks moved to survivors that did not hold them)."""
+    moved_bytes: int = 0
+    """Buffer bytes of the blocks and optimizer state moved to restore coverage (this rank's broadcasts)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "lost": list(self.lost), "workers": list(self.workers),
-                "recovery_s": self.recovery_s, "mask": mask_to_dict(self.mask)}
+                "recovery_s": self.recovery_s, "coverage_restored": self.restored, "moved_bytes": self.moved_bytes,
+                "mask": mask_to_dict(self.mask)}
 
 
 def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, step: int) -> MembershipChange | None:
@@ -151,18 +160,39 @@ def agree(store: dist.Store, generation: int, worker: int, workers: Sequence[int
 
 class Survival:
     """This rank's side of ``--on-worker-loss continue``: its worker number in the original run, the
-    workers of the current world (rank order), the mask in force and the changes so far."""
+    workers of the current world (rank order), the mask in force and the changes so far.
 
-    def __init__(self, store: dist.Store, worker: int, workers: Sequence[int], mask: Mask) -> None:
+    `restore`: keyword arguments of `masklab.survivors.restored_mask` (``coverage``, ``groups``,
+    ``seed``) to restore the designed coverage after a loss (``--restore-coverage``); None keeps the
+    survivors' rows as they are."""
+
+    def __init__(self, store: dist.Store, worker: int, workers: Sequence[int], mask: Mask, *,
+                 restore: Mapping[str, Any] | None = None) -> None:
         self.store, self.worker, self.workers, self.mask = store, worker, tuple(workers), mask
+        self.restore = None if restore is None else dict(restore)
         self.generation = 0
         self.changes: list[MembershipChange] = []
 
     @classmethod
-    def for_run(cls, mask: Mask, info: DistInfo) -> Survival:
+    def for_run(cls, mask: Mask, info: DistInfo, *, restore: Mapping[str, Any] | None = None) -> Survival:
         """The survival of a run that `launch_keeping_survivors` started (its store is the launcher's)."""
         store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size)
-        return cls(store, info.rank, range(info.world_size), mask)
+        return cls(store, info.rank, range(info.world_size), mask, restore=restore)
+
+    def restored(self, change: MembershipChange, step: int, report: bool) -> MembershipChange:
+        """`change` with the survivors' mask redesigned to the designed coverage (``restore``), the same
+        on every survivor (a seeded design, no communication); as it is when nothing needs to move."""
+        if self.restore is None:
+            return change
+        lost = [k for k, w in enumerate(self.workers) if w in change.lost]
+        try:
+            mask = restored_mask(self.mask, lost, **self.restore)
+        except (DesignError, MaskError) as exc:
+            raise WorkerLossError(f"step {step}: the survivors {list(change.workers)} cannot restore the designed "
+                                  f"coverage: {exc}; restart from a checkpoint (--resume)", report=report) from None
+        if np.array_equal(mask.matrix, change.mask.matrix):
+            return change
+        return dataclasses.replace(change, mask=mask, restored=True)
 
     def recover(self, run, step: int, error: BaseException, device: torch.device) -> MembershipChange:
         """After `error` interrupted `step`: agree on the survivors and re-form the world and `run`'s sync
@@ -187,6 +217,7 @@ class Survival:
                 raise WorkerLossError(str(exc), report=self.worker == min(joined)) from error
             if change is None:
                 raise error
+            change = self.restored(change, step, report=self.worker == min(joined))
             info = DistInfo(change.workers.index(self.worker), len(change.workers), 0)
             if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -203,7 +234,8 @@ class Survival:
         if info.is_main:
             self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
         run.continue_with(change.mask, change.rows, info)
-        change = dataclasses.replace(change, recovery_s=time.perf_counter() - began)
+        change = dataclasses.replace(change, recovery_s=time.perf_counter() - began,
+                                     moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
 

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,12 +39,13 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, build_model, family_of, model_class
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
 from sdp_train.parallel import grads
+from sdp_train.parallel.changes import MaskChanges
 from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.compile import compile_backend, compile_blocks
 from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
 from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.dist import DistInfo
-from sdp_train.parallel.masking import Cut, ModelLayout, shared_inside
+from sdp_train.parallel.masking import Cut, ModelLayout, describe, shared_inside
 from sdp_train.parallel.overlap import OverlapAveraging
 from sdp_train.parallel.parallelize import parallelize
 from sdp_train.parallel.wire import ByteCount
@@ -66,6 +68,9 @@ class ModeSync:
 
     model: nn.Module
     train_model: nn.Module
+    moved_bytes: int = 0
+    """Buffer bytes this rank sent or received when survivors took on the blocks they newly hold
+    (`for_survivors` with a mask that restores coverage); 0 where nothing moved."""
 
     def __init__(self, info: DistInfo) -> None:
         self.info = info
@@ -131,11 +136,13 @@ class ModeSync:
     def close(self) -> None:
         """Release hooks and process-group references (after the last collective)."""
 
-    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo) -> ModeSync:
+    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
+                      optimizer: torch.optim.Optimizer) -> ModeSync:
         """This mode's sync over a new world of the survivors (`sdp_train.trainer.membership`): `rows` are
         their ranks in the old world, in the order of their new ranks, `mask` the survivors' mask (the
-        old one's `rows`). Called after `close`, on the new default group; the model, its values and
-        the optimizer state stay."""
+        old one's `rows`, or one that restores the designed coverage). Called after `close`, on the new
+        default group; the model, its values and the optimizer state stay, but for what moves to a
+        survivor that newly holds it (`optimizer` steps it)."""
         raise ConfigError(f"{type(self).__name__} cannot continue after losing a worker (--on-worker-loss continue)")
 
 
@@ -274,21 +281,35 @@ class SubnetworkSync(ModeSync):
     def close(self) -> None:
         self.sdp.close()  # its gradient hooks live in C++ and hold the engine and its groups
 
-    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo) -> SubnetworkSync:
+    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
+                      optimizer: torch.optim.Optimizer) -> SubnetworkSync:
         """A static mask: every survivor keeps its blocks, so only the wrapper is new (its holder groups,
-        buckets and hooks); activation checkpointing is already inside the module. Under backward
-        masking (Bb-SDP) the new wrapper first sends each block's values from its lowest-ranked surviving
+        buckets and hooks); activation checkpointing is already inside the module. When `mask` restores
+        the designed coverage, what a survivor newly holds first comes from its lowest-ranked surviving
+        holder (blocks or neuron groups, their optimizer state; `MaskChanges.hand_over`). Under backward
+        masking (Bb-SDP) the new wrapper then sends each block's values from its lowest-ranked surviving
         holder to every survivor: a loss during the broadcast that follows the optimizer step leaves
         some non-holders with the new values and others with the old (docs/design.md §7)."""
         old = self.sdp
         if not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1:
-            return super().for_survivors(mask, rows, info)
+            return super().for_survivors(mask, rows, info, optimizer)
+        kept = old.rounds.matrix[list(rows)]
+        held_by_rank, local_index, moved = [old.held_by_rank[r] for r in rows], old.local_index, 0
+        if not np.array_equal(mask.matrix, kept):  # coverage restored: blocks move to their new holders
+            new_held = [old.layout.held(row) for row in mask.matrix]
+            changes = MaskChanges(old.module, old.layout, info.rank, info.world_size, old.device, cut=old.cut,
+                                  activation_checkpointing=old.activation_checkpointing, watch_clipping=False)
+            local_index = changes.hand_over(optimizer, kept, mask.matrix, held_by_rank, new_held, local_index)
+            held_by_rank = new_held
+            moved = changes.bytes.buffer
         sdp = SubnetworkDataParallel.from_subnetwork(
-            old.module, layout=old.layout, mask=mask, held_by_rank=[old.held_by_rank[r] for r in rows],
-            local_index=old.local_index, masking=old.masking, activation_checkpointing=False,
+            old.module, layout=old.layout, mask=mask, held_by_rank=held_by_rank,
+            local_index=local_index, masking=old.masking, activation_checkpointing=False,
             autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype,
             values_agree=not old.cut.keeps_whole_model, seed=old.seed)
-        return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
+        survivors = SubnetworkSync(sdp, sdp.module, info, fsdp=False)
+        survivors.moved_bytes = moved
+        return survivors
 
 
 class OverlapSync(ModeSync):
@@ -335,7 +356,8 @@ class OverlapSync(ModeSync):
     def close(self) -> None:
         self.overlap.close()
 
-    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo) -> OverlapSync:
+    def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
+                      optimizer: torch.optim.Optimizer) -> OverlapSync:
         """The survivors' wrapper over the same copies (`OverlapAveraging.for_survivors`). If the last step
         taken ended a round, its average is taken again among the survivors: a loss during the average
         leaves some blocks averaged with the lost worker's copy and others not, while averaging again
@@ -364,7 +386,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     if user:
         torch.manual_seed(cfg.seed)
         model = mc.build(device).to(device)
-    elif cfg.mode in ("bsdp", "nsdp") and not prep.mask.schedule.is_static:
+    elif cfg.mode in ("bsdp", "nsdp") and _moves_parts(cfg, prep):
         # blocks move between workers: the full model on meta, cut by the library (below), each dropped
         # block a pass-through that keeps its meta copy for the worker that gains it later
         with on_meta():
@@ -398,7 +420,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
         overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps, seed=cfg.seed)
         return OverlapSync(overlap, info)
     cut = Cut("backward" if cfg.mode == "bbsdp" else "forward", cfg.level)
-    library_cut = user or (not prep.mask.schedule.is_static and not cut.keeps_whole_model)
+    library_cut = user or (_moves_parts(cfg, prep) and not cut.keeps_whole_model)
     if library_cut:
         # the full model, cut by the library; a family's seeded values: B-SDP's equal the family path's,
         # N-SDP's sliced tensors are drawn at their local shape, then each neuron group takes its
@@ -421,6 +443,13 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
 
 
 
+def _moves_parts(cfg: Any, prep: Any) -> bool:
+    """Whether the library cuts a built-in family's model in B-SDP and N-SDP, so that its parts can move
+    between workers: under a schedule, and in B-SDP when survivors of a loss restore the coverage
+    (N-SDP re-cuts the family's own MLPs: `family_layout`)."""
+    return not prep.mask.schedule.is_static or (cfg.restore_coverage and cfg.mode == "bsdp")
+
+
 def _blocks(model: nn.Module, prep: Any) -> list[str]:
     """The maskable residual blocks' names: a built-in family's, or those found in a user's model."""
     if isinstance(prep.model_config, UserModel):  # found and checked once, by `prepare`
@@ -430,11 +459,16 @@ def _blocks(model: nn.Module, prep: Any) -> list[str]:
 
 def family_layout(config: ModelConfig, level: str) -> ModelLayout:
     """The library API's `ModelLayout` of a built-in family's full model: every tensor's shape and dtype,
-    the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups)."""
+    the parameters in state-dict order and the blocks (at block level; N-SDP's columns are their groups,
+    and for a family that names its MLP, the layout knows its neuron tensors, so that a worker's
+    groups can be re-cut: `sdp_train.parallel.schedule.recut_neurons`)."""
     bmap = block_map(config)
     blocks = bmap.block_names("block")
     with on_meta():  # dtypes of every full-model tensor, including ones not held here
         full = model_class(config)(config)
+    mlp = family_of(config).mlp
+    if level == "neuron" and mlp is not None:
+        return describe(full, blocks, level, neuron_groups=config.neuron_groups, mlp=mlp)
     dtypes = {n: t.dtype for n, t in full.state_dict().items()}
     tensors = {n: (tuple(shape), dtypes[n]) for n, shape in bmap.shapes.items()}
     params = tuple(n for n in bmap.shapes if n in bmap.parameter_names)

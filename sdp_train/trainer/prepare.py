@@ -221,6 +221,9 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
         raise ConfigError(f"the mask has {mask.blocks} blocks (columns) but {cfg.model} has {blocks} "
                           f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
     mask = with_schedule(cfg, mask, model_config.neuron_groups if isinstance(model_config, LlamaConfig) else None)
+    if cfg.restore_coverage and cfg.mode == "nsdp" and not isinstance(model_config, LlamaConfig):
+        raise ConfigError(f"restore_coverage=True (--restore-coverage) in mode 'nsdp' re-cuts LLaMA MLPs and those of "
+                          f"--model FILE.py:FACTORY, not the channels of {cfg.model!r}")
     for r, matrix in enumerate(mask.matrices):  # the model's structural rules, per worker and round
         for k in range(mask.workers):
             try:

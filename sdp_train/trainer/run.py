@@ -216,7 +216,7 @@ class Run:
         old sync's `close`): the mode's sync rebuilt for the survivors' `mask` (`ModeSync.for_survivors`),
         the same model and optimizer, no gradient left of the interrupted step."""
         self.retired_bytes += self.sync.bytes
-        self.sync = self.sync.for_survivors(mask, rows, info)
+        self.sync = self.sync.for_survivors(mask, rows, info, self.optimizer)
         self.info, self.mask = info, mask
         self.model, self.train_model = self.sync.model, self.sync.train_model
         self.sync.attach(self.optimizer)

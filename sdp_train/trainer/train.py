@@ -19,7 +19,9 @@ schedule in B-SDP, N-SDP and Bb-SDP ``mask_change_bytes``: buffer bytes of what 
 changes moved (rank 0's; not in ``comm_bytes``);
 with ``--on-worker-loss continue`` ``membership_changes``: per loss of workers, the step the
 survivors reran, the workers lost and those left (workers of the original run), the recovery's
-seconds and the survivors' mask (that step's metrics line has ``membership``; `sdp_train.trainer.membership`);
+seconds, the survivors' mask, whether it restores the designed coverage (``restore_coverage``) and
+the buffer bytes rank 0 moved for it (that step's metrics line has ``membership``;
+`sdp_train.trainer.membership`);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
 ``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
@@ -79,6 +81,7 @@ from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
 from sdp_train.trainer.run import Run, forward_precision, logits_of, loss_chunks_of, loss_fn, train_loss
+from sdp_train.trainer.user_model import NEURON_GROUPS as USER_NEURON_GROUPS
 from sdp_train.trainer.user_model import UserModel
 
 
@@ -109,7 +112,8 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     try:
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
-        survival = Survival.for_run(prep.mask, info) if cfg.on_worker_loss == "continue" else None
+        survival = (Survival.for_run(prep.mask, info, restore=coverage_to_restore(prep))
+                    if cfg.on_worker_loss == "continue" else None)
         return train_prepared(prep, info, device, survival)
     except WorkerLossError as exc:  # the survivors cannot continue: one of them says why
         if exc.report:
@@ -214,7 +218,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                       "skipped": None}
             if change is not None:
                 record["membership"] = {"lost": list(change.lost), "workers": list(change.workers),
-                                        "recovery_s": change.recovery_s}
+                                        "recovery_s": change.recovery_s, "coverage_restored": change.restored}
             if pending is not None:
                 close_step(*pending)
             pending = (step, record, stats)
@@ -284,6 +288,18 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     return summary
 
 
+def coverage_to_restore(prep: Prepared) -> dict[str, Any] | None:
+    """With ``restore_coverage``: what `masklab.survivors.restored_mask` designs the survivors' mask with
+    (the start mask's least coverage, N-SDP's neuron groups per block, the run's seed); else None."""
+    cfg = prep.config
+    if not cfg.restore_coverage:
+        return None
+    groups = None
+    if cfg.level == "neuron":
+        groups = USER_NEURON_GROUPS if isinstance(prep.model_config, UserModel) else prep.model_config.neuron_groups
+    return {"coverage": int(prep.mask.coverage.min()), "groups": groups, "seed": cfg.seed}
+
+
 def report_change(change: MembershipChange, info, steps: int, *, applied: bool = False) -> None:
     """Print, on the new rank 0, who was lost, who trains on and the survivors' mask with its certificate
     (`applied`: every survivor had applied the step, which is not rerun)."""
@@ -296,7 +312,8 @@ def report_change(change: MembershipChange, info, steps: int, *, applied: bool =
     print(f"sdp train: step {change.step + 1}/{steps}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
           f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), "
           + ("having applied this step, from the next step" if applied else "rerunning this step")
-          + " under the survivors' mask:", flush=True)
+          + (f" under a mask that restores the designed coverage ({change.moved_bytes / 1e6:.3f} MB moved by "
+             "this rank):" if change.restored else " under the survivors' mask:"), flush=True)
     print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
 
 

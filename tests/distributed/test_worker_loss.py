@@ -1,10 +1,15 @@
 """Losing a worker without rollback: ``sdp train --mode bsdp|nsdp|bbsdp|overlap --on-worker-loss
-continue`` on 3 gloo ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to.
+continue`` on 3 gloo ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to; B-SDP, N-SDP and
+Bb-SDP with ``--restore-coverage`` (overlap averaging keeps the survivors' rows as they are, the path
+every mode takes without the flag).
 
 The fault is the test-only ``SDP_TEST_KILL_AT_STEP=STEP:RANK`` (`sdp_train.trainer.faults`): the rank
 kills itself after step STEP's collectives, before its optimizer step, so the survivors apply step
 STEP with its gradient and their step STEP + 1 fails; they agree on the survivors, re-form the world
-and rerun step STEP + 1 under the mask without row 0. Bb-SDP's survivors fail in step STEP itself,
+and rerun step STEP + 1 under the mask without row 0 (with ``--restore-coverage``: under the mask
+designed for 2 workers with the start's coverage 2, every block on both, after the blocks and
+neuron groups each survivor lacked came, with their AdamW state, from the other; Bb-SDP's, which
+every worker runs, with their values and AdamW state). Bb-SDP's survivors fail in step STEP itself,
 sending the new values after the optimizer step: they agree that they applied it, send every block
 again from its lowest-ranked surviving holder and go on with step STEP + 1. One launch per mode
 checks: exit 0; the membership change recorded at the failing step in summary.json and its metrics
@@ -13,7 +18,8 @@ every tensor; overlap averaging: every block both hold) identical at the end (ea
 file of the final checkpoint, written after the last step); and the final model, and every step's
 loss, equal to a single-process reference that averages each entry over its holders among the
 members of the step, with 3 workers
-up to step STEP and workers 1 and 2 from step STEP + 1 on (float32 rounding).
+up to step STEP and workers 1 and 2 from step STEP + 1 on, with their rows of the mask in force
+(float32 rounding).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +45,7 @@ LEVEL = {"bsdp": "block", "nsdp": "neuron", "bbsdp": "block", "overlap": "block"
 # KILL_STEP's broadcast of the new values, after every survivor applied it, and goes on with the next.
 # Overlap averaging (every step here, local_steps 1) averages in the optimizer step's hook: the same as Bb-SDP.
 CHANGE_STEP = {"bsdp": KILL_STEP + 1, "nsdp": KILL_STEP + 1, "bbsdp": KILL_STEP, "overlap": KILL_STEP}
+RESTORES = ("bsdp", "nsdp", "bbsdp")  # launched with --restore-coverage; overlap averaging drops the lost row
 
 
 @pytest.fixture(scope="module", params=["bsdp", "nsdp"])  # bbsdp, overlap: test_worker_loss_applied.py
@@ -50,18 +58,34 @@ def run_mode(mode: str, tmp_path_factory) -> tuple[str, subprocess.CompletedProc
     out = tmp_path_factory.mktemp(f"worker_loss_{mode}") / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
            "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{KILL_RANK}", "SDP_COLLECTIVE_TIMEOUT_S": "60"}
-    proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", mode,
+    restore = ["--restore-coverage"] if mode in RESTORES else []
+    proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", mode, *restore,
                            "--checkpoint-every", str(STEPS), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-8000:]
     return mode, proc, out
 
 
+def survivors_rows(mode: str, prep) -> "np.ndarray":
+    """The survivors' mask after losing KILL_RANK: the start mask's rows without it, or (`RESTORES`) the
+    mask designed for them with the start's coverage (`masklab.survivors.restored_mask`)."""
+    from masklab.failures import survivors_mask
+    from masklab.survivors import restored_mask
+
+    if mode not in RESTORES:
+        return survivors_mask(prep.mask, [KILL_RANK]).matrix
+    groups = prep.model_config.neuron_groups if LEVEL[mode] == "neuron" else None
+    return restored_mask(prep.mask, [KILL_RANK], coverage=int(prep.mask.coverage.min()), groups=groups,
+                         seed=prep.config.seed).matrix
+
+
 def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The run on one process: one full model and one AdamW (the run's groups and hyperparameters),
-    each step every member's gradient from its subnetwork on its own batch, each entry's the mean
-    over its holders among the members (`sdp_train.testing`'s simulated update: blocks, neuron
-    slices and shared parameters alike), clipped as a whole."""
+    each step every member's gradient from its subnetwork on its own batch (its row of the mask in
+    force: `survivors_rows` once KILL_RANK is lost), each entry's the mean over its holders among the
+    members (`sdp_train.testing`'s simulated update: blocks, neuron slices and shared parameters
+    alike), clipped as a whole. A block a survivor newly holds has one AdamW state here, which the
+    run moves from its old holder."""
     from sdp_train.cli import build_parser
     from sdp_train.cli.train import config_from_args
     from sdp_train.data import build_batches
@@ -79,10 +103,11 @@ def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
                              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
-    matrix = prep.mask.matrix.astype(bool)
     losses = []
     for step in range(STEPS):
         members = [0, 1, 2] if step <= KILL_STEP else [k for k in range(3) if k != KILL_RANK]
+        matrix = np.zeros_like(prep.mask.matrix, dtype=bool)  # rows of the members, in worker numbers
+        matrix[members] = prep.mask.matrix[members] if step <= KILL_STEP else survivors_rows(mode, prep)
         values = []
 
         def loss(sub, batch):
@@ -180,15 +205,20 @@ def _backward_masked_update(model, matrix, members: list[int], batches: list, lo
     return grads
 
 
-def _held(mode: str, rows: list[int]) -> list[dict]:
-    """What each of the mask `rows` holds of every tensor (`SliceSpec`s, full-model positions)."""
+def _prepared(mode: str):
     from sdp_train.cli import build_parser
     from sdp_train.cli.train import config_from_args
-    from sdp_train.models.subnet import held_tensors
     from sdp_train.trainer.prepare import prepare
 
-    prep = prepare(config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, "--out", "unused"])))
-    return [held_tensors(prep.model_config, prep.mask.matrix[k].astype(bool), LEVEL[mode]) for k in rows]
+    return prepare(config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, "--out", "unused"])))
+
+
+def _held(mode: str, matrix: np.ndarray) -> list[dict]:
+    """What each row of `matrix` holds of every tensor (`SliceSpec`s, full-model positions)."""
+    from sdp_train.models.subnet import held_tensors
+
+    prep = _prepared(mode)
+    return [held_tensors(prep.model_config, row.astype(bool), LEVEL[mode]) for row in matrix]
 
 
 def _common_part(specs: list[dict], ranks: list[dict], name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +234,7 @@ def _common_part(specs: list[dict], ranks: list[dict], name: str) -> tuple[torch
 
 
 @pytest.mark.slow
-def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_row(run):
+def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_switches_to_the_survivors_mask(run):
     check_survivors(*run)
 
 
@@ -215,9 +245,16 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
     lost = [KILL_RANK]
     survivors = [k for k in range(3) if k != KILL_RANK]
 
+    from masklab.io import mask_from_dict
+
     (change,) = summary["membership_changes"]
     assert (change["step"], change["lost"], change["workers"]) == (CHANGE_STEP[mode], lost, survivors)
-    assert change["mask"]["rows"] == [row for k, row in enumerate(summary["mask"]["rows"]) if k != KILL_RANK]
+    rows = survivors_rows(mode, _prepared(mode))
+    assert mask_from_dict(change["mask"]).matrix.tolist() == rows.tolist()
+    assert change["coverage_restored"] == (mode in RESTORES)
+    if mode in RESTORES:  # the start's coverage 2 on the 2 survivors: each gained what it lacked
+        assert rows.all() and change["moved_bytes"] > 0
+        assert "under a mask that restores the designed coverage" in proc.stdout
     assert summary["world_size"] == 2
     assert [m["step"] for m in metrics] == list(range(STEPS))  # every step once: none recomputed before the loss
     assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode]]
@@ -234,7 +271,7 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
     if mode == "bbsdp":  # every survivor runs the whole model: every tensor the same on both
         assert set(ranks[0]) == set(ranks[1]) and all(torch.equal(ranks[0][n], ranks[1][n]) for n in shared)
     else:  # overlap averaging: each keeps a copy of the whole model, of which the holders agree
-        specs = _held(mode, [k for k in range(3) if k != KILL_RANK])
+        specs = _held(mode, rows)
         for name in shared:
             if name in specs[0] and name in specs[1]:
                 a, b = _common_part(specs, ranks, name)

@@ -114,6 +114,8 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"max_restarts": 1}, "max_restarts=1"),
     ({"workers": 1}, "workers=1"),
     ({"on_worker_loss": "rejoin"}, "not one of ('stop', 'continue')"),
+    ({"on_worker_loss": "stop", "restore_coverage": True}, "acts after a worker is lost"),
+    ({"mode": "overlap", "restore_coverage": True}, "with restore_coverage (--restore-coverage), got mode 'overlap'"),
 ])
 def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(changes, message):
     with pytest.raises(ConfigError, match="on_worker_loss") as info:
@@ -124,6 +126,11 @@ def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(change
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
 def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue").on_worker_loss == "continue"
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
+def test_b_sdp_n_sdp_and_bb_sdp_may_restore_the_designed_coverage(mode):
+    assert TrainConfig(mode=mode, workers=4, on_worker_loss="continue", restore_coverage=True).restore_coverage
 
 
 def test_the_keeping_launcher_reports_the_lowest_ranks_input_error_line_and_nothing_else(tmp_path, monkeypatch):
