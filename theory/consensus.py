@@ -372,6 +372,7 @@ def overlap_bound(
     _, _, moment = _moments(mask, constants, eta=eta, local_steps=local_steps, rounds=steps // local_steps)
     return _overlap_terms(mask, constants, eta=eta, steps=steps, local_steps=local_steps,
                           moment_sum=float((moment * mask.coverage).sum(axis=1).mean()),
+                          held_bias=_held_bias(mask, constants, eta=eta, local_steps=local_steps, moment=moment),
                           xi_bar=mean_deviation_bound(mask, constants, eta=eta, steps=steps,
                                                       local_steps=local_steps, initial=initial))
 
@@ -526,9 +527,10 @@ def overlap_flop_matched_steps(
 
 
 def _overlap_terms(mask: Mask, constants: ProblemConstants, *, eta: float, steps: int, local_steps: int,
-                   xi_bar: float, moment_sum: float) -> BoundTerms:
+                   xi_bar: float, moment_sum: float, held_bias: tuple[float, float] | None = None) -> BoundTerms:
     """Theorem 6's terms at the alpha, beta that minimise the total (docs/theory.md §4); `moment_sum` is
-    (1/R) sum_r sum_j c_j G_{j,r}^2."""
+    (1/R) sum_r sum_j c_j G_{j,r}^2. With `held_bias` (Theorem 6.3's alpha-numerator and added bias), the
+    smaller of Theorems 6 and 6.3."""
     h, k, lip, lw = local_steps, mask.workers, constants.smoothness, constants.local_smoothness
     c = mask.coverage.astype(float)
     lam, lam_max = c / k, float(c.max()) / k  # the step each block's mean takes, relative to DDP's
@@ -545,20 +547,93 @@ def _overlap_terms(mask: Mask, constants: ProblemConstants, *, eta: float, steps
     variance = lip * eta * h * lam_max * float(np.sum(lam * kappa * zeta)) \
         + lip * eta * float(np.sum(c * constants.sigma_sq)) / k**2
     consensus_rest = lip * eta * lam_max * drift
-    x, y = bias_sum / 2.0, drift / (2.0 * h)  # the alpha- and beta-terms are x/alpha and y/beta
-    a = optimization + bias_rest + variance + consensus_rest
-    s = math.sqrt(x) + math.sqrt(y)
-    if s == 0.0:
-        t = 0.0
-    elif a == 0.0:
-        t = room / s
-    else:  # t minimises (a + s/t) / (room - t s/2); alpha = sqrt(x) t, beta = sqrt(y) t
-        t = (math.sqrt(s * s + 2.0 * a * room) - s) / a
-    alpha, beta = math.sqrt(x) * t, math.sqrt(y) * t
-    scale = k / (c.min() * (room - (alpha + beta) / 2.0))
-    bias = scale * ((x / alpha if x > 0 else 0.0) + bias_rest)
-    consensus = scale * ((y / beta if y > 0 else 0.0) + consensus_rest)
-    return BoundTerms(scale * optimization, bias, scale * variance, consensus, eta, eta_max)
+    y = drift / (2.0 * h)  # the beta-term is y / beta
+
+    def terms(x: float, extra: float) -> BoundTerms:  # the alpha-term is x / alpha; `extra` joins the bias
+        a = optimization + bias_rest + extra + variance + consensus_rest
+        s = math.sqrt(x) + math.sqrt(y)
+        if s == 0.0:
+            t = 0.0
+        elif a == 0.0:
+            t = room / s
+        else:  # t minimises (a + s/t) / (room - t s/2); alpha = sqrt(x) t, beta = sqrt(y) t
+            t = (math.sqrt(s * s + 2.0 * a * room) - s) / a
+        alpha, beta = math.sqrt(x) * t, math.sqrt(y) * t
+        scale = k / (c.min() * (room - (alpha + beta) / 2.0))
+        bias = scale * ((x / alpha if x > 0 else 0.0) + bias_rest + extra)
+        consensus = scale * ((y / beta if y > 0 else 0.0) + consensus_rest)
+        return BoundTerms(scale * optimization, bias, scale * variance, consensus, eta, eta_max)
+
+    candidates = [terms(bias_sum / 2.0, 0.0)] + ([terms(*held_bias)] if held_bias is not None else [])
+    return min(candidates, key=lambda t: t.total)
+
+
+def bias_cancels_over_period(mask: Mask, *, local_steps: int = 1) -> bool:
+    """Whether Theorem 6.3 applies: masks held over rounds whose bias cancels over a period (``cyclic``, a
+    ``sequence`` in which every worker holds each block equally often, ``permute`` kept more than one round).
+
+    >>> from masklab.mask import Schedule
+    >>> m = Mask([[1, 1], [1, 0], [0, 1]])
+    >>> [bias_cancels_over_period(m.replace(schedule=s)) for s in (None, Schedule("cyclic", 1), Schedule("permute", 1))]
+    [False, True, False]
+    """
+    period = consensus_period(mask, local_steps=local_steps)
+    if period < 2 or mask.schedule.kind == "static":
+        return False
+    if mask.schedule.kind == "permute":
+        return True
+    held = sum(mask.round_matrix(t * local_steps).astype(float) for t in range(period))
+    return bool(np.allclose(held, held[:1]))
+
+
+def _held_bias(mask: Mask, constants: ProblemConstants, *, eta: float, local_steps: int,
+               moment: np.ndarray) -> tuple[float, float] | None:
+    """Theorem 6.3's (x, extra) for masks held over rounds whose bias cancels over a period, else None.
+
+    The alpha-term is x / alpha with x = kappa'^2 L_w^2 c_2 / 2 + f beta_b / 2, and the bracket gains
+    extra = L sqrt(lam_max beta_b) c_1 + L sqrt(lam_max) kappa' L_w c_2, where c_1 = eta H G_m mean(t_r),
+    c_2 = (eta H G_m)^2 mean(t_r^2) over the rounds r < R of periods that cancel (t_r = rounds since the
+    period began), f the share of the others, G_m^2 = sum_j (c_j/K)^2 max_r G_{j,r}^2, kappa'^2 = max_j c_j eps_j^2 / K.
+    """
+    if not bias_cancels_over_period(mask, local_steps=local_steps):
+        return None
+    h, k, rounds = local_steps, mask.workers, moment.shape[0]
+    period = consensus_period(mask, local_steps=h)
+    kind = mask.schedule.kind
+    c = mask.coverage.astype(float)
+    lam = c / k
+    eps_sq, _, _ = update_statistics(mask, local_steps=h)
+    beta_b = float(np.sum(lam * eps_sq * constants.zeta_sq))
+    shift, tilt, both = held_bias_coefficients(mask, constants, local_steps=h)
+    r = np.arange(rounds)
+    begun = r // period * period
+    cancels = (begun + period <= rounds) | (kind == "permute")  # a permute period's bias has mean zero at once
+    since = (r - begun)[cancels].astype(float)
+    step = eta * h * math.sqrt(float(np.sum(lam**2 * moment.max(axis=0))))
+    c1, c2 = step * since.sum() / rounds, step**2 * float(np.sum(since**2)) / rounds
+    x = tilt**2 * c2 / 2.0 + (1.0 - cancels.mean()) * beta_b / 2.0
+    return x, shift * c1 + both * c2
+
+
+def held_bias_coefficients(mask: Mask, constants: ProblemConstants, *,
+                           local_steps: int = 1) -> tuple[float, float, float]:
+    """(L sqrt(lam_max beta_b), kappa' L_w, L sqrt(lam_max) kappa' L_w): Theorem 6.3's per-round bound
+    <a_{r0}, Lambda b(w_r; xbar_{r0})> - <a_r, Lambda b_r>
+        <= C1 ||delta|| + C2 ||a_r||_Lambda ||delta|| + C3 ||delta||^2,
+    delta = xbar_r - xbar_{r0}, before Young's inequality and expectations (docs/theory.md, its proof (ii)-(iii)).
+
+    >>> c = ProblemConstants(1.0, np.zeros(2), np.ones(2), 1.0, worker_smoothness=2.0)
+    >>> [round(v, 6) for v in held_bias_coefficients(Mask([[1, 0], [1, 0], [0, 1], [0, 1]]), c)]
+    [0.707107, 1.414214, 1.0]
+    """
+    k = mask.workers
+    lam = mask.coverage.astype(float) / k
+    lam_max = float(lam.max())
+    eps_sq, _, _ = update_statistics(mask, local_steps=local_steps)
+    beta_b = float(np.sum(lam * eps_sq * constants.zeta_sq))
+    kappa = math.sqrt(float(np.max(lam * eps_sq)))
+    lip, lw = constants.smoothness, constants.local_smoothness
+    return lip * math.sqrt(lam_max * beta_b), kappa * lw, lip * math.sqrt(lam_max) * kappa * lw
 
 
 def _projection(holders: np.ndarray, k: int) -> np.ndarray:

@@ -79,7 +79,8 @@ def covering_theorem(
         return Coverage(None, "forward masking: no theorem covers it (docs/theory.md §6)")
     if overlap:
         return Coverage("Theorem 6", f"backward masking, overlap averaging every {local_steps} local steps, "
-                                     f"{_schedule_words(schedule)}; consensus by Theorem 4; bounds the mean of "
+                                     f"{_schedule_words(schedule)}; consensus by Theorem 4; for masks held over "
+                                     "rounds the smaller of Theorems 6 and 6.3; bounds the mean of "
                                      "all K copies (the exported model, each block its holders' mean: "
                                      "Corollary 6.1)")
     redrawn = schedule.kind == "permute" and schedule.every == local_steps

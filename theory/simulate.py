@@ -153,6 +153,9 @@ class ConsensusResult:
     round_grad_sq_seen : ndarray of shape (rounds, B)
         Per round, the largest holders' mean of the noise-free block-gradient second moment,
         (1/c_j) sum_{k in S_j} ||grad_j f_k(y)||^2, over seeds and local points (A6r); 0 without local steps.
+    bias_cross, weighted_grad_sq : ndarray of shape (S, rounds)
+        <a_r, Lambda b_r> and ||a_r||_Lambda^2 with a_r = grad f(xbar_r), Lambda = diag(c_j/K) and b_r the
+        masking bias of round r's mask at xbar_r (Lemma 1): the bias cross term of Theorems 6 and 6.3.
     """
 
     deviation: np.ndarray
@@ -162,6 +165,8 @@ class ConsensusResult:
     zeta_sq_seen: np.ndarray
     exported_grad_norm_sq: np.ndarray
     round_grad_sq_seen: np.ndarray
+    bias_cross: np.ndarray
+    weighted_grad_sq: np.ndarray
 
     @property
     def measured(self) -> float:
@@ -221,6 +226,9 @@ def simulate_consensus(
     exported_grad = np.empty((seeds, rounds))
     zeta_seen = np.zeros(mask.blocks)
     round_seen = np.zeros((rounds, mask.blocks))
+    bias_cross = np.empty((seeds, rounds))
+    weighted = np.empty((seeds, rounds))
+    step_share = np.repeat(mask.coverage / k, sizes)  # Lambda, per coordinate
     last_held = None
     for r in range(rounds):
         held_blocks = _round_masks(mask, r * h, schedule_seeds)
@@ -234,6 +242,9 @@ def simulate_consensus(
         spread = at_mean - full[:, None, :]
         het = np.add.reduceat(np.einsum("skd,skd->sd", spread, spread) / k, starts, axis=1)
         zeta_seen = np.maximum(zeta_seen, het.max(axis=0))
+        bias = np.einsum("skd,skd->sd", held * inv_c - 1.0 / k, spread)  # Lemma 1's b at the mean
+        bias_cross[:, r] = np.einsum("sd,d,sd->s", full, step_share, bias)
+        weighted[:, r] = np.einsum("sd,d,sd->s", full, step_share, full)
         for _ in range(h if eta > 0 else 0):
             grads = problem.worker_grads(copies)
             clean = np.add.reduceat(grads * grads, starts, axis=2)
@@ -247,7 +258,8 @@ def simulate_consensus(
         copies = np.where(held > 0, holder_mean[:, None, :], copies)
         deviation[:, r + 1] = per_block_deviation(copies).sum(axis=1)
         last_held = held
-    return ConsensusResult(deviation, initial, grad_seen, mean_grad, zeta_seen, exported_grad, round_seen)
+    return ConsensusResult(deviation, initial, grad_seen, mean_grad, zeta_seen, exported_grad, round_seen,
+                           bias_cross, weighted)
 
 
 def _round_masks(mask: Mask, step: int, schedule_seeds: list[int]) -> np.ndarray:

@@ -96,17 +96,20 @@ def test_verify_refuses_local_steps_a_schedule_changes_the_mask_within(mask_file
     assert "every=1 must be a multiple of local_steps=2" in lines[0]
 
 
-@pytest.mark.parametrize(("kind", "deviation"), [("permute", "Theorems 4.8 and 4.4"),
-                                                  ("cyclic", "Theorems 4.7 and 4.6")])
+@pytest.mark.parametrize(("kind", "deviation"), [("permute", "Theorem 6 (overlap averaging; consensus deviation by "
+                                                              "Theorems 4.8 and 4.4)"),
+                                                  ("cyclic", "Theorem 6 or 6.3, the smaller (overlap averaging; "
+                                                             "consensus deviation by Theorems 4.7 and 4.6)")])
 def test_verify_overlap_names_the_deviation_theorem(mask_file, tmp_path, capsys, kind, deviation):
-    """--overlap prints Theorem 6 with the consensus-deviation theorems it used: 4.7/4.6 for a deterministic schedule."""
+    """--overlap prints Theorem 6 with the consensus-deviation theorems it used: 4.7/4.6 for a deterministic schedule,
+    and Theorem 6.3 beside 6 for a mask held over rounds."""
     path = str(save_mask(load_mask(mask_file).replace(schedule=Schedule(kind, 2)), tmp_path / f"{kind}.json"))
     argv = [path, *BASE, "--local-steps", "2", "--grad-bound", "3", "--overlap", "--json"]
     argv[argv.index("--eta") + 1] = "0.05"
     argv[argv.index("--steps") + 1] = "50"
     assert _run(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["theorem"] == f"Theorem 6 (overlap averaging; consensus deviation by {deviation})"
+    assert out["theorem"] == deviation
     assert math.isfinite(out["bound"])
     if kind == "cyclic":  # a mask held over rounds: Theorem 6.2 at period starts too
         assert out["period_bound"]["theorem"].startswith("Theorem 6.2") and out["period_bound"]["bound"] > 0

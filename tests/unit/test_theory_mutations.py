@@ -22,6 +22,7 @@ from theory.consensus import (
     consensus_deviation_bound,
     consensus_period,
     deviation_increments,
+    held_bias_coefficients,
     overlap_bound,
     round_moments,
 )
@@ -225,3 +226,99 @@ def test_true_overlap_bounds_pass_the_property():
 def test_each_wrong_overlap_bound_is_caught_by_the_property(theorem6_fn, deviation_fn):
     with pytest.raises(AssertionError):
         _overlap_property(theorem6_fn, deviation_fn)()
+
+
+# Theorem 6.3 (masks held over rounds): on every simulated problem the bias cross term it charges is far below the
+# charge (it is even negative on average with mask-aligned heterogeneity), so no end-to-end property catches a wrong
+# version of its new terms. Its proof rests on one per-round inequality, checked here on linear gradient fields
+# grad f_k(x) = A_k x + g_k with diagonal A_k, one coordinate per block and K = 4 workers, two per block:
+# <a_0, Lambda b(x_0)> - <a_1, Lambda b(x_1)> <= C1 |delta| + C2 |a_1|_Lambda |delta| + C3 |delta|^2, delta = x_1 - x_0,
+# (C1, C2, C3) = `held_bias_coefficients`, the constants at x_1. Each coefficient is attained by one family of
+# instances ("shift", "tilt", "both") as |delta| -> 0 or L / L_w -> 0; "random" draws the rest.
+
+_HALVES = Mask([[1, 0], [1, 0], [0, 1], [0, 1]], block_sizes=[1, 1], schedule=Schedule("cyclic", 1))
+
+
+def _held_true(mask, constants):
+    return held_bias_coefficients(mask, constants)
+
+
+def _held_no_shift(mask, constants):  # a dropped term: the mean gradient's change against the bias
+    _, tilt, both = held_bias_coefficients(mask, constants)
+    return 0.0, tilt, both
+
+
+def _held_tilt_squared_weight(mask, constants):  # kappa'^2 = max (c_j/K)^2 eps_j^2 instead of max (c_j/K) eps_j^2
+    shift, tilt, both = held_bias_coefficients(mask, constants)
+    lam_max = float(mask.coverage.max()) / mask.workers
+    return shift, tilt * np.sqrt(lam_max), both
+
+
+def _held_no_both(mask, constants):  # a dropped term: the gradient's change against the bias's change
+    shift, tilt, _ = held_bias_coefficients(mask, constants)
+    return shift, tilt, 0.0
+
+
+def _held_instance(case: str, size: float, rng: np.random.Generator):
+    """(A, g, x0, x1) for 4 workers and 2 one-coordinate blocks held by workers {0, 1} and {2, 3}."""
+    sign = np.array([1.0, 1.0, -1.0, -1.0])[:, None] * np.array([1.0, -1.0])  # w_j - u, times K
+    if case == "shift":  # one Hessian L I, heterogeneity along w - u, delta against the bias, a_1 = 0
+        a = np.ones((4, 2))
+        g = sign.copy()
+        x1 = np.zeros(2)
+        x0 = x1 + size * np.array([1.0, 1.0]) / np.sqrt(2.0)  # b(x) = (1, 1) everywhere
+    elif case == "tilt":  # mean Hessian 0 on block 0, worker curvatures +-1 along w - u, no heterogeneity at x_1
+        a = np.column_stack([sign[:, 0], np.full(4, 0.1)])
+        x1 = np.array([1.0, 0.0])
+        g = np.column_stack([-a[:, 0] * x1[0] - 1.0, np.zeros(4)])  # mean gradient -1 on block 0 at x_1
+        x0 = x1 - np.array([size, 0.0])
+    elif case == "both":  # mean Hessian L << L_w: the change of a against the change of b, a_1 = 0, b(x_1) = 0
+        a = np.column_stack([0.1 + 0.9 * sign[:, 0], np.full(4, 0.1)])
+        x1 = np.array([1.0, 0.0])
+        g = -a * x1
+        x0 = x1 - np.array([size, 0.0])
+    else:
+        a = rng.uniform(-1.0, 1.0, (4, 2))
+        g = rng.standard_normal((4, 2))
+        x0 = rng.standard_normal(2)
+        x1 = x0 + size * rng.standard_normal(2)
+    return a, g, x0, x1
+
+
+def _held_bias_property(coefficients_fn):
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None)
+    @given(case=st.sampled_from(["shift", "tilt", "both", "random"]), size=st.sampled_from([1e-3, 0.1, 1.0]),
+           seed=st.integers(0, 2**16))
+    def check(case, size, seed):
+        a, g, x0, x1 = _held_instance(case, size, np.random.default_rng(seed))
+        w = _HALVES.matrix / _HALVES.coverage - 0.25  # w_j - u for the mask in force
+        lam = _HALVES.coverage / 4.0
+
+        def grad_and_bias(x):
+            grads = a * x + g  # (K, B): worker k's gradient, block j
+            mean = grads.mean(axis=0)
+            return mean, np.sum(w * (grads - mean), axis=0), np.mean((grads - mean) ** 2, axis=0)
+
+        a0, b0, _ = grad_and_bias(x0)
+        a1, b1, zeta_sq = grad_and_bias(x1)
+        mean_hess = np.abs(a.mean(axis=0)).max()
+        constants = ProblemConstants(max(mean_hess, 1e-12), np.zeros(2), zeta_sq, 1.0,
+                                     worker_smoothness=max(np.abs(a).max(), mean_hess, 1e-12))
+        c1, c2, c3 = coefficients_fn(_HALVES, constants)
+        shift = float(np.linalg.norm(x1 - x0))
+        lhs = float(np.sum(a0 * lam * b0) - np.sum(a1 * lam * b1))
+        rhs = c1 * shift + c2 * float(np.sqrt(np.sum(lam * a1 * a1))) * shift + c3 * shift**2
+        assert lhs <= rhs * (1 + 1e-9) + 1e-12
+
+    return check
+
+
+def test_true_held_bias_inequality_passes_the_property():
+    _held_bias_property(_held_true)()
+
+
+@pytest.mark.parametrize("mutant", [_held_no_shift, _held_tilt_squared_weight, _held_no_both],
+                         ids=["held-bias-no-shift", "held-bias-tilt-squared-weight", "held-bias-no-both"])
+def test_each_wrong_held_bias_coefficient_is_caught_by_the_property(mutant):
+    with pytest.raises(AssertionError):
+        _held_bias_property(mutant)()

@@ -18,6 +18,7 @@ from masklab.mask import Mask, Schedule
 from tests.strategies import masks
 from theory.bounds import ProblemConstants
 from theory.consensus import (
+    bias_cancels_over_period,
     block_deviation_bound,
     consensus_deviation_bound,
     consensus_period,
@@ -289,3 +290,39 @@ def test_theorem_4_8_is_exact_for_two_workers_holding_one_block_each():
     np.testing.assert_allclose(bound[:, 0], np.arange(7) ** 2 * 0.3**2 / 2, rtol=1e-12)
     assert block_deviation_bound(mask, np.zeros(2), local_steps=1, drift=drift, noise=np.zeros_like(drift)) \
         == pytest.approx(bound, rel=1e-12)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(mask=masks(max_workers=6, max_blocks=3), data=st.data())
+def test_theorem_6_or_6_3_bounds_the_mean_for_held_masks_with_mask_aligned_heterogeneity(mask, data):
+    """The smaller of Theorems 6 and 6.3 on held masks, heterogeneity along the mask columns, horizons that end
+    inside a period (the bias of its rounds does not cancel) or on a period's end."""
+    h = data.draw(st.sampled_from([1, 2]), label="local_steps")
+    kind, every = data.draw(st.sampled_from([("cyclic", 1), ("cyclic", 2), ("permute", 2), ("permute", 3)]),
+                            label="schedule")
+    mask = mask.replace(block_sizes=[2] * mask.blocks, schedule=Schedule(kind, every * h))
+    assume(bias_cancels_over_period(mask, local_steps=h))
+    problem = make_quadratic([2] * mask.blocks, mask.workers, smoothness=1.0, sigma=data.draw(st.floats(0, 1)),
+                             zeta=2.0, suboptimality=1.0, worker_pattern=mask.matrix, seed=11)
+    eta = data.draw(st.floats(0.2, 1.0), label="eta * 12 L H") / (12 * h)
+    rounds = data.draw(st.integers(2, 3 * consensus_period(mask, local_steps=h) + 1), label="rounds")
+    res = simulate_consensus(problem, mask, rounds=rounds, eta=eta, local_steps=h, initial_spread=0.0,
+                             seeds=32, seed=12)
+    for per_round in (False, True):
+        bound = overlap_bound(mask, _constants_seen(problem, res, per_round=per_round), eta=eta, steps=rounds * h,
+                              local_steps=h)
+        assert res.measured + Z * res.stderr <= bound.total * (1 + 1e-9)
+
+
+def test_theorem_6_3_applies_only_where_the_bias_cancels_over_a_period():
+    mask = Mask([[1, 1], [1, 0], [0, 1]], block_sizes=[2, 2])
+    assert not bias_cancels_over_period(mask)  # static
+    assert not bias_cancels_over_period(mask.replace(schedule=Schedule("permute", 1)))  # Theorem 2's case
+    assert bias_cancels_over_period(mask.replace(schedule=Schedule("permute", 2)))
+    assert bias_cancels_over_period(mask.replace(schedule=Schedule("cyclic", 1)))
+    unbalanced = Mask.sequence([[[1, 1], [1, 0], [0, 1]], [[1, 1], [0, 1], [1, 0]]], every=1, block_sizes=[2, 2])
+    assert not bias_cancels_over_period(unbalanced)
+    c = ProblemConstants(1.0, np.zeros(2), np.full(2, 4.0), 1.0, grad_sq=np.ones(2))
+    cyclic = mask.replace(schedule=Schedule("cyclic", 1))
+    held = overlap_bound(cyclic, c, eta=0.01, steps=30)
+    assert held.bias < overlap_bound(cyclic.replace(schedule=Schedule("cyclic", 30)), c, eta=0.01, steps=30).bias
