@@ -92,6 +92,21 @@ class MaskChanges:
                         self.device, self.bytes)
         return self.enter(old_matrix, matrix, old_held, new_held, local_index, move_state=True)[1]
 
+    def undo_gains(self, matrix: np.ndarray) -> None:
+        """Forward masking: put back the pass-through of every block this worker built for a change that a
+        lost worker interrupted (one `matrix`, the mask its state is in, does not give it), its
+        parameters out of the optimizer, so that the survivors can make the change again."""
+        if not self.moves_blocks:
+            return
+        for j, name in enumerate(self.layout.blocks):
+            block = self.module.get_submodule(name)
+            if matrix[self.rank, j] or hasattr(block, "shape_only"):
+                continue
+            params = [p for _, p in owned_parameters(block)]
+            self._places.remove(params)
+            block.__dict__.pop("forward", None)  # activation checkpointing's wrapper, if any
+            drop_blocks(self.module, [name], np.zeros(1, dtype=bool))
+
     def _move_blocks(self, old_rows: np.ndarray, new_rows: np.ndarray, old_held, new_held,
                      optimizers: list[torch.optim.Optimizer], move_state: bool) -> list[torch.Tensor]:
         """Build the blocks this worker gains, receive their values and optimizer state (`move_state`),

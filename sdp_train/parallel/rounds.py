@@ -3,11 +3,15 @@
 
 `Rounds` counts optimizer steps, knows the round whose mask this worker's state is in, and says
 when a round that ended is followed by one with another mask (a change is *due*); it saves and
-restores that position. It moves nothing: the wrapper that owns it makes the change
+restores that position. After workers are lost, `Rounds.for_survivors` keeps the position with
+every round's mask restricted to the survivors' rows. It moves nothing: the wrapper that owns it makes the change
 (`sdp_train.parallel.schedule` moves blocks and optimizer state). Reasoning: docs/design.md §5.
 """
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,6 +25,8 @@ class Rounds:
 
     def __init__(self, mask: Mask, seed: int, *, counts: bool) -> None:
         self.mask, self.seed, self.counts = mask, seed, counts
+        self.rows: np.ndarray | None = None
+        """The rows of `mask` the workers are, in rank order, once some were lost (None: all of them)."""
         self.steps = 0
         """Optimizer steps taken."""
         self.matrix = self.round_matrix(0)
@@ -30,7 +36,30 @@ class Rounds:
 
     def round_matrix(self, step: int) -> np.ndarray:
         """The (K, B) mask in force at optimizer step `step`, the same on every rank."""
-        return self.mask.round_matrix(step, seed=self.seed)
+        matrix = self.mask.round_matrix(step, seed=self.seed)
+        return matrix if self.rows is None else matrix[self.rows]
+
+    def for_survivors(self, rows: Sequence[int]) -> Rounds:
+        """This position over the workers of `rows` (ranks of the current world, in their new order):
+        every round's mask restricted to their rows, this worker's state still in the round it was in,
+        and the change to the round of the next step due when that round differs (also when a loss
+        interrupted the change that was being made)."""
+        survivors = copy.copy(self)
+        survivors.rows = np.asarray(rows) if self.rows is None else self.rows[list(rows)]
+        survivors.matrix = self.matrix[list(rows)]
+        upcoming = survivors.round_matrix(self.steps)
+        survivors.due = None if np.array_equal(upcoming, survivors.matrix) else upcoming
+        return survivors
+
+    def to_train(self, steps: int) -> list[tuple[int, np.ndarray]]:
+        """``(step, matrix)``: the mask this worker's state is in, at the next step, then the mask of the
+        next step's round and of every later round of a run of `steps` steps, at its first step."""
+        out = [(self.steps, self.matrix)]
+        if not self.mask.schedule.is_static:
+            every = self.mask.schedule.every
+            starts = [self.steps, *range((self.steps // every + 1) * every, steps, every)]
+            out += [(step, self.round_matrix(step)) for step in starts if step < steps]
+        return out
 
     def step_done(self) -> None:
         """Count one optimizer step; a change becomes due when the next step's round has another mask."""

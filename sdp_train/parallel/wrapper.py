@@ -138,7 +138,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
                         masking: str = "forward", activation_checkpointing: bool = False, fsdp: bool = False,
                         autocast_dtype: torch.dtype | None = None, comm_dtype: torch.dtype | None = None,
                         values_agree: bool = False, seed: int = 0, local_steps: int = 1,
-                        compile: bool | str = False) -> SubnetworkDataParallel:
+                        compile: bool | str = False, rounds: Rounds | None = None) -> SubnetworkDataParallel:
         """Wrap a subnetwork this rank has already built (steps 4 and 5 of the constructor only).
 
         For models that know how to build a worker's part without the full model: the built-in
@@ -151,6 +151,8 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         ``mask.round_matrix(0, seed=seed)``: build the module and ``held_by_rank`` from that (with
         forward masking, replace each block it does not hold by a `sdp_train.parallel.masking.PassThrough`,
         which keeps the block's meta-device copy: a worker that gains the block builds it from that).
+        ``rounds``: a position in the mask's schedule to continue from instead of its first round, whose
+        matrix ``held_by_rank`` follows (`Rounds.for_survivors`: the survivors of lost workers).
         """
         cut = Cut(masking, layout.level)
         sync = _choose_sync(cut, fsdp, comm_dtype, local_steps)
@@ -161,14 +163,15 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         self._setup(module, layout, mask, held_by_rank, dict(local_index), device, cut=cut,
                     activation_checkpointing=activation_checkpointing, autocast_dtype=autocast_dtype,
                     init_state=None, values_agree=values_agree, seed=seed, sync=sync,
-                    options=(fsdp, comm_dtype, local_steps), compile=compile)
+                    options=(fsdp, comm_dtype, local_steps), compile=compile, rounds=rounds)
         return self
 
     def _setup(self, module: nn.Module, layout: ModelLayout, mask: Mask,
                held_by_rank: Sequence[Mapping[str, SliceSpec]], local_index: dict[str, SliceSpec],
                device: torch.device, *, cut: Cut, activation_checkpointing: bool,
                autocast_dtype: torch.dtype | None, init_state: Mapping[str, torch.Tensor] | None,
-               values_agree: bool, seed: int, sync: Sync, options: tuple, compile: bool | str = False) -> None:
+               values_agree: bool, seed: int, sync: Sync, options: tuple, compile: bool | str = False,
+               rounds: Rounds | None = None) -> None:
         """Steps 3 (values) to 5 (the sync), for a module already cut to this worker's part."""
         self.rank, self.world_size = rank_and_world()
         sync.check(mask)
@@ -176,7 +179,7 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         self.sync = sync
         self.fsdp, self.comm_dtype, self.local_steps = options  # as given; `sync` is what they chose
         self.seed, self.activation_checkpointing = seed, activation_checkpointing
-        self.rounds = Rounds(mask, seed, counts=not mask.schedule.is_static or sync.counts_steps)
+        self.rounds = rounds or Rounds(mask, seed, counts=not mask.schedule.is_static or sync.counts_steps)
         self.cut, self.autocast_dtype = cut, autocast_dtype
         self.level, self.masking = cut.level, cut.masking  # the options as given
         self.layout, self.mask, self.held_by_rank, self.local_index = layout, mask, list(held_by_rank), local_index

@@ -147,11 +147,14 @@ class TrainConfig:
     ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
     on_worker_loss: str = "stop"
     """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
-    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp``,
-    ``overlap``, static mask: the survivors agree on who is left, train on with the dead rows dropped
-    from the mask, rerunning only the interrupted step (Bb-SDP and overlap: not rerunning a step every
-    survivor applied, whose new values are sent or averaged again), without a checkpoint; a loss that
-    leaves a block without holder stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
+    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp`` with a
+    static mask or a schedule, ``overlap`` with a static mask: the survivors agree on who is left, train
+    on with the dead rows dropped from the mask (a schedule's every later round restricted to the
+    survivors), rerunning only the interrupted step (Bb-SDP, overlap, or a loss during a schedule's
+    mask change: not rerunning a step every survivor applied, whose new values are sent or averaged
+    again, or whose change is made again), without a checkpoint; a loss that leaves a block without
+    holder, now or in a round still to train, stops the run; `sdp_train.trainer.membership`,
+    RELIABILITY.md)."""
     restore_coverage: bool = False
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask): after a loss,
     train on under a mask designed for the survivors with the designed coverage (the start mask's least
@@ -296,10 +299,13 @@ class TrainConfig:
         why = None
         if self.mode not in SURVIVABLE_MODES:
             why = f"mode {self.mode!r}: continuing is built for {', '.join(SURVIVABLE_MODES)}"
-        elif (self.schedule not in (None, "static") or self.fsdp
-              or (self.local_steps != 1 and self.mode != "overlap")):
-            why = ("a static mask without fsdp, averaged every step or by overlap averaging (no --schedule, --fsdp, "
-                   "or --local-steps outside mode overlap)")
+        elif self.fsdp or (self.local_steps != 1 and self.mode != "overlap"):
+            why = ("a mask without fsdp, averaged every step or by overlap averaging (no --fsdp, or --local-steps "
+                   "outside mode overlap)")
+        elif self.schedule not in (None, "static") and (self.mode == "overlap" or self.restore_coverage):
+            why = (f"a static mask in mode 'overlap' and with restore_coverage (--restore-coverage), got "
+                   f"schedule={self.schedule!r} (--schedule) in mode {self.mode!r}"
+                   + (" with restore_coverage" if self.restore_coverage else ""))
         elif self.max_restarts:
             why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
         elif self.restore_coverage and self.mode not in RESTORING_MODES:

@@ -6,7 +6,8 @@ their TCP store itself (torch's elastic agent would stop every rank when one fai
 rank that exits in the store. When a step fails on a rank (a collective with a dead peer raises),
 `Survival.recover` closes this rank's groups (so a peer blocked on one fails too), agrees with the
 other live ranks on the survivors through the store (`agree`: the first decision written wins),
-refuses a loss that leaves a block without holder (`decide`), re-forms the world over a new store
+refuses a loss that leaves a block without holder (`decide`: in the mask in force and, under a mask
+schedule, in every round still to train), re-forms the world over a new store
 prefix with the survivors renumbered in the old order, and has the run rebuild its holder groups
 and sync for the survivors' mask (`masklab.failures.survivors_mask`, or with ``--restore-coverage``
 `masklab.survivors.restored_mask`, whose new holders first receive their blocks). The run then reruns the
@@ -93,10 +94,16 @@ class MembershipChange:
                 "mask": mask_to_dict(self.mask)}
 
 
-def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, step: int) -> MembershipChange | None:
+def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, step: int,
+           rounds: Sequence[tuple[int, np.ndarray]] | None = None) -> MembershipChange | None:
     """The membership change when `joined` (worker -> optimizer steps it has applied) are the live ones
     of `workers` (the current world's workers, rank order, whose rows `mask` has); None when no worker
     was lost. Raises `WorkerLossError` in one line when the survivors cannot continue.
+
+    Under a schedule, `rounds` (`ModeSync.rounds_to_train`: the mask the workers' state is in, then the
+    first step of every round still to train and its mask, rows as `workers`) are checked instead of
+    `mask`: a loss that leaves a block without holder in a later round is refused now, since no
+    survivor could train that round. The change's mask is then the survivors' rows of the first.
 
     >>> m = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
     >>> decide(m, [0, 1, 2], {0: 4, 2: 4}, step=4).mask.matrix.tolist()
@@ -105,24 +112,34 @@ def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, ste
     Traceback (most recent call last):
     ...
     sdp_train.trainer.membership.WorkerLossError: step 4: lost workers [1, 2] held every copy of block 2 (block2): continuing is impossible; restart from a checkpoint (--resume)
+    >>> two = Mask([[1, 1], [0, 1]])  # under a schedule, rows swap at step 6
+    >>> decide(two, [0, 1], {0: 4}, step=4, rounds=[(4, two.matrix), (6, two.matrix[[1, 0]])])
+    Traceback (most recent call last):
+    ...
+    sdp_train.trainer.membership.WorkerLossError: step 4: lost worker [1] would hold every copy of block 0 (block0) in the round of step 6: continuing is impossible; restart from a checkpoint (--resume)
     """
     lost = tuple(w for w in workers if w not in joined)
     if not lost:
         return None
+    many = "s" * (len(lost) > 1)
     steps = sorted(set(joined.values()))
     if len(steps) > 1:
-        raise WorkerLossError(f"step {step}: after losing worker{'s' * (len(lost) > 1)} {list(lost)} the survivors "
+        raise WorkerLossError(f"step {step}: after losing worker{many} {list(lost)} the survivors "
                               f"had applied different numbers of steps {steps}: no survivor can undo a step; "
                               "restart from a checkpoint (--resume)")
     rows = [k for k, w in enumerate(workers) if w in joined]
-    held = mask.matrix[rows].any(axis=0)
-    if not held.all():
-        j = int(np.flatnonzero(~held)[0])
-        raise WorkerLossError(f"step {step}: lost worker{'s' * (len(lost) > 1)} {list(lost)} held every copy of "
-                              f"block {j} ({mask.block_names[j]}): continuing is impossible; restart from a "
-                              "checkpoint (--resume)")
+    for n, (at, matrix) in enumerate(rounds or [(step, mask.matrix)]):
+        held = np.asarray(matrix)[rows].any(axis=0)
+        if not held.all():
+            j = int(np.flatnonzero(~held)[0])
+            what = f"would hold every copy of block {j} ({mask.block_names[j]}) in the round of step {at}" if n else (
+                f"held every copy of block {j} ({mask.block_names[j]})")
+            raise WorkerLossError(f"step {step}: lost worker{many} {list(lost)} {what}: continuing is impossible; "
+                                  "restart from a checkpoint (--resume)")
     gone = [k for k, w in enumerate(workers) if w not in joined]
-    return MembershipChange(step, lost, tuple(workers[k] for k in rows), tuple(rows), survivors_mask(mask, gone))
+    in_force = mask if rounds is None else Mask(rounds[0][1], block_names=mask.block_names,
+                                                block_sizes=mask.block_sizes)
+    return MembershipChange(step, lost, tuple(workers[k] for k in rows), tuple(rows), survivors_mask(in_force, gone))
 
 
 def agreement_timeout() -> timedelta:
@@ -202,6 +219,7 @@ class Survival:
         world's forming fail; the agreement then starts again with the workers still alive.
         """
         began = time.perf_counter()
+        rounds = run.sync.rounds_to_train(run.cfg.steps)
         run.sync.close()  # its hooks hold the groups
         while True:
             destroy_distributed()  # closes this rank's connections: a peer waiting on one of them fails now
@@ -212,7 +230,7 @@ class Survival:
                 raise WorkerLossError(f"step {step}: worker {self.worker} joined the survivors after they had "
                                       "decided without it; it stops") from error
             try:
-                change = decide(self.mask, self.workers, joined, step=step)
+                change = decide(self.mask, self.workers, joined, step=step, rounds=rounds)
             except WorkerLossError as exc:
                 raise WorkerLossError(str(exc), report=self.worker == min(joined)) from error
             if change is None:

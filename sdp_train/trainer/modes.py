@@ -136,6 +136,12 @@ class ModeSync:
     def close(self) -> None:
         """Release hooks and process-group references (after the last collective)."""
 
+    def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]] | None:
+        """``(step, matrix)`` of the mask this rank's state is in (at the next step) and of each round
+        still to train in a run of `steps` steps (`sdp_train.parallel.rounds.Rounds.to_train`), rows in
+        rank order: what a loss of workers is checked against. None: the mask in force alone."""
+        return None
+
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
                       optimizer: torch.optim.Optimizer) -> ModeSync:
         """This mode's sync over a new world of the survivors (`sdp_train.trainer.membership`): `rows` are
@@ -283,19 +289,26 @@ class SubnetworkSync(ModeSync):
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
                       optimizer: torch.optim.Optimizer) -> SubnetworkSync:
-        """A static mask: every survivor keeps its blocks, so only the wrapper is new (its holder groups,
-        buckets and hooks); activation checkpointing is already inside the module. When `mask` restores
-        the designed coverage, what a survivor newly holds first comes from its lowest-ranked surviving
-        holder (blocks or neuron groups, their optimizer state; `MaskChanges.hand_over`). Under backward
-        masking (Bb-SDP) the new wrapper then sends each block's values from its lowest-ranked surviving
-        holder to every survivor: a loss during the broadcast that follows the optimizer step leaves
-        some non-holders with the new values and others with the old (docs/design.md §7)."""
+        """Every survivor keeps its blocks, so only the wrapper is new (its holder groups, buckets and
+        hooks); activation checkpointing is already inside the module. Under a schedule the new wrapper
+        goes on from the same position with every round's mask restricted to the survivors' rows
+        (`Rounds.for_survivors`), after the blocks built for a change that the loss interrupted are
+        dropped again (`MaskChanges.undo_gains`): the change is made again among the survivors when
+        the next step begins. When `mask` restores the designed coverage (static masks), what a
+        survivor newly holds first comes from its lowest-ranked surviving holder (blocks or neuron
+        groups, their optimizer state; `MaskChanges.hand_over`). Under backward masking (Bb-SDP) the new
+        wrapper then sends each block's values from its lowest-ranked surviving holder to every
+        survivor: a loss during the broadcast that follows the optimizer step leaves some non-holders
+        with the new values and others with the old (docs/design.md §7)."""
         old = self.sdp
-        if not old.mask.schedule.is_static or self._fsdp is not None or old.local_steps != 1:
+        if self._fsdp is not None or old.local_steps != 1:
             return super().for_survivors(mask, rows, info, optimizer)
         kept = old.rounds.matrix[list(rows)]
-        held_by_rank, local_index, moved = [old.held_by_rank[r] for r in rows], old.local_index, 0
-        if not np.array_equal(mask.matrix, kept):  # coverage restored: blocks move to their new holders
+        held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, 0, None
+        if not old.mask.schedule.is_static:
+            old.changes.undo_gains(old.rounds.matrix)
+            mask, rounds = old.mask, old.rounds.for_survivors(rows)
+        elif not np.array_equal(mask.matrix, kept):  # coverage restored: blocks move to their new holders
             new_held = [old.layout.held(row) for row in mask.matrix]
             changes = MaskChanges(old.module, old.layout, info.rank, info.world_size, old.device, cut=old.cut,
                                   activation_checkpointing=old.activation_checkpointing, watch_clipping=False)
@@ -306,10 +319,14 @@ class SubnetworkSync(ModeSync):
             old.module, layout=old.layout, mask=mask, held_by_rank=held_by_rank,
             local_index=local_index, masking=old.masking, activation_checkpointing=False,
             autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype,
-            values_agree=not old.cut.keeps_whole_model, seed=old.seed)
+            values_agree=not old.cut.keeps_whole_model, seed=old.seed, rounds=rounds)
+        sdp.changes.bytes += old.changes.bytes  # what the schedule moved so far (`mask_change_bytes`)
         survivors = SubnetworkSync(sdp, sdp.module, info, fsdp=False)
         survivors.moved_bytes = moved
         return survivors
+
+    def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]]:
+        return self.sdp.rounds.to_train(steps)
 
 
 class OverlapSync(ModeSync):

@@ -53,33 +53,46 @@ def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Pa
     return run_mode(request.param, tmp_path_factory)
 
 
-def run_mode(mode: str, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
-    """``sdp train --mode MODE --on-worker-loss continue`` on 3 ranks, rank 0 SIGKILLed at KILL_STEP."""
+def run_mode(mode: str, tmp_path_factory, extra: tuple[str, ...] = ()) -> tuple[str, subprocess.CompletedProcess, Path]:
+    """``sdp train --mode MODE --on-worker-loss continue`` (and `extra` flags) on 3 ranks, rank 0
+    SIGKILLed at KILL_STEP."""
     out = tmp_path_factory.mktemp(f"worker_loss_{mode}") / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
            "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{KILL_RANK}", "SDP_COLLECTIVE_TIMEOUT_S": "60"}
-    restore = ["--restore-coverage"] if mode in RESTORES else []
-    proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", mode, *restore,
+    restore = ["--restore-coverage"] if mode in RESTORES and not extra else []
+    proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", mode, *restore, *extra,
                            "--checkpoint-every", str(STEPS), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-8000:]
     return mode, proc, out
 
 
-def survivors_rows(mode: str, prep) -> "np.ndarray":
+def members_rows(mode: str, prep, step: int) -> tuple[list[int], np.ndarray]:
+    """The members of `step` (worker numbers) and a (3, B) matrix with their rows of the mask in force
+    (the others zero): `survivors_rows` once KILL_RANK is lost; under a schedule, the round's rows."""
+    members = [0, 1, 2] if step <= KILL_STEP else [k for k in range(3) if k != KILL_RANK]
+    matrix = np.zeros_like(prep.mask.matrix, dtype=bool)
+    if not prep.mask.schedule.is_static:
+        matrix[members] = prep.mask.round_matrix(step, seed=prep.config.seed)[members]
+    else:
+        matrix[members] = prep.mask.matrix[members] if step <= KILL_STEP else survivors_rows(mode, prep)
+    return members, matrix
+
+
+def survivors_rows(mode: str, prep) -> np.ndarray:
     """The survivors' mask after losing KILL_RANK: the start mask's rows without it, or (`RESTORES`) the
     mask designed for them with the start's coverage (`masklab.survivors.restored_mask`)."""
     from masklab.failures import survivors_mask
     from masklab.survivors import restored_mask
 
-    if mode not in RESTORES:
+    if mode not in RESTORES or not prep.mask.schedule.is_static:
         return survivors_mask(prep.mask, [KILL_RANK]).matrix
     groups = prep.model_config.neuron_groups if LEVEL[mode] == "neuron" else None
     return restored_mask(prep.mask, [KILL_RANK], coverage=int(prep.mask.coverage.min()), groups=groups,
                          seed=prep.config.seed).matrix
 
 
-def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(mode: str, extra: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The run on one process: one full model and one AdamW (the run's groups and hyperparameters),
     each step every member's gradient from its subnetwork on its own batch (its row of the mask in
     force: `survivors_rows` once KILL_RANK is lost), each entry's the mean over its holders among the
@@ -93,7 +106,7 @@ def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     from sdp_train.trainer.prepare import prepare
     from sdp_train.trainer.run import loss_fn, lr_at
 
-    cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, "--out", "unused"]))
+    cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, *extra, "--out", "unused"]))
     prep = prepare(cfg)
     if mode == "overlap":
         return _overlap_reference(cfg, prep)
@@ -105,9 +118,7 @@ def reference(mode: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
     losses = []
     for step in range(STEPS):
-        members = [0, 1, 2] if step <= KILL_STEP else [k for k in range(3) if k != KILL_RANK]
-        matrix = np.zeros_like(prep.mask.matrix, dtype=bool)  # rows of the members, in worker numbers
-        matrix[members] = prep.mask.matrix[members] if step <= KILL_STEP else survivors_rows(mode, prep)
+        members, matrix = members_rows(mode, prep, step)
         values = []
 
         def loss(sub, batch):
@@ -205,23 +216,24 @@ def _backward_masked_update(model, matrix, members: list[int], batches: list, lo
     return grads
 
 
-def _prepared(mode: str):
+def prepared(mode: str, extra: tuple[str, ...] = ()):
     from sdp_train.cli import build_parser
     from sdp_train.cli.train import config_from_args
     from sdp_train.trainer.prepare import prepare
 
-    return prepare(config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, "--out", "unused"])))
+    return prepare(config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, *extra,
+                                                               "--out", "unused"])))
 
 
-def _held(mode: str, matrix: np.ndarray) -> list[dict]:
+def held_parts(mode: str, matrix: np.ndarray) -> list[dict]:
     """What each row of `matrix` holds of every tensor (`SliceSpec`s, full-model positions)."""
     from sdp_train.models.subnet import held_tensors
 
-    prep = _prepared(mode)
+    prep = prepared(mode)
     return [held_tensors(prep.model_config, row.astype(bool), LEVEL[mode]) for row in matrix]
 
 
-def _common_part(specs: list[dict], ranks: list[dict], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def common_part(specs: list[dict], ranks: list[dict], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Both ranks' values of the part of `name` they both hold (N-SDP: rows/columns found by their
     full-model positions; a whole tensor as it is)."""
     held = (specs[0][name], specs[1][name])
@@ -249,7 +261,7 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
 
     (change,) = summary["membership_changes"]
     assert (change["step"], change["lost"], change["workers"]) == (CHANGE_STEP[mode], lost, survivors)
-    rows = survivors_rows(mode, _prepared(mode))
+    rows = survivors_rows(mode, prepared(mode))
     assert mask_from_dict(change["mask"]).matrix.tolist() == rows.tolist()
     assert change["coverage_restored"] == (mode in RESTORES)
     if mode in RESTORES:  # the start's coverage 2 on the 2 survivors: each gained what it lacked
@@ -271,10 +283,10 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
     if mode == "bbsdp":  # every survivor runs the whole model: every tensor the same on both
         assert set(ranks[0]) == set(ranks[1]) and all(torch.equal(ranks[0][n], ranks[1][n]) for n in shared)
     else:  # overlap averaging: each keeps a copy of the whole model, of which the holders agree
-        specs = _held(mode, rows)
+        specs = held_parts(mode, rows)
         for name in shared:
             if name in specs[0] and name in specs[1]:
-                a, b = _common_part(specs, ranks, name)
+                a, b = common_part(specs, ranks, name)
                 assert torch.equal(a, b), name
 
     from safetensors.torch import load_file

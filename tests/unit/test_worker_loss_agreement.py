@@ -108,8 +108,9 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
 
 @pytest.mark.parametrize("changes, message", [
     ({"mode": "ddp"}, "mode 'ddp': continuing is built for bsdp, nsdp, bbsdp, overlap"),
-    ({"schedule": "permute"}, "a static mask without fsdp"),
-    ({"fsdp": True}, "a static mask without fsdp"),
+    ({"schedule": "permute", "mode": "overlap"}, "a static mask in mode 'overlap'"),
+    ({"schedule": "cyclic", "restore_coverage": True}, "got schedule='cyclic' (--schedule) in mode 'bsdp' with "),
+    ({"fsdp": True}, "a mask without fsdp"),
     ({"local_steps": 2}, "or --local-steps outside mode overlap"),
     ({"max_restarts": 1}, "max_restarts=1"),
     ({"workers": 1}, "workers=1"),
@@ -152,3 +153,46 @@ def test_the_keeping_launcher_reports_the_lowest_ranks_input_error_line_and_noth
     assert membership._refused(str(tmp_path), [0, 1, 1]) is None
     (tmp_path / "rank2.json").write_text(json.dumps({"message": "a crash's record"}))  # not an input error
     assert membership._refused(str(tmp_path), [0, 1, 2]) is None
+
+
+@settings(deadline=None, max_examples=40)
+@given(mask=masks(workers=st.integers(2, 5), max_blocks=5, schedule=True), data=st.data())
+def test_a_loss_under_a_schedule_is_refused_exactly_when_some_round_still_to_train_loses_a_block(mask, data):
+    """`decide` over `Rounds.to_train`: the rounds from the next step's to the last, by brute force."""
+    from sdp_train.parallel.rounds import Rounds
+
+    lost = data.draw(st.sets(st.integers(0, mask.workers - 1), min_size=1, max_size=mask.workers - 1))
+    start, steps = data.draw(st.integers(0, 6)), 8
+    rounds = Rounds(mask, seed=1, counts=True)
+    for _ in range(start):
+        rounds.step_done()
+    rounds.entered(rounds.round_matrix(start), start)
+    workers = list(range(mask.workers))
+    joined = {w: start for w in workers if w not in lost}
+    uncovered = [s for s in range(start, steps)
+                 if not mask.round_matrix(s, seed=1)[[w for w in workers if w not in lost]].any(axis=0).all()]
+    if uncovered:
+        with pytest.raises(WorkerLossError, match=r"continuing is impossible") as info:
+            decide(mask, workers, joined, step=start, rounds=rounds.to_train(steps))
+        assert uncovered[0] == start or f"in the round of step {uncovered[0]}:" in str(info.value)
+    else:
+        change = decide(mask, workers, joined, step=start, rounds=rounds.to_train(steps))
+        assert change.mask.matrix.tolist() == rounds.round_matrix(start)[list(change.rows)].tolist()
+
+
+def test_the_survivors_rounds_keep_the_position_and_restrict_every_round_to_their_rows():
+    from masklab import Schedule
+    from sdp_train.parallel.rounds import Rounds
+
+    mask = Mask([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], schedule=Schedule("permute", every=2))
+    rounds = Rounds(mask, seed=0, counts=True)
+    for _ in range(2):
+        rounds.step_done()  # a change to round 1 is due (or was under way when the loss came)
+    first = rounds.for_survivors([0, 2, 3])
+    second = first.for_survivors([1, 2])  # later, the survivors' ranks 1 and 2: workers 2 and 3
+    assert first.steps == second.steps == 2 and first.mask_step == 0
+    assert first.matrix.tolist() == mask.round_matrix(0, seed=0)[[0, 2, 3]].tolist()
+    assert first.due.tolist() == mask.round_matrix(2, seed=0)[[0, 2, 3]].tolist()
+    for step in range(8):
+        assert second.round_matrix(step).tolist() == mask.round_matrix(step, seed=0)[[2, 3]].tolist()
+    assert rounds.rows is None and rounds.matrix.shape == (4, 4)  # the old position is untouched
