@@ -45,17 +45,23 @@ def test_an_image_preset_without_its_data_is_refused_in_one_line(tmp_path, capsy
 
 
 def test_the_cpu_cifar_smoke_comparison_trains_every_system_and_reports_accuracy(tmp_path, monkeypatch):
-    """Four 2-rank launches: DDP, B-SDP, N-SDP and Bb-SDP at C = 0.5 on learnable generated images
-    (10 classes, chance 10%). DDP and Bb-SDP (full forward) must learn them; B- and N-SDP on 2 workers
-    train disjoint halves of the blocks, which never train together, so their assembled models score
-    less (23% and 33% at d8ccfa3, BENCHMARKS.md)."""
+    """The preset's systems are DDP, B-SDP, N-SDP and Bb-SDP at C = 0.5 on learnable generated images
+    (10 classes, chance 10%). Two of them are trained here, in two 2-rank launches (each costs the
+    suite about 15 CPU-s): DDP, which must learn them, and N-SDP, whose assembled model is the
+    hardest to score: on 2 workers each trains a disjoint half of every layer's channels, which
+    never train together (33% at d8ccfa3; B-SDP 23%, Bb-SDP 66%: BENCHMARKS.md, "CIFAR smoke",
+    trains all four). B-SDP's and Bb-SDP's training on ResNets is checked against references in
+    tests/distributed/test_sdp_training.py."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the suite's default; the ranks' kernels need none on CPU
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     root = write_cifar_dir(tmp_path / "data")
     out = tmp_path / "cmp"
+    systems = compare_mod.run_specs(PRESETS["cpu-cifar"])
+    assert [s.name for s in systems] == ["ddp", "bsdp-C0.5", "nsdp-C0.5", "bbsdp-C0.5"]
+    monkeypatch.setattr(compare_mod, "run_specs", lambda preset: [s for s in systems if s.mode in ("ddp", "nsdp")])
     assert main(["compare", "--preset", "cpu-cifar", "--data", f"cifar:{root}", "--out", str(out)]) == 0
     runs = json.loads((out / "compare.json").read_text())["runs"]
-    assert list(runs) == ["ddp", "bsdp-C0.5", "nsdp-C0.5", "bbsdp-C0.5"]
+    assert list(runs) == ["ddp", "nsdp-C0.5"]
     for name, row in runs.items():
         summary = json.loads((out / "runs" / name / "summary.json").read_text())
         # 2 ranks x 4 batches of 16 test images: accuracy is a count of them
@@ -63,9 +69,9 @@ def test_the_cpu_cifar_smoke_comparison_trains_every_system_and_reports_accuracy
         assert row["final_val_accuracy"] == summary["final_val_accuracy"] == row["val_history"][-1]["val_accuracy"]
         assert "val_accuracy" in summary["val_history"][0]
         assert row["final_val_accuracy_minus_ddp"] == row["final_val_accuracy"] - runs["ddp"]["final_val_accuracy"]
-    assert runs["ddp"]["final_val_accuracy"] > 0.5 and runs["bbsdp-C0.5"]["final_val_accuracy"] > 0.3
-    # with their BatchNorm statistics recomputed on the assembled model (bn_recalibration, on by
-    # default in bsdp and nsdp) both score above chance; without it both scored 14 of 128, chance
-    assert runs["bsdp-C0.5"]["final_val_accuracy"] > 0.15 and runs["nsdp-C0.5"]["final_val_accuracy"] > 0.15
+    assert runs["ddp"]["final_val_accuracy"] > 0.5
+    # with its BatchNorm statistics recomputed on the assembled model (bn_recalibration, on by
+    # default in bsdp and nsdp) N-SDP scores above chance; without it, 14 of 128: chance
+    assert runs["nsdp-C0.5"]["final_val_accuracy"] > 0.15
     table = (out / "compare.md").read_text()
     assert "| val acc | - DDP |" in table and "16 images per worker per step" in table
