@@ -46,14 +46,32 @@ def permute_deviation(coverage: np.ndarray, workers: int, period: int, initial: 
     mu_c = c * (workers - c) / (workers * (workers - 1.0))
     spread = c * (1.0 - c / workers)
     x = np.asarray(initial, dtype=float)
+    steady = _steady_state(rho, mu_c, spread, drift, noise, period)
     for start in range(0, rounds, period):
         steps = min(period, rounds - start)
         moved = np.cumsum(drift[start:start + steps], axis=0)
         shaken = np.sqrt(np.cumsum(noise[start:start + steps], axis=0))
         within = (1.0 - rho) * x + 2.0 * np.sqrt(mu_c * x) * moved + spread * (moved + shaken) ** 2
         out[start + 1:start + steps + 1] = within
+        if steps == period and steady is not None and np.allclose(within[-1], x, rtol=1e-13, atol=0.0):
+            # the period map is increasing, so the X_n are monotone: from here on every X_n lies between the
+            # current one and the fixed point, and the larger of the two bounds every later round
+            x = np.maximum(within[-1], steady)
+            tail = (1.0 - rho) * x + 2.0 * np.sqrt(mu_c * x) * moved + spread * (moved + shaken) ** 2
+            rest = out[start + steps + 1:]
+            rest[:] = np.resize(tail, (-(-rest.shape[0] // period) * period, x.size))[:rest.shape[0]]
+            return out
         x = within[-1]
     return out
+
+
+def _steady_state(rho, mu_c, spread, drift, noise, period) -> np.ndarray | None:
+    """The fixed point X* of Theorem 4.8's period map when every round has the same drift and noise, else None."""
+    if drift.shape[0] < period or np.ptp(drift, axis=0).any() or np.ptp(noise, axis=0).any() or np.any(rho <= 0):
+        return None
+    moved, shaken = period * drift[0], np.sqrt(period * noise[0])
+    root = (np.sqrt(mu_c) * moved + np.sqrt(mu_c * moved**2 + rho * spread * (moved + shaken) ** 2)) / rho
+    return root**2
 
 
 def gram_deviation(held: np.ndarray, initial: np.ndarray, drift: np.ndarray, noise: np.ndarray,

@@ -35,6 +35,7 @@ from theory.consensus import (
     round_moments,
     size_weighted_gap,
 )
+import theory.deviation as deviation_module
 from theory.deviation import gram_deviation, permute_deviation
 from theory.problems import make_quadratic
 from theory.errors import TheoryError
@@ -349,3 +350,22 @@ def test_theorem_6_3_bias_charge_covers_the_simulated_bias_cross_term(kind, c, r
     per_seed = -res.bias_cross.mean(axis=1)
     charged = extra + np.sqrt(2.0 * x * res.weighted_grad_sq.mean())
     assert per_seed.mean() + Z * per_seed.std(ddof=1) / np.sqrt(per_seed.size) <= charged * (1 + 1e-9)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(period=st.integers(1, 3), start=st.sampled_from([0.0, 1e4]), seed=st.integers(0, 2**16))
+def test_theorem_4_8_steady_state_shortcut_never_undercuts_the_recursion(period, start, seed):
+    """With the same drift and noise every round the period map's fixed point ends the loop early; the values it
+    fills in must bound the recursion's from above (and stay close to them)."""
+    rng = np.random.default_rng(seed)
+    coverage, rounds = np.array([2.0, 3.0, 5.0, 6.0]), 3000
+    drift, noise = (np.tile(rng.uniform(0, 1, 4), (rounds, 1)) for _ in range(2))
+    fast = permute_deviation(coverage, 6, period, np.full(4, start), drift, noise)
+    varied = drift.copy()
+    varied[-1] *= 1 + 1e-15  # not every round alike: no shortcut, the recursion runs to the end
+    assert deviation_module._steady_state(*(np.ones(4),) * 3, varied, noise, period) is None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(deviation_module, "_steady_state", lambda *args: None)
+        slow = permute_deviation(coverage, 6, period, np.full(4, start), drift, noise)
+    assert np.all(fast >= slow * (1 - 1e-12))
+    np.testing.assert_allclose(fast, slow, rtol=1e-9)
