@@ -6,7 +6,8 @@ quadratics where the descent lemma is nearly tight. The true Theorem 1/2' bound 
 (a dropped term, a wrong coverage weight, a halved optimization term) must fail it. The same for overlap
 averaging: Theorem 6 and the consensus-deviation Theorems 4.4/4.6-4.8 pass, and each mutant (a dropped term,
 a wrong coverage weight, a gap too large, Theorem 4.7 without its angles, Theorem 4.8 without its cross term,
-the martingale noise dropped or weighted by 1/c^2) fails.
+the martingale noise dropped or weighted by 1/c^2) fails. Theorem 6.3's per-round inequality passes on linear
+gradient fields, and each wrong coefficient (a term dropped, kappa' weighted by (c_j/K)^2) fails.
 """
 
 from __future__ import annotations
