@@ -14,14 +14,15 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = Path(__file__).with_name("rank_script.py")
 
 
-def torchrun(nproc: int, args: list[str], *, timeout: float = 300, interpret_triton: bool = False
-             ) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], *, timeout: float = 300, interpret_triton: bool = False,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m torch.distributed.run --standalone`` with `nproc` ranks; fail with its output.
 
     With `interpret_triton` on a CPU machine the ranks' sync engine runs the Triton kernels in the
     interpreter (slow, so only for short cases); otherwise it dispatches to the PyTorch reference.
+    `env` adds to (or replaces in) the environment the launch inherits.
     """
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     env["TRITON_INTERPRET"] = "1" if interpret_triton else "0"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],

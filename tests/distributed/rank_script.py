@@ -1,4 +1,5 @@
-"""Run under torchrun by the distributed tests: real gloo process groups, one process per rank.
+"""Run under torchrun by the distributed tests (alone, or in a shared launch: `shared_launch.py`):
+real gloo process groups, one process per rank.
 
     python -m torch.distributed.run --standalone --nproc-per-node K rank_script.py CASE SPEC.json OUTDIR
 
@@ -25,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdp_train.data import build_batches
-from sdp_train.parallel.dist import default_device
+from sdp_train.parallel.dist import default_device, get_dist_info
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import destroy_distributed, init_distributed
 from sdp_train.trainer.prepare import prepare
@@ -174,7 +175,7 @@ def train_case(spec: dict, info, device, out: Path) -> None:
         torch.distributed.barrier()
 
 
-def _preload(case: str, spec: dict) -> tuple[str, ...]:
+def preload(case: str, spec: dict) -> tuple[str, ...]:
     """What this case's runs import that must precede the process group (`modules_before_groups`)."""
     if case == "train":
         return modules_before_groups([TrainConfig(**c) for c in spec["configs"]], default_device())
@@ -182,15 +183,24 @@ def _preload(case: str, spec: dict) -> tuple[str, ...]:
     return ("torch.distributed.tensor",) if fsdp else ()
 
 
+CASES = {"grads": grads_case, "steps": steps_case, "eval_memory": eval_memory_case, "overlap": overlap_case,
+         "train": train_case}
+
+
+def run_case(case: str, spec: dict, out: Path) -> None:
+    """`case` of `spec` into `out` in the process group that exists (a shared launch's,
+    `tests.distributed.shared_launch`); its `preload` modules imported before the group."""
+    out.mkdir(parents=True, exist_ok=True)
+    CASES[case](spec, get_dist_info(), default_device(), out)
+
+
 def main() -> None:
     case, spec_path, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     spec = json.loads(spec_path.read_text())
     device = default_device()
-    info = init_distributed(device, preload=_preload(case, spec))
+    info = init_distributed(device, preload=preload(case, spec))
     try:
-        cases = {"grads": grads_case, "steps": steps_case, "eval_memory": eval_memory_case, "overlap": overlap_case,
-                 "train": train_case}
-        cases[case](spec, info, device, out)
+        CASES[case](spec, info, device, out)
     finally:
         destroy_distributed()
 

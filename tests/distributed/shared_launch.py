@@ -1,54 +1,91 @@
-"""Shared torchrun launches for the library test modules that each used to start their own.
+"""Shared torchrun launches for the distributed test modules that each used to start their own.
 
-Each module of `LAUNCHES` keeps its ``rank_work(out)``; one launch per rank count runs them one
-after another in the same ranks and process group, each into ``OUTDIR/<module>``, which saves a
-torchrun agent and K rank start-ups (torch, dynamo, transformers) per module. `shared_out` is the
-modules' fixture: the first pytest process (an xdist worker or the only one) to need a launch's
-results starts it, the others wait on a file lock and reuse them, or see its failure.
+A launch runs the rank work of several modules one after another in the same ranks and process
+group, each into ``OUTDIR/<entry>``, which saves a torchrun agent and K rank start-ups (torch,
+dynamo: about 4.5 CPU-s a rank) per module. An entry of `LAUNCHES` is a module with
+``rank_work(out)`` (library tests, run on every rank), or one with a spec function
+(``launch_spec(out)``, or the one named after a colon: ``module:function``) returning the
+`tests.distributed.rank_script` case and spec it used to launch on its own; the spec function runs
+once, in the pytest process that starts the launch, and writes the files the spec names.
+`shared_out` is the modules' fixture: the first pytest process (an xdist worker or the only one)
+to need a launch's results starts it, the others wait on a file lock and reuse them, or see its
+failure.
 
-    python -m torch.distributed.run --standalone --nproc-per-node K shared_launch.py OUTDIR
+    python -m torch.distributed.run --standalone --nproc-per-node K shared_launch.py LAUNCH OUTDIR
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-LAUNCHES: dict[int, tuple[str, ...]] = {  # ranks -> the modules whose rank work runs in that launch
-    3: ("test_bsdp_schedule", "test_bbsdp_schedule", "test_nsdp_schedule", "test_local_steps",
-        "test_overlap_averaging", "test_resnet_skipped_blocks"),
+
+@dataclass(frozen=True)
+class Launch:
+    ranks: int
+    entries: tuple[str, ...]
+    cpu: bool = False  # ranks on CPU even where CUDA devices are visible (the memory tracker's figures)
+
+
+LAUNCHES: dict[str, Launch] = {
+    "library3": Launch(3, ("test_bsdp_schedule", "test_bbsdp_schedule", "test_nsdp_schedule", "test_local_steps",
+                           "test_overlap_averaging", "test_resnet_skipped_blocks", "test_nsdp_full_layer")),
     # test_hf_trainer last: Trainer and Accelerate keep process-wide state (accelerate's PartialState)
-    2: ("test_api_training", "test_tied_parameters", "test_hf_trainer"),
+    "library2": Launch(2, ("test_api_training", "test_tied_parameters", "test_hf_trainer")),
+    # test_compile_blocks last: what dynamo compiled stays compiled in the process
+    "train2": Launch(2, ("test_checkpoint_resume", "test_fsdp_composition", "test_memory_savings",
+                         "test_sequence_schedule", "test_eval_memory", "test_sdp_training:train_spec",
+                         "test_compile_blocks")),
+    "memory4": Launch(4, ("test_sdp_training:steps_spec", "test_plan_vs_measured"), cpu=True),
 }
+SPEC = "launch_spec.json"  # what a spec entry's ranks run, in its output directory
 
 
-def shared_out(tmp_path_factory, module: str) -> Path:
-    """``OUTDIR/<module>`` of the launch this pytest session shares (started on first use)."""
+def _launch_of(entry: str) -> str:
+    return next(name for name, launch in LAUNCHES.items() if entry in launch.entries)
+
+
+def _spec_function(entry: str) -> Callable[[Path], tuple[str, dict]] | None:
+    module, _, function = entry.partition(":")
+    return getattr(importlib.import_module(f"tests.distributed.{module}"), function or "launch_spec", None)
+
+
+def shared_out(tmp_path_factory, entry: str) -> Path:
+    """``OUTDIR/<entry>`` of the launch this pytest session shares (started on first use)."""
     import pytest
 
     from tests.distributed.conftest import torchrun
 
-    ranks = next(k for k, modules in LAUNCHES.items() if module in modules)
+    name = _launch_of(entry)
+    launch = LAUNCHES[name]
     base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared_launch_{ranks}"
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared_launch_{name}"
     root.mkdir(exist_ok=True)
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until the launch (by whoever came first) has ended
         failed = root / "failed.txt"
         if not (root / "done").exists() and not failed.exists():
             try:
-                torchrun(ranks, [str(Path(__file__).resolve()), str(root)], timeout=600)
+                for other in launch.entries:
+                    (root / other).mkdir(exist_ok=True)
+                    if (spec_of := _spec_function(other)) is not None:
+                        case, spec = spec_of(root / other)
+                        (root / other / SPEC).write_text(json.dumps({"case": case, "spec": spec}))
+                env = {"CUDA_VISIBLE_DEVICES": ""} if launch.cpu else {}
+                torchrun(launch.ranks, [str(Path(__file__).resolve()), name, str(root)], timeout=600, env=env)
             except BaseException as exc:  # pytest.fail's Failed is a BaseException
                 failed.write_text(str(exc)[-12000:])
                 raise
             (root / "done").touch()
     if failed.exists():
-        pytest.fail(f"the shared {ranks}-rank launch failed:\n{failed.read_text()}")
-    return root / module
+        pytest.fail(f"the shared launch {name} ({launch.ranks} ranks) failed:\n{failed.read_text()}")
+    return root / entry
 
 
 def run_alone(rank_work: Callable[[Path], None], out: str | Path) -> None:
@@ -58,26 +95,37 @@ def run_alone(rank_work: Callable[[Path], None], out: str | Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from sdp_train.trainer.launch import destroy_distributed
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         rank_work(Path(out))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()  # what FSDP runs leave referenced released first, as `sdp train` does
 
 
-def main(out: Path) -> None:
-    """Every module of the launch with this world size, one after another, in one process group."""
+def main(name: str, out: Path) -> None:
+    """Every entry of launch `name`, one after another, in one process group."""
     import torch.distributed as dist
 
-    def every_module(out: Path) -> None:
-        for name in LAUNCHES[dist.get_world_size()]:
-            (out / name).mkdir(exist_ok=True)
-            importlib.import_module(f"tests.distributed.{name}").rank_work(out / name)
+    from tests.distributed import rank_script
+
+    specs = {entry: json.loads((out / entry / SPEC).read_text()) for entry in LAUNCHES[name].entries
+             if (out / entry / SPEC).is_file()}
+    for module in {m for s in specs.values() for m in rank_script.preload(s["case"], s["spec"])}:
+        importlib.import_module(module)  # before the group exists, as `sdp train` does (modules_before_groups)
+
+    def every_entry(out: Path) -> None:
+        for entry in LAUNCHES[name].entries:
+            if entry in specs:
+                rank_script.run_case(specs[entry]["case"], specs[entry]["spec"], out / entry)
+            else:
+                importlib.import_module(f"tests.distributed.{entry}").rank_work(out / entry)
             dist.barrier()
 
-    run_alone(every_module, out)
+    run_alone(every_entry, out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(sys.argv[1], Path(sys.argv[2]))

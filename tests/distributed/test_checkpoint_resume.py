@@ -15,7 +15,7 @@ from sdp_train.errors import ConfigError
 from sdp_train.trainer.checkpoint import MANIFEST
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.prepare import prepare
-from tests.distributed.conftest import run_rank_script
+from tests.distributed.shared_launch import shared_out
 
 pytestmark = pytest.mark.slow
 BASE = {"model": "llama-debug", "workers": 2, "steps": 4, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
@@ -26,9 +26,8 @@ def _cfg(out: Path, **kw) -> dict:
     return {**BASE, **kw, "out": str(out)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt")
+def launch_spec(out: Path) -> tuple[str, dict]:
+    """This module's rank_script case and spec for its shared launch; the files it names written into `out`."""
     mask = str(save_mask(Mask(np.array([[1, 1, 1, 0], [0, 1, 1, 1]])), out / "mask.json"))
     kinds = {"bsdp": {"mode": "bsdp", "active": 0.5}, "bsdp-fsdp": {"mode": "bsdp", "mask": mask, "active": None,
                                                                      "fsdp": True}}
@@ -55,8 +54,12 @@ def runs(tmp_path_factory) -> Path:
     local = {"mode": "bsdp", "active": 0.5, "local_steps": 2, "steps": 6}
     configs.append(_cfg(out / "bsdp-local", checkpoint_every=3, **local))
     configs.append(_cfg(out / "bsdp-local-resumed", **local, resume=str(out / "bsdp-local" / "checkpoints" / "step_3")))
-    run_rank_script(2, "train", {"configs": configs}, out)
-    return out
+    return "train", {"configs": configs}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return shared_out(tmp_path_factory, "test_checkpoint_resume")
 
 
 def _metrics(path: Path) -> list[dict]:

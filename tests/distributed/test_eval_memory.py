@@ -9,26 +9,33 @@ scratch), never the model.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sdp_train.models import block_map, get_model_config
-from tests.distributed.conftest import run_rank_script
+from tests.distributed.shared_launch import shared_out
 
 pytestmark = pytest.mark.slow
 LLAMA = get_model_config("llama-debug")
 
 
-@pytest.fixture(scope="module")
-def evals(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval")
+MODES = ["bsdp", "nsdp", "bbsdp", "ddp"]
+
+
+def launch_spec(out: Path) -> tuple[str, dict]:
+    """This module's rank_script case and spec for its shared launch (`tests.distributed.shared_launch`)."""
     base = {"model": "llama-debug", "workers": 2, "batch_size": 2, "seq_len": 16, "eval_batches": 2,
             "max_data_bytes": 100_000, "active": 0.5, "out": str(out / "run")}
-    modes = ["bsdp", "nsdp", "bbsdp", "ddp"]
-    run_rank_script(2, "eval_memory", {"configs": [{**base, "mode": m} for m in modes]}, out)
+    return "eval_memory", {"configs": [{**base, "mode": m} for m in MODES]}
+
+
+@pytest.fixture(scope="module")
+def evals(tmp_path_factory):
+    out = shared_out(tmp_path_factory, "test_eval_memory")
     return {m: [json.loads((out / f"eval{i}_rank{r}.json").read_text()) for r in range(2)]
-            for i, m in enumerate(modes)}
+            for i, m in enumerate(MODES)}
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])

@@ -2,7 +2,7 @@
 
 The FSDP baseline must follow DDP's loss trajectory, B-SDP with ``fsdp=True`` (each block sharded
 among its holders) must follow B-SDP's, and activation checkpointing must change neither, nor the
-chunked loss (``loss_chunks``) against the plain one. One torchrun launch trains every configuration.
+chunked loss (``loss_chunks``) against the plain one. A shared torchrun launch trains every configuration.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sdp_train.parallel.dist import DistInfo
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.prepare import prepare
 from sdp_train.trainer.run import Run
-from tests.distributed.conftest import run_rank_script
+from tests.distributed.shared_launch import shared_out
 
 LLAMA = get_model_config("llama-debug")
 MASK = np.array([[1, 1, 1, 0], [0, 1, 1, 1]])  # blocks 1, 2 shared by both workers; 0, 3 single holders
@@ -35,9 +35,8 @@ def _cfg(out: Path, **kw) -> dict:
     return {**base, **kw, "out": str(out)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp")
+def launch_spec(out: Path) -> tuple[str, dict]:
+    """This module's rank_script case and spec for its shared launch; the files it names written into `out`."""
     mask = str(save_mask(Mask(MASK), out / "mask.json"))
     sdp = {"mode": "bsdp", "mask": mask, "active": None}
     configs = [
@@ -52,8 +51,12 @@ def runs(tmp_path_factory) -> Path:
         _cfg(out / "resnet-bsdp", mode="bsdp", **RESNET),
         _cfg(out / "resnet-bsdp-fsdp-ac", mode="bsdp", fsdp=True, activation_checkpointing=True, **RESNET),
     ]
-    run_rank_script(2, "train", {"configs": configs}, out)
-    return out
+    return "train", {"configs": configs}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return shared_out(tmp_path_factory, "test_fsdp_composition")
 
 
 def _metrics(out: Path, name: str) -> list[dict]:

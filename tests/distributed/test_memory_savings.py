@@ -1,7 +1,7 @@
 """Measured peak memory on real gloo ranks: what SDP, FSDP and activation checkpointing save.
 
-Every figure is the CPU tracker's (deterministic), read from each run's summary.json. One torchrun
-launch trains every configuration for one step.
+Every figure is the CPU tracker's (deterministic), read from each run's summary.json. A shared
+torchrun launch (`tests.distributed.shared_launch`) trains every configuration for one step.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from masklab import Mask, save_mask
 from sdp_train.models import block_map, model_class
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.prepare import prepare
-from tests.distributed.conftest import run_rank_script
+from tests.distributed.shared_launch import shared_out
 
 pytestmark = pytest.mark.slow
 MODES = ("ddp", "fsdp", "bsdp", "nsdp", "bbsdp")
@@ -36,9 +36,8 @@ def _cfg(out: Path, **kw) -> dict:
     return {**base, **kw, "out": str(out)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("memory")
+def launch_spec(out: Path) -> tuple[str, dict]:
+    """The configurations the shared launch trains (`tests.distributed.shared_launch`), masks written into `out`."""
     configs = []
     for mode in MODES:
         for ac in (False, True):
@@ -52,8 +51,12 @@ def runs(tmp_path_factory) -> Path:
         configs.append(_cfg(out / f"vit-ac{int(ac)}", mode="bsdp", activation_checkpointing=ac, **VIT))
     configs.append(_cfg(out / "vit-ddp", mode="ddp", **VIT))
     configs.append(_cfg(out / "vit-nsdp", mode="nsdp", **VIT))
-    run_rank_script(2, "train", {"configs": configs}, out)
-    return out
+    return "train", {"configs": configs}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return shared_out(tmp_path_factory, "test_memory_savings")
 
 
 def _summary(out: Path, name: str) -> dict:

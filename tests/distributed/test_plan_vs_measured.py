@@ -1,11 +1,11 @@
 """`sdp plan`'s predictions against the peak memory real runs measure, for the systems of
 ``sdp compare --preset cpu-small``: llama-debug, 4 workers, batch 8 x 64 tokens, C = 0.5.
 
-One torchrun launch trains every configuration for 2 steps (the second has AdamW's state, as every
-later step does) with the memory tracker on; each summary.json's ``peak_memory_bytes`` is compared
-with `sdp_train.planning.memory.predict`: the total within 10% on every rank and for the largest one (and within
-1%, so that a forgotten buffer shows), the persistent state (parameters, gradients, optimizer)
-exactly. On CPU the tracker's figures are deterministic but for one race: gloo's worker thread
+A torchrun launch (shared with test_sdp_training's steps) trains every configuration for 2 steps
+(the second has AdamW's state, as every later step does) with the memory tracker on; each
+summary.json's ``peak_memory_bytes`` is compared with `sdp_train.planning.memory.predict`: the
+total within 10% on every rank and for the largest one (and within 1%, so that a forgotten buffer
+shows), the persistent state (parameters, gradients, optimizer) exactly. On CPU the tracker's figures are deterministic but for one race: gloo's worker thread
 holds a collective's output until it takes its queue lock again, after the caller has been woken,
 so FSDP's all-gather output of a block (852,992 bytes here) is sometimes freed a moment late and
 counted in the peak (seen once in CI, on one rank of bsdp+fsdp+ac). With FSDP the 1% bound allows
@@ -26,6 +26,7 @@ from sdp_train.compare.runner import PRESETS, run_specs
 from sdp_train.models import get_model_config, model_class
 from sdp_train.planning.memory import predict
 from tests.distributed.conftest import run_rank_script
+from tests.distributed.shared_launch import shared_out
 
 pytestmark = pytest.mark.slow
 PRESET = PRESETS["cpu-small"]
@@ -55,22 +56,26 @@ def _predict(spec) -> dict:
                    fsdp=spec.fsdp, batch_size=PRESET.batch_size, seq_len=PRESET.seq_len)
 
 
-def _measure(out: Path, *, cpu: bool) -> dict[str, list[dict]]:
-    with pytest.MonkeyPatch.context() as env:
-        if cpu:  # the tracker's figures, also on a GPU machine
-            env.setenv("CUDA_VISIBLE_DEVICES", "")
-        run_rank_script(PRESET.workers, "train", {"configs": [_config(s, out) for s in SPECS]}, out)
+def launch_spec(out: Path) -> tuple[str, dict]:
+    """The configurations trained on CPU, in the shared launch (`tests.distributed.shared_launch`,
+    which hides CUDA devices from it: the tracker's figures, also on a GPU machine)."""
+    return "train", {"configs": [_config(s, out) for s in SPECS]}
+
+
+def _peaks(out: Path) -> dict[str, list[dict]]:
     return {s.name: json.loads((out / s.name / "summary.json").read_text())["peak_memory_bytes"] for s in SPECS}
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, list[dict]]:
-    return _measure(tmp_path_factory.mktemp("plan"), cpu=True)
+    return _peaks(shared_out(tmp_path_factory, "test_plan_vs_measured"))
 
 
 @pytest.fixture(scope="module")
 def measured_cuda(tmp_path_factory) -> dict[str, list[dict]]:
-    return _measure(tmp_path_factory.mktemp("plan_cuda"), cpu=False)
+    out = tmp_path_factory.mktemp("plan_cuda")
+    run_rank_script(PRESET.workers, "train", {"configs": [_config(s, out) for s in SPECS]}, out)
+    return _peaks(out)
 
 
 def test_the_compare_configurations_are_covered():

@@ -20,6 +20,7 @@ from sdp_train.models import block_map, build_model, get_model_config
 from sdp_train.models.subnet import build_worker_model, held_tensors
 from sdp_train.trainer.run import loss_fn
 from tests.distributed.conftest import run_rank_script
+from tests.distributed.shared_launch import shared_out
 
 pytestmark = pytest.mark.slow
 K = 4
@@ -156,17 +157,22 @@ RESNET_MASKS = {  # coverage 1 to 4 per block (channel group), every worker non-
 STEP_CASES = ["llama-bbsdp", "llama-fsdp", "resnet-bsdp", "resnet-nsdp", "resnet-bbsdp"]
 
 
-@pytest.fixture(scope="module")
-def step_runs(tmp_path_factory) -> list[list[dict]]:
-    """Two optimizer steps of every STEP_CASES run on K gloo ranks, in one launch."""
-    out = tmp_path_factory.mktemp("steps")
+def steps_spec(out: Path) -> tuple[str, dict]:
+    """Two optimizer steps of every STEP_CASES run on K gloo ranks (in the shared launch
+    `tests.distributed.shared_launch`); the masks written into `out`."""
     cases = [{"model": "llama-debug", "mode": "bbsdp", "mask": str(save_mask(Mask(_masks()["block"]), out / "b.json"))},
              {"model": "llama-debug", "mode": "fsdp"}]
     for mode, level in (("bsdp", "block"), ("nsdp", "neuron"), ("bbsdp", "block")):
         cases.append({"model": "resnet18-cifar", "model_overrides": RESNET_OVERRIDES, "mode": mode,
                       "mask": str(save_mask(Mask(RESNET_MASKS[level]), out / f"resnet-{mode}.json"))})
-    run_rank_script(K, "steps", {"steps": 2, "cases": cases}, out)
-    return [[torch.load(out / f"steps{i}_rank{r}.pt", weights_only=True) for r in range(K)] for i in range(len(cases))]
+    return "steps", {"steps": 2, "cases": cases}
+
+
+@pytest.fixture(scope="module")
+def step_runs(tmp_path_factory) -> list[list[dict]]:
+    out = shared_out(tmp_path_factory, "test_sdp_training:steps_spec")
+    return [[torch.load(out / f"steps{i}_rank{r}.pt", weights_only=True) for r in range(K)]
+            for i in range(len(STEP_CASES))]
 
 
 def test_bbsdp_every_rank_has_bit_identical_full_parameters_after_steps(step_runs):
@@ -231,21 +237,30 @@ def _metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_complete_mask_trajectory_equals_ddp_and_short_runs_lower_the_loss(tmp_path):
-    complete_mask = save_mask(complete(2, 4), tmp_path / "complete.json")
+def _train_runs(out: Path) -> dict[str, dict]:
     resnet = {"model": "resnet18-cifar", "model_overrides": {"width_multiplier": 0.125}, "batch_size": 16,
               "lr": 1e-2, "steps": 8}
     runs = {
-        "ddp": _train_cfg(tmp_path / "ddp", mode="ddp"),
-        "complete": _train_cfg(tmp_path / "complete", mode="bsdp", mask=str(complete_mask), active=None),
-        "bsdp": _train_cfg(tmp_path / "bsdp", mode="bsdp", active=0.5),
-        "nsdp": _train_cfg(tmp_path / "nsdp", mode="nsdp", active=0.5),
-        "bbsdp": _train_cfg(tmp_path / "bbsdp", mode="bbsdp", active=0.5),
+        "ddp": _train_cfg(out / "ddp", mode="ddp"),
+        "complete": _train_cfg(out / "complete", mode="bsdp", mask=str(out / "complete.json"), active=None),
+        "bsdp": _train_cfg(out / "bsdp", mode="bsdp", active=0.5),
+        "nsdp": _train_cfg(out / "nsdp", mode="nsdp", active=0.5),
+        "bbsdp": _train_cfg(out / "bbsdp", mode="bbsdp", active=0.5),
     }
     for mode in ("ddp", "bsdp", "nsdp", "bbsdp"):
-        runs[f"resnet-{mode}"] = _train_cfg(tmp_path / f"resnet-{mode}", mode=mode, active=0.5, **resnet)
-    run_rank_script(2, "train", {"configs": list(runs.values())}, tmp_path)
+        runs[f"resnet-{mode}"] = _train_cfg(out / f"resnet-{mode}", mode=mode, active=0.5, **resnet)
+    return runs
 
+
+def train_spec(out: Path) -> tuple[str, dict]:
+    """The short runs on 2 gloo ranks (in the shared launch `tests.distributed.shared_launch`)."""
+    save_mask(complete(2, 4), out / "complete.json")
+    return "train", {"configs": list(_train_runs(out).values())}
+
+
+def test_complete_mask_trajectory_equals_ddp_and_short_runs_lower_the_loss(tmp_path_factory):
+    tmp_path = shared_out(tmp_path_factory, "test_sdp_training:train_spec")
+    runs = _train_runs(tmp_path)
     ddp, sdp = _metrics(tmp_path / "ddp"), _metrics(tmp_path / "complete")
     np.testing.assert_allclose([m["loss"] for m in sdp], [m["loss"] for m in ddp], rtol=1e-5)
     np.testing.assert_allclose([m["grad_norm"] for m in sdp], [m["grad_norm"] for m in ddp], rtol=1e-4)

@@ -18,7 +18,7 @@ from masklab import Mask, Schedule, save_mask
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.prepare import prepare
-from tests.distributed.conftest import run_rank_script
+from tests.distributed.shared_launch import shared_out
 
 pytestmark = pytest.mark.slow
 BASE = {"model": "llama-debug", "workers": 2, "steps": 6, "batch_size": 2, "seq_len": 32, "eval_batches": 1,
@@ -43,9 +43,8 @@ def _cfg(out: Path, name: str, **kw) -> dict:
     return {**BASE, **kw, "out": str(out / name)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sequence")
+def launch_spec(out: Path) -> tuple[str, dict]:
+    """This module's rank_script case and spec for its shared launch; the files it names written into `out`."""
     files = {
         "cyclic": save_mask(Mask(M, schedule=Schedule("cyclic", 2)), out / "cyclic.json"),
         "rotations": save_mask(Mask.sequence([M, M[::-1]], every=2), out / "rotations.json"),
@@ -66,8 +65,12 @@ def runs(tmp_path_factory) -> Path:
         configs += [_cfg(out, f"{mode}-blocks-5", steps=5, **kw), _cfg(out, f"{mode}-blocks-8", steps=8, **kw),
                     _cfg(out, f"{mode}-blocks-more", steps=8, **kw,
                          resume=str(out / f"{mode}-blocks" / "checkpoints" / "step_6"))]
-    run_rank_script(2, "train", {"configs": configs}, out)
-    return out
+    return "train", {"configs": configs}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return shared_out(tmp_path_factory, "test_sequence_schedule")
 
 
 def _metrics(path: Path) -> list[dict]:
