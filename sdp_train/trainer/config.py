@@ -148,13 +148,13 @@ class TrainConfig:
     on_worker_loss: str = "stop"
     """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
     restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp`` with a
-    static mask or a schedule, ``overlap`` with a static mask: the survivors agree on who is left, train
-    on with the dead rows dropped from the mask (a schedule's every later round restricted to the
-    survivors), rerunning only the interrupted step (Bb-SDP, overlap, or a loss during a schedule's
-    mask change: not rerunning a step every survivor applied, whose new values are sent or averaged
-    again, or whose change is made again), without a checkpoint; a loss that leaves a block without
-    holder, now or in a round still to train, stops the run; `sdp_train.trainer.membership`,
-    RELIABILITY.md)."""
+    static mask or a schedule, ``bsdp`` and ``nsdp`` also with `local_steps`, ``overlap`` with a static
+    mask; not with `fsdp`: the survivors agree on who is left, train on with the dead rows dropped from
+    the mask (a schedule's every later round restricted to the survivors), rerunning only the
+    interrupted step (Bb-SDP, overlap, local steps, or a loss during a schedule's mask change: not
+    rerunning a step every survivor applied, whose new values are sent or averaged again, or whose
+    change is made again), without a checkpoint; a loss that leaves a block without holder, now or in
+    a round still to train, stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
     restore_coverage: bool = False
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask): after a loss,
     train on under a mask designed for the survivors with the designed coverage (the start mask's least
@@ -299,9 +299,11 @@ class TrainConfig:
         why = None
         if self.mode not in SURVIVABLE_MODES:
             why = f"mode {self.mode!r}: continuing is built for {', '.join(SURVIVABLE_MODES)}"
-        elif self.fsdp or (self.local_steps != 1 and self.mode != "overlap"):
-            why = ("a mask without fsdp, averaged every step or by overlap averaging (no --fsdp, or --local-steps "
-                   "outside mode overlap)")
+        elif self.fsdp:
+            why = "a mask without fsdp (--fsdp): FSDP's holder meshes cannot shrink"
+        elif self.restore_coverage and self.local_steps != 1:
+            why = (f"averaging every step with restore_coverage (--restore-coverage), got local_steps={self.local_steps} "
+                   "(--local-steps): a survivor's copy of a block it does not hold would come from mid-round")
         elif self.schedule not in (None, "static") and (self.mode == "overlap" or self.restore_coverage):
             why = (f"a static mask in mode 'overlap' and with restore_coverage (--restore-coverage), got "
                    f"schedule={self.schedule!r} (--schedule) in mode {self.mode!r}"

@@ -296,18 +296,24 @@ class SubnetworkSync(ModeSync):
         dropped again (`MaskChanges.undo_gains`): the change is made again among the survivors when
         the next step begins. When `mask` restores the designed coverage (static masks), what a
         survivor newly holds first comes from its lowest-ranked surviving holder (blocks or neuron
-        groups, their optimizer state; `MaskChanges.hand_over`). Under backward masking (Bb-SDP) the new
+        groups, their optimizer state; `MaskChanges.hand_over`). With local steps each survivor keeps its
+        own copy and the step count; when the last step taken ended a round, its average is taken again
+        among the survivors, as overlap averaging's survivors do (a loss during the average leaves some
+        blocks averaged with the lost copy and others not; averaging again what the survivors agree on
+        changes nothing). Under backward masking (Bb-SDP) the new
         wrapper then sends each block's values from its lowest-ranked surviving holder to every
         survivor: a loss during the broadcast that follows the optimizer step leaves some non-holders
         with the new values and others with the old (docs/design.md §7)."""
         old = self.sdp
-        if self._fsdp is not None or old.local_steps != 1:
+        if self._fsdp is not None:
             return super().for_survivors(mask, rows, info, optimizer)
         kept = old.rounds.matrix[list(rows)]
         held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, 0, None
+        if old.rounds.counts:  # a schedule or local steps: the position (steps taken, round) goes on
+            rounds = old.rounds.for_survivors(rows)
         if not old.mask.schedule.is_static:
             old.changes.undo_gains(old.rounds.matrix)
-            mask, rounds = old.mask, old.rounds.for_survivors(rows)
+            mask = old.mask
         elif not np.array_equal(mask.matrix, kept):  # coverage restored: blocks move to their new holders
             new_held = [old.layout.held(row) for row in mask.matrix]
             changes = MaskChanges(old.module, old.layout, info.rank, info.world_size, old.device, cut=old.cut,
@@ -319,8 +325,10 @@ class SubnetworkSync(ModeSync):
             old.module, layout=old.layout, mask=mask, held_by_rank=held_by_rank,
             local_index=local_index, masking=old.masking, activation_checkpointing=False,
             autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype,
-            values_agree=not old.cut.keeps_whole_model, seed=old.seed, rounds=rounds)
+            values_agree=not old.cut.keeps_whole_model, seed=old.seed, local_steps=old.local_steps, rounds=rounds)
         sdp.changes.bytes += old.changes.bytes  # what the schedule moved so far (`mask_change_bytes`)
+        if old.local_steps > 1 and sdp.steps and sdp.steps % old.local_steps == 0:
+            sdp.average()  # the round's average, which the loss may have interrupted, among the survivors
         survivors = SubnetworkSync(sdp, sdp.module, info, fsdp=False)
         survivors.moved_bytes = moved
         return survivors
