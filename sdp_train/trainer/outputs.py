@@ -62,7 +62,8 @@ def mask_lines(mask: Mask, report: MaskReport) -> list[str]:
     lines.append(f"  redundancy (a property of the mask): every block keeps a holder after any {f} simultaneous worker "
                  f"loss{'es' * (f != 1)} (min coverage - 1); fatal: {report.fatal_sets_text}; a lost worker stops the "
                  "run, or with --max-restarts restarts it from the last checkpoint, or with --on-worker-loss continue "
-                 "(B-SDP, N-SDP) the survivors go on without rollback (RELIABILITY.md)")
+                 "(B-SDP, N-SDP, Bb-SDP, overlap averaging) the survivors go on without rollback, with "
+                 "--restore-coverage on a mask redesigned for them (RELIABILITY.md)")
     lines.append(f"  certificate (properties of the mask, not guarantees for this run: no theorem covers AdamW, warm-up, "
                  f"cosine decay or clipping): masking error {report.masking_error:.4g}, variance inflation "
                  f"{report.variance_inflation:.4g}, spectral gap {report.spectral_gap:.4g} of at most "

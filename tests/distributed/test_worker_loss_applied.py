@@ -1,5 +1,6 @@
-"""Losing a worker in Bb-SDP and overlap averaging (``--on-worker-loss continue``), whose survivors fail
-after applying the step (in the broadcast or the average of the new values) and go on with the next.
+"""Losing a worker in Bb-SDP (with ``--restore-coverage``) and overlap averaging (``--on-worker-loss
+continue``), whose survivors fail after applying the step (in the broadcast or the average of the new
+values) and go on with the next.
 The runs and their checks are tests/distributed/test_worker_loss.py's (module doc there); a module of
 their own so that pytest-xdist runs them beside B-SDP's and N-SDP's."""
 
@@ -19,5 +20,5 @@ def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Pa
 
 
 @pytest.mark.slow
-def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_drops_the_lost_row(run):
+def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_switches_to_the_survivors_mask(run):
     check_survivors(*run)
