@@ -3,13 +3,13 @@
 A launch runs the rank work of several modules one after another in the same ranks and process
 group, each into ``OUTDIR/<entry>``, which saves a torchrun agent and K rank start-ups (torch,
 dynamo: about 4.5 CPU-s a rank) per module. An entry of `LAUNCHES` is a module with
-``rank_work(out)`` (library tests, run on every rank), or one with a spec function
-(``launch_spec(out)``, or the one named after a colon: ``module:function``) returning the
-`tests.distributed.rank_script` case and spec it used to launch on its own; the spec function runs
-once, in the pytest process that starts the launch, and writes the files the spec names.
-`shared_out` is the modules' fixture: the first pytest process (an xdist worker or the only one)
-to need a launch's results starts it, the others wait on a file lock and reuse them, or see its
-failure.
+``rank_work(out)``, run on every rank (what it must import before the group exists in
+``PRELOAD``), or one with a spec function (``launch_spec(out)``, or the one named after a colon:
+``module:function``) returning the `tests.distributed.rank_script` case and spec it used to
+launch on its own; the spec function runs once, in the pytest process that starts the launch,
+and writes the files the spec names. `shared_out` is the modules' fixture: the first pytest
+process (an xdist worker or the only one) to need a launch's results starts it, the others wait
+on a file lock and reuse them, or see its failure.
 
     python -m torch.distributed.run --standalone --nproc-per-node K shared_launch.py LAUNCH OUTDIR
 """
@@ -42,7 +42,7 @@ LAUNCHES: dict[str, Launch] = {
     "train2": Launch(2, ("test_checkpoint_resume", "test_fsdp_composition", "test_memory_savings",
                          "test_sequence_schedule", "test_eval_memory", "test_sdp_training:train_spec",
                          "test_compile_blocks")),
-    "memory4": Launch(4, ("test_sdp_training:steps_spec", "test_plan_vs_measured"), cpu=True),
+    "memory4": Launch(4, ("test_sdp_training:steps_spec", "test_plan_vs_measured", "test_holder_fsdp_order"), cpu=True),
 }
 SPEC = "launch_spec.json"  # what a spec entry's ranks run, in its output directory
 
@@ -113,7 +113,11 @@ def main(name: str, out: Path) -> None:
 
     specs = {entry: json.loads((out / entry / SPEC).read_text()) for entry in LAUNCHES[name].entries
              if (out / entry / SPEC).is_file()}
-    for module in {m for s in specs.values() for m in rank_script.preload(s["case"], s["spec"])}:
+    preload = {m for s in specs.values() for m in rank_script.preload(s["case"], s["spec"])}
+    for entry in LAUNCHES[name].entries:  # a rank_work module names its own in PRELOAD
+        if entry not in specs:
+            preload.update(getattr(importlib.import_module(f"tests.distributed.{entry}"), "PRELOAD", ()))
+    for module in sorted(preload):
         importlib.import_module(module)  # before the group exists, as `sdp train` does (modules_before_groups)
 
     def every_entry(out: Path) -> None:

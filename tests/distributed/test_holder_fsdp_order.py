@@ -59,37 +59,39 @@ def _config(name: str, mask_file: Path, out: Path, **kw):
                        warmup_steps=1, max_data_bytes=100_000, out=str(out / name), **kw)
 
 
-def rank_main(out: Path) -> None:
+PRELOAD = ("torch.distributed.tensor",)  # FSDP's: imported before the process group exists
+
+
+def rank_work(out: Path) -> None:
+    """What each rank runs and saves into `out`, in a process group that exists (the shared launch
+    `tests.distributed.shared_launch`, or this module's ``__main__``)."""
     from masklab import Mask, save_mask
     from sdp_train.data import build_batches
-    from sdp_train.trainer.launch import destroy_distributed, init_distributed
+    from sdp_train.parallel.dist import get_dist_info
     from sdp_train.trainer.prepare import prepare
     from sdp_train.trainer.run import Run
 
     device = torch.device("cpu")
-    info = init_distributed(device)
-    try:
-        result = {}
-        for name, matrix in MASKS.items():
-            mask_file = out / f"{name}.json"
-            if info.rank == 0:
-                save_mask(Mask(matrix), mask_file)
-            torch.distributed.barrier()
-            for label, extra in (("engine", {}), ("fsdp", {"fsdp": True, "activation_checkpointing": True})):
-                prep = prepare(_config(name, mask_file, out, **extra))
-                run = Run(prep, info, device)
-                batches = build_batches(prep.data, split="train", seed=0, rank=info.rank, world_size=K)
-                losses, orders = [], []
-                for step in range(STEPS):
-                    recorder = Collectives()
-                    with recorder:
-                        losses.append(run.step(step, *next(batches))["loss"])
-                    orders.append(recorder.calls)
-                run.close()
-                result[f"{name}/{label}"] = {"losses": losses, "orders": orders}
-        (out / f"rank{info.rank}.json").write_text(json.dumps(result))
-    finally:
-        destroy_distributed()
+    info = get_dist_info()
+    result = {}
+    for name, matrix in MASKS.items():
+        mask_file = out / f"{name}.json"
+        if info.rank == 0:
+            save_mask(Mask(matrix), mask_file)
+        torch.distributed.barrier()
+        for label, extra in (("engine", {}), ("fsdp", {"fsdp": True, "activation_checkpointing": True})):
+            prep = prepare(_config(name, mask_file, out, **extra))
+            run = Run(prep, info, device)
+            batches = build_batches(prep.data, split="train", seed=0, rank=info.rank, world_size=K)
+            losses, orders = [], []
+            for step in range(STEPS):
+                recorder = Collectives()
+                with recorder:
+                    losses.append(run.step(step, *next(batches))["loss"])
+                orders.append(recorder.calls)
+            run.close()
+            result[f"{name}/{label}"] = {"losses": losses, "orders": orders}
+    (out / f"rank{info.rank}.json").write_text(json.dumps(result))
 
 
 def global_order(matrix: np.ndarray) -> list[tuple[str, tuple[int, ...]]]:
@@ -105,10 +107,9 @@ def global_order(matrix: np.ndarray) -> list[tuple[str, tuple[int, ...]]]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    from tests.distributed.conftest import torchrun
+    from tests.distributed.shared_launch import shared_out
 
-    out = tmp_path_factory.mktemp("holder_fsdp_order")
-    torchrun(K, [str(Path(__file__).resolve()), str(out)])
+    out = shared_out(tmp_path_factory, "test_holder_fsdp_order")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(K)]
 
 
@@ -129,6 +130,9 @@ def test_resharded_holder_fsdp_trains_the_losses_of_the_sync_engine(ranks, name)
     assert all(r[f"{name}/fsdp"]["losses"] == fsdp for r in ranks)  # the worker mean, the same on every rank
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    rank_main(Path(sys.argv[1]))
+if __name__ == "__main__":  # python -m torch.distributed.run --standalone --nproc-per-node 4 THIS_FILE OUTDIR
+    import torch.distributed.tensor  # noqa: F401  (PRELOAD)
+
+    from tests.distributed.shared_launch import run_alone
+
+    run_alone(rank_work, sys.argv[1])
