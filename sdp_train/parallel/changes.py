@@ -1,8 +1,9 @@
 """Between optimizer steps: the mask's rounds and their changes on this worker.
 
 `MaskChanges` makes the change `SubnetworkDataParallel`'s `Rounds` says is due (blocks gained and
-dropped, MLPs re-cut, optimizer state moved), and the change of survivors of lost workers to a mask
-that restores coverage (`MaskChanges.hand_over`); `RoundsMixin` is the wrapper's API around it
+dropped, MLPs re-cut, optimizer state moved), the change of survivors of lost workers to a mask
+that restores coverage (`MaskChanges.hand_over`) and the state of workers that join a run
+(`MaskChanges.welcome`); `RoundsMixin` is the wrapper's API around it
 (``register_optimizer``, ``step_done``, ``enter_next_round``, the schedule state), after which the
 wrapper's sync restarts over the new buckets. Not here: when a change is due
 (`sdp_train.parallel.rounds`), how tensors and state are sent (`sdp_train.parallel.schedule`).
@@ -21,7 +22,14 @@ from sdp_train.parallel import clip_guard
 from sdp_train.parallel.blockmap import SliceSpec, owned_parameters, owned_state
 from sdp_train.parallel.masking import Cut, ModelLayout, drop_blocks
 from sdp_train.parallel.parts import apply_checkpointing
-from sdp_train.parallel.schedule import OptimizerPlaces, gain_block, move_optimizer_state, recut_neurons, send_blocks
+from sdp_train.parallel.schedule import (
+    OptimizerPlaces,
+    gain_block,
+    move_optimizer_state,
+    recut_neurons,
+    send_blocks,
+    send_tensors,
+)
 from sdp_train.parallel.sync import holder_set_groups
 from sdp_train.parallel.wire import ByteCount
 
@@ -91,6 +99,18 @@ class MaskChanges:
             send_blocks(self.module, self.layout.blocks, old_matrix.astype(bool), matrix.astype(bool), self.rank,
                         self.device, self.bytes)
         return self.enter(old_matrix, matrix, old_held, new_held, local_index, move_state=True)[1]
+
+    def welcome(self, optimizer: torch.optim.Optimizer, held: Sequence[dict[str, SliceSpec]],
+                joiners: Sequence[int]) -> None:
+        """Workers that join a run (ranks `joiners`, this object built over the world they joined; block
+        level): each of their tensors (`held`, per rank; parameters, buffers, the shared ones included)
+        and its `optimizer` state from its lowest-ranked holder among the others, bit for bit, as at a
+        round's change whose joiners held nothing before. Every rank calls it, after its wrapper exists
+        (a joiner's part is built, its optimizer steps it)."""
+        old = [{} if r in joiners else part for r, part in enumerate(held)]
+        names = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
+        send_tensors(self.module, names, old, held, self.rank, self.device, self.bytes)
+        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, old, held, self.rank, self.bytes)
 
     def undo_gains(self, matrix: np.ndarray) -> None:
         """Forward masking: put back the pass-through of every block this worker built for a change that a

@@ -258,6 +258,20 @@ def send_blocks(module: nn.Module, blocks: Sequence[str], old_rows: np.ndarray, 
     broadcast_packed(items, tensor, write, rank, device, counter)
 
 
+@torch.no_grad()
+def send_tensors(module: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 old_held: Sequence[Mapping[str, SliceSpec]], new_held: Sequence[Mapping[str, SliceSpec]], rank: int,
+                 device: torch.device, counter: ByteCount) -> None:
+    """Every whole tensor of `tensors` (full-model name -> shape, dtype: parameters and buffers) that a
+    rank holds under `new_held` only, from its lowest-ranked holder under `old_held`, into the tensor
+    its module already has (a joining worker's, built empty or from the seed). A collective."""
+    state = module.state_dict(keep_vars=True)
+    items = [(src, receivers, *tensors[name], name)
+             for name, src, receivers in plan_moves(list(tensors), old_held, new_held)]
+    broadcast_packed(items, lambda name: state[name], lambda name, value: state[name].copy_(value), rank, device,
+                     counter)
+
+
 def gain_block(module: nn.Module, name: str, device: torch.device) -> nn.Module:
     """Put an empty copy of dropped block `name` (built from its pass-through's meta copy) on `device`
     in its place, with the pass-through's shared children, values and all; returns it."""
