@@ -40,7 +40,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--checkpoint-every": ("checkpoint_every", int), "--resume": ("resume", str),
     "--keep-checkpoints": ("keep_checkpoints", int), "--max-restarts": ("max_restarts", int),
     "--nonfinite": ("nonfinite", str), "--max-consecutive-skips": ("max_consecutive_skips", int),
-    "--on-worker-loss": ("on_worker_loss", str),
+    "--on-worker-loss": ("on_worker_loss", str), "--max-rejoins": ("max_rejoins", int),
     "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--mlp": ("mlp", str), "--schedule": ("schedule", str),
     "--every": ("every", int), "--local-steps": ("local_steps", int), "--loss-chunks": ("loss_chunks", int),
     "--dtype": ("dtype", str), "--bn-recalibration": ("bn_recalibration", int),
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             if cfg.on_worker_loss == "continue":
                 from sdp_train.trainer.membership import launch_keeping_survivors
 
-                return launch_keeping_survivors(["train", *argv_of(args)], cfg.workers)
+                return launch_keeping_survivors(["train", *argv_of(args)], cfg.workers, max_rejoins=cfg.max_rejoins)
             return launch_local(["train", *argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
         finally:
             del os.environ[LOCKED_ENV]

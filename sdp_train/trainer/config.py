@@ -31,6 +31,7 @@ WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_t
 # modes whose survivors can continue without rollback (static masks)
 SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")
 RESTORING_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose survivors can restore the designed coverage
+REJOINING_MODES = ("bsdp",)  # modes whose lost workers a replacement can take over (`max_rejoins`)
 
 
 @dataclass(kw_only=True)
@@ -154,7 +155,8 @@ class TrainConfig:
     interrupted step (Bb-SDP, overlap, local steps, or a loss during a schedule's mask change: not
     rerunning a step every survivor applied, whose new values are sent or averaged again, or whose
     change is made again), without a checkpoint; a loss that leaves a block without holder, now or in
-    a round still to train, stops the run; `sdp_train.trainer.membership`, RELIABILITY.md)."""
+    a round still to train, stops the run; replacements may rejoin: `max_rejoins`;
+    `sdp_train.trainer.membership`, RELIABILITY.md)."""
     restore_coverage: bool = False
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask): after a loss,
     train on under a mask designed for the survivors with the designed coverage (the start mask's least
@@ -162,6 +164,14 @@ class TrainConfig:
     survivors so the fewest blocks move, and move each block a survivor newly holds, with its optimizer
     state, from its lowest-ranked surviving holder. False: the lost rows are dropped and a block keeps
     its other holders only (coverage falls)."""
+    max_rejoins: int = 0
+    """With ``on_worker_loss='continue'`` (mode ``bsdp``, a built-in model, static mask, without
+    `restore_coverage` or `local_steps`): start a replacement for a lost worker, up to this many times in all, once the
+    survivors have agreed on the loss. The replacement rejoins at the next step boundary: it takes the
+    lost worker's row of the mask (the run returns to the designed mask), receives its blocks, the
+    shared parameters, buffers and optimizer state from their lowest-ranked holders and reads the
+    lost worker's data from the step it joins at; no checkpoint is loaded
+    (`sdp_train.trainer.membership`)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
@@ -208,7 +218,7 @@ class TrainConfig:
             parse_mlp(self.mlp)
         _positive_int(self, "workers", "steps", "batch_size", "seq_len", "eval_batches", "max_data_bytes")
         _non_negative_int(self, "warmup_steps", "eval_every", "seed", "memory_steps", "checkpoint_every",
-                          "keep_checkpoints", "max_restarts", "log_every", "loss_chunks")
+                          "keep_checkpoints", "max_restarts", "max_rejoins", "log_every", "loss_chunks")
         _positive_int(self, "max_consecutive_skips", "every", "local_steps")
         if self.bn_recalibration is not None:
             _non_negative_int(self, "bn_recalibration")
@@ -292,9 +302,11 @@ class TrainConfig:
         if self.on_worker_loss not in WORKER_LOSS_POLICIES:
             raise ConfigError(f"on_worker_loss={self.on_worker_loss!r} is not one of {WORKER_LOSS_POLICIES}")
         if self.on_worker_loss == "stop":
-            if self.restore_coverage:
-                raise ConfigError("restore_coverage=True (--restore-coverage) acts after a worker is lost; it needs "
-                                  "on_worker_loss='continue' (--on-worker-loss continue)")
+            for flag, on in (("restore_coverage=True (--restore-coverage)", self.restore_coverage),
+                             (f"max_rejoins={self.max_rejoins} (--max-rejoins)", self.max_rejoins)):
+                if on:
+                    raise ConfigError(f"{flag} acts after a worker is lost; it needs on_worker_loss='continue' "
+                                      "(--on-worker-loss continue)")
             return
         why = None
         if self.mode not in SURVIVABLE_MODES:
@@ -315,6 +327,12 @@ class TrainConfig:
                    f"{self.mode!r}: overlap averaging's survivors keep the lost worker's rows dropped")
         elif self.workers < 2:
             why = f"workers={self.workers}: a single worker has no survivor"
+        elif self.max_rejoins and (self.mode not in REJOINING_MODES or self.restore_coverage or self.local_steps != 1
+                                   or self.schedule not in (None, "static") or is_user_model(self.model)):
+            why = (f"mode {', '.join(REJOINING_MODES)}, a built-in model, a static mask averaged every step and no "
+                   f"restore_coverage for max_rejoins={self.max_rejoins} (--max-rejoins), got mode {self.mode!r}, "
+                   f"model {self.model!r}, schedule={self.schedule!r}, local_steps={self.local_steps}, "
+                   f"restore_coverage={self.restore_coverage}: rejoining is built for B-SDP's static mask only")
         if why is not None:
             raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
 

@@ -4,7 +4,10 @@
 ``SDP_TEST_KILL_AT_STEP=S:R`` makes rank R SIGKILL itself at step S, after its gradient
 collectives and before the optimizer step; ``SDP_TEST_KILL_IN_RECOVERY=W`` makes worker W (of the
 first world) SIGKILL itself in its first recovery from a lost worker (``--on-worker-loss continue``),
-after the survivors' decision and before their new world forms. All act on the first attempt of a
+after the survivors' decision and before their new world forms; ``SDP_TEST_JOIN_AT_STEP=S`` makes
+the members of a run that misses a worker (``--max-rejoins``) admit replacements at step S's
+boundary only, waiting there until every missing worker's replacement waits to join, so that a test
+knows the step (a replacement's start takes seconds). All act on the first attempt of a
 job only: a restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
 the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
 lists the tests that use them.
@@ -21,6 +24,7 @@ from sdp_train.trainer.launch import restart_attempt
 NAN_VARIABLE = "SDP_TEST_INJECT_NAN"
 KILL_VARIABLE = "SDP_TEST_KILL_AT_STEP"
 RECOVERY_KILL_VARIABLE = "SDP_TEST_KILL_IN_RECOVERY"
+JOIN_VARIABLE = "SDP_TEST_JOIN_AT_STEP"
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class InjectedFaults:
     nan_at: tuple[int, int] | None = None
     kill_at: tuple[int, int] | None = None
     kill_in_recovery: int | None = None
+    join_at: int | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -49,11 +54,13 @@ class InjectedFaults:
         environ = os.environ if environ is None else environ
         if (restart_attempt() if attempt is None else attempt) != 0:
             return cls()
-        worker = environ.get(RECOVERY_KILL_VARIABLE)
-        if worker is not None and not (worker.isascii() and worker.isdigit()):
-            raise ValueError(f"{RECOVERY_KILL_VARIABLE}={worker!r} must be a worker number, an integer >= 0")
+        worker, join = environ.get(RECOVERY_KILL_VARIABLE), environ.get(JOIN_VARIABLE)
+        for variable, value, what in ((RECOVERY_KILL_VARIABLE, worker, "a worker number"),
+                                      (JOIN_VARIABLE, join, "a step")):
+            if value is not None and not (value.isascii() and value.isdigit()):
+                raise ValueError(f"{variable}={value!r} must be {what}, an integer >= 0")
         return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE),
-                   None if worker is None else int(worker))
+                   None if worker is None else int(worker), None if join is None else int(join))
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""

@@ -28,6 +28,9 @@ from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import DistInfo, collective_timeout, get_dist_info, share_split_resources, under_torchrun
 
 
+LAUNCHER_ENV = "SDP_KEEPS_SURVIVORS"  # set for the ranks of `membership.launch_keeping_survivors`
+
+
 def restart_attempt() -> int:
     """Which attempt of the worker group this process belongs to (0 on the first), the same on every rank.
 
@@ -36,9 +39,13 @@ def restart_attempt() -> int:
     counts the restarts of this node's agent, and on two nodes the agent whose worker failed counts
     one while the other, restarted by the membership change, does not. Without the agent's store
     (one process, or ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) it is that count, right on one node.
+    The ranks of ``--on-worker-loss continue``'s own launcher (`LAUNCHER_ENV`) are attempt 0: that
+    launcher never restarts the group, and a replacement it starts for one lost worker joins the run.
     """
     if not uses_agent_store():
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get(LAUNCHER_ENV):  # never restarted as a group; a replacement worker must not open an attempt
+        return 0
     return _agreed_attempt(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
                            int(os.environ["WORLD_SIZE"]))
 

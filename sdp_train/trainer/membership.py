@@ -14,8 +14,17 @@ and sync for the survivors' mask (`masklab.failures.survivors_mask`, or with ``-
 interrupted step on its batch, unless every survivor had applied it (Bb-SDP and overlap averaging,
 lost while the new values were sent or averaged). Why the store and not torchft: docs/design.md §7.
 
-Not here: what a mode rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`), the loop that
-reruns the step (`sdp_train.trainer.train`). Rejoining workers are not built.
+With ``--max-rejoins N`` the launcher starts a replacement for a lost worker (the same worker number)
+once the survivors have agreed on the loss. The replacement announces itself in the store
+(`joining_key`) and waits; at every step boundary while a worker is missing, each member reads the
+store once (`Survival.admit`: the first member there decides, by compare-and-set, which waiting
+workers join at that boundary, so every member admits the same ones at the same step; no device is
+synchronised), and the members and joiners then form a new world (the members' ranks first, the
+joiners' last, so that every block's lowest-ranked holder is a member), go back to the designed mask
+and give each joiner its blocks, the shared tensors and their optimizer state (`ModeSync.welcome`).
+
+Not here: what a mode rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`, `for_joiners`), the
+loop that reruns the step or starts a joiner at its step (`sdp_train.trainer.train`).
 """
 
 from __future__ import annotations
@@ -46,10 +55,26 @@ from masklab.survivors import restored_mask
 from masklab.io import mask_to_dict
 from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import DistInfo, collective_timeout
-from sdp_train.trainer.launch import _agent_store, destroy_distributed, input_error_line, restart_attempt
+from sdp_train.trainer.launch import (
+    LAUNCHER_ENV,
+    _agent_store,
+    destroy_distributed,
+    input_error_line,
+    restart_attempt,
+)
 
-LAUNCHER_ENV = "SDP_KEEPS_SURVIVORS"  # set for the ranks of `launch_keeping_survivors`
+JOIN_ENV = "SDP_JOINS"  # set by `launch_keeping_survivors` for a replacement worker, which joins a run in progress
 MEMBERS_KEY = "sdp/members"  # the workers of the newest membership, comma-separated (the launcher reads it)
+
+
+def joining_key(worker: int) -> str:
+    """The store key a replacement for worker `worker` sets when it waits to join."""
+    return f"sdp/joining/{worker}"
+
+
+def admission_key(worker: int) -> str:
+    """The store key the members set, to the step, world and workers it joins, when they admit `worker`."""
+    return f"sdp/admitted/{worker}"
 
 
 def exited_key(worker: int) -> str:
@@ -86,10 +111,14 @@ class MembershipChange:
     restored: bool = False
     """Whether `mask` restores the designed coverage (blocks moved to survivors that did not hold them)."""
     moved_bytes: int = 0
-    """Buffer bytes of the blocks and optimizer state moved to restore coverage (this rank's broadcasts)."""
+    """Buffer bytes of the blocks and optimizer state moved to restore coverage or to joiners (this rank's
+    broadcasts)."""
+    joined: tuple[int, ...] = ()
+    """Workers that joined at `step` (replacements of lost ones: `lost` is then empty); `mask` is the
+    designed mask's rows of `workers`."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "lost": list(self.lost), "workers": list(self.workers),
+        return {"step": self.step, "lost": list(self.lost), "joined": list(self.joined), "workers": list(self.workers),
                 "recovery_s": self.recovery_s, "coverage_restored": self.restored, "moved_bytes": self.moved_bytes,
                 "mask": mask_to_dict(self.mask)}
 
@@ -181,20 +210,105 @@ class Survival:
 
     `restore`: keyword arguments of `masklab.survivors.restored_mask` (``coverage``, ``groups``,
     ``seed``) to restore the designed coverage after a loss (``--restore-coverage``); None keeps the
-    survivors' rows as they are."""
+    survivors' rows as they are. `designed`: the run's mask, one row per worker of the original run,
+    which workers that join take back (``--max-rejoins``); None: nobody joins."""
 
     def __init__(self, store: dist.Store, worker: int, workers: Sequence[int], mask: Mask, *,
-                 restore: Mapping[str, Any] | None = None) -> None:
+                 restore: Mapping[str, Any] | None = None, designed: Mask | None = None) -> None:
         self.store, self.worker, self.workers, self.mask = store, worker, tuple(workers), mask
         self.restore = None if restore is None else dict(restore)
+        self.designed = designed
         self.generation = 0
         self.changes: list[MembershipChange] = []
 
     @classmethod
-    def for_run(cls, mask: Mask, info: DistInfo, *, restore: Mapping[str, Any] | None = None) -> Survival:
-        """The survival of a run that `launch_keeping_survivors` started (its store is the launcher's)."""
+    def for_run(cls, mask: Mask, info: DistInfo, *, restore: Mapping[str, Any] | None = None,
+                rejoin: bool = False) -> Survival:
+        """The survival of a run that `launch_keeping_survivors` started (its store is the launcher's);
+        `rejoin`: replacements of lost workers may join (``--max-rejoins``)."""
         store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size)
-        return cls(store, info.rank, range(info.world_size), mask, restore=restore)
+        return cls(store, info.rank, range(info.world_size), mask, restore=restore, designed=mask if rejoin else None)
+
+    @classmethod
+    def join(cls, designed: Mask, worker: int, device: torch.device) -> tuple[Survival, DistInfo, MembershipChange]:
+        """A replacement for worker `worker` (its process started by `launch_keeping_survivors`): wait in the
+        store until the members admit it (`admit`), then form the new world with them. Returns this
+        worker's survival, its place in the world and the change that admitted it (its step, the
+        members' ranks `rows`, the joiners after them); raises `WorkerLossError` when every member has
+        exited first (the run ended)."""
+        store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), designed.workers)
+        store.set(joining_key(worker), "1")
+        while not store.check([admission_key(worker)]):
+            members = store.get(MEMBERS_KEY).decode().split(",") if store.check([MEMBERS_KEY]) else []
+            if members and all(store.check([exited_key(int(w))]) for w in members):
+                raise WorkerLossError(f"worker {worker}: the run ended before it could rejoin")
+            time.sleep(0.05)
+        admitted = json.loads(store.get(admission_key(worker)))
+        store.delete_key(admission_key(worker))  # a later replacement of this worker waits for its own
+        workers = tuple(admitted["workers"])
+        survival = cls(store, worker, workers, _rows(designed, workers), designed=designed)
+        survival.generation = admitted["generation"]
+        info = DistInfo(workers.index(worker), len(workers), 0)
+        survival._form_world(info, device)
+        change = MembershipChange(admitted["step"], (), workers, tuple(range(admitted["members"])), survival.mask,
+                                  joined=workers[admitted["members"]:])
+        survival.changes.append(change)
+        return survival, info, change
+
+    def admit(self, run, step: int, device: torch.device) -> MembershipChange | None:
+        """At the boundary before `step` (a step follows): admit the replacements waiting in the store, if
+        any (every member calls it; None when none joins). While a worker of the designed mask is
+        missing, each member reads the store once per step: the first member at this boundary writes
+        which waiting workers join (compare-and-set, first write wins) and every member reads that, so
+        all admit the same workers at the same step, with no collective and no device synchronisation.
+        The members and the joiners then form a new world (joiners last), the run goes back to the
+        designed mask's rows of its workers, and each joiner receives its part (`Run.admit`)."""
+        if self.designed is None or len(self.workers) == self.designed.workers:
+            return None
+        missing = [w for w in range(self.designed.workers) if w not in self.workers]
+        if run.faults.join_at is not None:  # tests only: admit at that step, once the replacements wait
+            if step != run.faults.join_at:
+                return None
+            self.store.wait([joining_key(w) for w in missing], collective_timeout())
+        waiting = [w for w in missing if self.store.check([joining_key(w)])]
+        joined = json.loads(self.store.compare_set(f"sdp/admit/{step}", "", json.dumps(waiting)))
+        if not joined:
+            return None
+        began = time.perf_counter()
+        workers = (*self.workers, *joined)
+        mask = _rows(self.designed, workers)
+        info = DistInfo(self.workers.index(self.worker), len(workers), 0)
+        if info.is_main:
+            for w in joined:
+                self.store.delete_key(joining_key(w))
+                self.store.set(admission_key(w), json.dumps({"step": step, "generation": self.generation + 1,
+                                                             "workers": workers, "members": len(self.workers)}))
+        run.sync.close()  # its hooks hold the groups
+        destroy_distributed()
+        self.generation += 1
+        try:
+            self._form_world(info, device)
+        except RuntimeError as exc:
+            raise WorkerLossError(f"step {step}: the world with joining worker(s) {joined} did not form ({exc}); "
+                                  "a loss while workers join is not recovered: restart from a checkpoint (--resume)",
+                                  report=info.is_main) from None
+        run.admit(mask, range(len(self.workers), len(workers)), info)
+        change = MembershipChange(step, (), workers, tuple(range(len(self.workers))), mask,
+                                  recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes,
+                                  joined=tuple(joined))
+        self.workers, self.mask = workers, mask
+        if info.is_main:
+            self.store.set(MEMBERS_KEY, ",".join(map(str, workers)))
+        self.changes.append(change)
+        return change
+
+    def _form_world(self, info: DistInfo, device: torch.device) -> None:
+        """The default group of this membership (generation), every member and joiner in it."""
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout(),
+                                store=dist.PrefixStore(f"attempt{restart_attempt()}/members{self.generation}",
+                                                       self.store),
+                                rank=info.rank, world_size=info.world_size)
+        dist.barrier()  # every member is in the new world
 
     def restored(self, change: MembershipChange, step: int, report: bool) -> MembershipChange:
         """`change` with the survivors' mask redesigned to the designed coverage (``restore``), the same
@@ -240,11 +354,7 @@ class Survival:
             if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
-                dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout(),
-                                        store=dist.PrefixStore(f"attempt{restart_attempt()}/members{self.generation}",
-                                                               self.store),
-                                        rank=info.rank, world_size=info.world_size)
-                dist.barrier()  # every survivor is in the new world
+                self._form_world(info, device)
             except RuntimeError:  # DistError and timeouts included: another worker was lost meanwhile; the
                 continue  # next agreement, over the same workers, leaves it out too
             break
@@ -258,35 +368,47 @@ class Survival:
         return change
 
 
-def launch_keeping_survivors(module_argv: Sequence[str], nproc: int) -> int:
+def _rows(designed: Mask, workers: Sequence[int]) -> Mask:
+    """The designed mask's rows of `workers`, in their order."""
+    return Mask(designed.matrix[list(workers)], block_names=designed.block_names, block_sizes=designed.block_sizes,
+                construction=designed.construction)
+
+
+def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejoins: int = 0) -> int:
     """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks that outlive each other.
 
     Each rank gets the environment torchrun would give it, with this process's TCP store as the
     agent's store (``TORCHELASTIC_USE_AGENT_STORE``); when a rank's process ends, its exit code goes
-    into the store (`exited_key`). Returns 0 when every worker of the last membership (`MEMBERS_KEY`,
-    all of them when none changed) exited 0, after one line naming the lost ones; 2 with a rank's
-    one-line input error; 1 otherwise; 128 + the signal's number when interrupted (the ranks are stopped).
+    into the store (`exited_key`). With `max_rejoins`, a rank that failed is started again (up to
+    `max_rejoins` times in all), as a replacement that joins the run (`JOIN_ENV`, `Survival.join`), once
+    the survivors have agreed on a membership without it and while one of them still runs; its exit
+    mark is cleared first. Returns 0 when every worker of the last membership (`MEMBERS_KEY`, all of
+    them when none changed) exited 0, after one line naming the lost ones; 2 with a rank's one-line
+    input error; 1 otherwise; 128 + the signal's number when interrupted (the ranks are stopped).
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout())
     run_id = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="sdp-ranks-") as errors:
-        procs = []
-        for rank in range(nproc):
+        def start(rank: int, joining: bool) -> subprocess.Popen:
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                    "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
                    "TORCHELASTIC_ERROR_FILE": str(Path(errors) / f"rank{rank}.json"), LAUNCHER_ENV: "1"}
+            if joining:
+                env[JOIN_ENV] = "1"
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
-            procs.append(subprocess.Popen([sys.executable, "-m", "sdp_train.cli", *module_argv], env=env))
+            return subprocess.Popen([sys.executable, "-m", "sdp_train.cli", *module_argv], env=env)
+
+        procs = {rank: start(rank, False) for rank in range(nproc)}
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            codes = _wait_all(procs, store)
+            codes = _wait_all(procs, store, lambda rank: start(rank, True), max_rejoins)
         except KeyboardInterrupt as exc:
-            for p in procs:
+            for p in procs.values():
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
-            for p in procs:
+            for p in procs.values():
                 p.wait()
             sig = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
             print(f"sdp {module_argv[0]}: interrupted ({sig.name})", file=sys.stderr, flush=True)
@@ -297,8 +419,7 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int) -> int:
         if refused is not None:
             print(refused, file=sys.stderr, flush=True)
             return EXIT_USAGE
-    members = ([int(w) for w in store.get(MEMBERS_KEY).decode().split(",")] if store.check([MEMBERS_KEY])
-               else list(range(nproc)))
+    members = _members(store) or list(range(nproc))
     others = [r for r in range(nproc) if r not in members]
     lost = ", ".join(f"rank {r} (exit code {codes[r]})" for r in others)
     if all(codes[r] == 0 for r in members):
@@ -311,6 +432,11 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int) -> int:
     return 1
 
 
+def _members(store: dist.Store) -> list[int]:
+    """The workers of the newest membership; [] before any change."""
+    return [int(w) for w in store.get(MEMBERS_KEY).decode().split(",")] if store.check([MEMBERS_KEY]) else []
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM to the launcher, handled as Ctrl-C is."""
 
@@ -319,14 +445,29 @@ def _raise_interrupt(signum, frame) -> None:
     raise _Terminated
 
 
-def _wait_all(procs: Sequence[subprocess.Popen], store: dist.Store) -> list[int]:
-    """Every rank's exit code, each marked in the store as soon as its process ends."""
+def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, max_rejoins: int) -> list[int]:
+    """Every rank's exit code (its last process's), each marked in the store as soon as its process ends;
+    a failed rank is replaced (``procs[rank] = replace(rank)``, at most `max_rejoins` times in all) once
+    the survivors' membership leaves it out, while another rank still runs."""
     codes: dict[int, int] = {}
-    while len(codes) < len(procs):
-        for rank, p in enumerate(procs):
+    to_replace: set[int] = set()
+    while len(codes) < len(procs) or to_replace:
+        for rank, p in procs.items():
             if rank not in codes and p.poll() is not None:
                 codes[rank] = p.returncode
                 store.set(exited_key(rank), str(p.returncode))
+                if p.returncode not in (0, EXIT_USAGE) and max_rejoins > 0:
+                    to_replace.add(rank)
+        for rank in sorted(to_replace):
+            if all(r in codes for r in procs if r != rank):  # nobody left to join: the run is over
+                to_replace.discard(rank)
+            elif store.check([MEMBERS_KEY]) and rank not in _members(store):  # the survivors agreed on the loss
+                to_replace.discard(rank)
+                max_rejoins -= 1
+                store.delete_key(exited_key(rank))  # its replacement is a live worker
+                print(f"sdp: rank {rank} lost (exit code {codes.pop(rank)}): starting a replacement that rejoins the "
+                      f"run ({max_rejoins} more allowed)", file=sys.stderr, flush=True)
+                procs[rank] = replace(rank)
         time.sleep(0.05)
     return [codes[r] for r in range(len(procs))]
 

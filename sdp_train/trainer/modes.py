@@ -151,6 +151,18 @@ class ModeSync:
         survivor that newly holds it (`optimizer` steps it)."""
         raise ConfigError(f"{type(self).__name__} cannot continue after losing a worker (--on-worker-loss continue)")
 
+    def for_joiners(self, mask: Mask, info: DistInfo) -> ModeSync:
+        """This mode's sync over a new world that workers join (`sdp_train.trainer.membership`): the members'
+        ranks first, in their order, the joiners' last, `mask` the designed mask's rows in that order.
+        Called after `close`, on the new default group, by the members; each joiner builds its own
+        (`build_sync` with ``joining``), and every rank then calls `welcome`."""
+        raise ConfigError(f"{type(self).__name__} cannot take a worker back (--max-rejoins)")
+
+    def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
+        """Give the ranks `joiners` their values, buffers and optimizer state from the other holders (every
+        rank calls it, after `for_joiners` or, on a joiner, `build_sync`); `moved_bytes` counts them."""
+        raise ConfigError(f"{type(self).__name__} cannot take a worker back (--max-rejoins)")
+
 
 class DataParallelSync(ModeSync):
     """``ddp``: torch DDP over the world; every rank holds the same averaged gradient."""
@@ -333,6 +345,27 @@ class SubnetworkSync(ModeSync):
         survivors.moved_bytes = moved
         return survivors
 
+    def for_joiners(self, mask: Mask, info: DistInfo) -> SubnetworkSync:
+        """Every member keeps its blocks (its row is the designed one: static masks, no restored coverage),
+        so only the wrapper is new, over the designed mask's rows in the new world's order."""
+        old = self.sdp
+        if self._fsdp is not None or old.rounds.counts or old.cut.keeps_whole_model or old.level != "block":
+            return super().for_joiners(mask, info)
+        sdp = SubnetworkDataParallel.from_subnetwork(
+            old.module, layout=old.layout, mask=mask, held_by_rank=[old.layout.held(row) for row in mask.matrix],
+            local_index=old.local_index, masking=old.masking, activation_checkpointing=False,
+            autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype, values_agree=True, seed=old.seed)
+        sdp.changes.bytes += old.changes.bytes
+        return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
+
+    def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
+        """B-SDP: each tensor a joiner holds, shared ones included, and its AdamW state come from the
+        tensor's lowest-ranked other holder (`MaskChanges.welcome`)."""
+        changes = self.sdp.changes
+        before = changes.bytes.buffer
+        changes.welcome(optimizer, self.sdp.held_by_rank, joiners)
+        self.moved_bytes = changes.bytes.buffer - before
+
     def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]]:
         return self.sdp.rounds.to_train(steps)
 
@@ -393,7 +426,7 @@ class OverlapSync(ModeSync):
         return OverlapSync(overlap, info)
 
 
-def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
+def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: bool = False) -> ModeSync:
     """This rank's model, made and wrapped for ``prep.config.mode`` (`sdp_train.trainer.prepare.Prepared`).
 
     In this order: 1. the model: every rank builds the full model from the run's seed, except
@@ -401,6 +434,8 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     blocks it does not hold; 2. activation checkpointing inside each block (and for ``fsdp`` the
     world's FSDP2 shards), by `sdp_train.parallel.parallelize`, where the mode's wrapper does not do it
     itself; 3. each block compiled (``--compile``; `SubnetworkDataParallel` compiles its own); 4. the mode's wrapper.
+    `joining`: this rank joins a run in progress (`ModeSync.for_joiners`): its values come afterwards, from
+    the holders (`ModeSync.welcome`), so the wrapper sends none when it starts, as the members' does not.
     """
     cfg, mc = prep.config, prep.model_config
     user = isinstance(mc, UserModel)
@@ -462,7 +497,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device) -> ModeSync:
     sdp = SubnetworkDataParallel.from_subnetwork(
         part.module, layout=part.layout, mask=part.mask, held_by_rank=part.held_by_rank,
         local_index=part.local_index, masking=cut.masking, activation_checkpointing=cfg.activation_checkpointing,
-        fsdp=cfg.fsdp, values_agree=not library_cut, seed=cfg.seed, local_steps=cfg.local_steps,
+        fsdp=cfg.fsdp, values_agree=joining or not library_cut, seed=cfg.seed, local_steps=cfg.local_steps,
         compile=cfg.compile or False)
     return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
 

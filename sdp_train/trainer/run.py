@@ -103,7 +103,8 @@ class Run:
     is the same for every mode.
     """
 
-    def __init__(self, prep: Prepared, info: DistInfo, device: torch.device) -> None:
+    def __init__(self, prep: Prepared, info: DistInfo, device: torch.device, *, joining: bool = False) -> None:
+        """`joining`: this rank joins a run in progress (`sdp_train.trainer.membership`); call `welcome` next."""
         cfg = prep.config
         self.cfg, self.model_config, self.info, self.device = cfg, prep.model_config, info, device
         self.mask = prep.mask
@@ -113,7 +114,7 @@ class Run:
         self.steps_applied = 0  # optimizer steps this rank has taken (what survivors agree on)
         self.applied_stats: StepStats | None = None  # the last applied step's values (`step`)
         self.faults = InjectedFaults.from_environment()  # tests only: read once, two integer compares per step
-        self.sync: ModeSync | None = build_sync(prep, info, device)
+        self.sync: ModeSync | None = build_sync(prep, info, device, joining=joining)
         self.model, self.train_model = self.sync.model, self.sync.train_model
         trainable = self.sync.trainable()
         decay = [p for p in trainable if p.dim() >= 2]
@@ -220,6 +221,23 @@ class Run:
         self.info, self.mask = info, mask
         self.model, self.train_model = self.sync.model, self.sync.train_model
         self.sync.attach(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def admit(self, mask, joiners, info: DistInfo) -> None:
+        """Train on in a new world that workers join (`sdp_train.trainer.membership.Survival.admit`, after the
+        old sync's `close`): the mode's sync rebuilt over the designed `mask` (`ModeSync.for_joiners`), the
+        same model and optimizer; then the joiners' state comes (`welcome`)."""
+        self.retired_bytes += self.sync.bytes
+        self.sync = self.sync.for_joiners(mask, info)
+        self.info, self.mask = info, mask
+        self.model, self.train_model = self.sync.model, self.sync.train_model
+        self.sync.attach(self.optimizer)
+        self.welcome(joiners)
+
+    def welcome(self, joiners) -> None:
+        """The ranks `joiners` receive their values, buffers and optimizer state from the other holders
+        (every rank of the new world, members after `admit`, joiners after `__init__`)."""
+        self.sync.welcome(joiners, self.optimizer)
         self.optimizer.zero_grad(set_to_none=False)
 
     def finish(self, step: int, stats: Mapping[str, Any]) -> dict[str, float | bool]:

@@ -20,8 +20,9 @@ changes moved (rank 0's; not in ``comm_bytes``);
 with ``--on-worker-loss continue`` ``membership_changes``: per loss of workers, the step the
 survivors reran, the workers lost and those left (workers of the original run), the recovery's
 seconds, the survivors' mask, whether it restores the designed coverage (``restore_coverage``) and
-the buffer bytes rank 0 moved for it (that step's metrics line has ``membership``;
-`sdp_train.trainer.membership`);
+the buffer bytes rank 0 moved for it, and per rejoin (``max_rejoins``) the step, the workers that
+``joined`` and all workers in rank order, the designed mask's rows in that order, the seconds and
+the bytes rank 0 sent (that step's metrics line has ``membership``; `sdp_train.trainer.membership`);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
 ``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
@@ -44,6 +45,7 @@ a non-finite step raises NonFiniteError on every rank and no summary.json is wri
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -76,7 +78,7 @@ from sdp_train.trainer.checkpoint import (
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
-from sdp_train.trainer.membership import LAUNCHER_ENV, MembershipChange, Survival, WorkerLossError
+from sdp_train.trainer.membership import JOIN_ENV, LAUNCHER_ENV, MembershipChange, Survival, WorkerLossError
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
@@ -108,11 +110,21 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         raise ConfigError("on_worker_loss='continue' (--on-worker-loss) needs the ranks started by "
                           "`sdp train --workers N` itself: torchrun's agent stops every rank when one fails")
     torch.manual_seed(cfg.seed)
-    info = init_distributed(device, preload=modules_before_groups([cfg], device))
+    joining = os.environ.get(JOIN_ENV) == "1"  # a replacement for a lost worker (--max-rejoins)
+    if joining:
+        for name in modules_before_groups([cfg], device):
+            importlib.import_module(name)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    else:
+        info = init_distributed(device, preload=modules_before_groups([cfg], device))
     try:
+        if joining:
+            survival, info, admitted = Survival.join(prep.mask, info.rank, device)
+            return train_prepared(prep, info, device, survival, admitted=admitted)
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
-        survival = (Survival.for_run(prep.mask, info, restore=coverage_to_restore(prep))
+        survival = (Survival.for_run(prep.mask, info, restore=coverage_to_restore(prep), rejoin=cfg.max_rejoins > 0)
                     if cfg.on_worker_loss == "continue" else None)
         return train_prepared(prep, info, device, survival)
     except WorkerLossError as exc:  # the survivors cannot continue: one of them says why
@@ -131,17 +143,29 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
 
 
-def train_prepared(prep: Prepared, info, device: torch.device, survival: Survival | None = None
-                   ) -> dict[str, Any] | None:
+def train_prepared(prep: Prepared, info, device: torch.device, survival: Survival | None = None, *,
+                   admitted: MembershipChange | None = None) -> dict[str, Any] | None:
     """`train` after its checks, on a process group that exists: rank 0 returns the summary.
 
     With `survival` (``--on-worker-loss continue``) a step that fails because workers were lost is
-    run again on its batch by the survivors, in their new world (`Survival.recover`)."""
+    run again on its batch by the survivors, in their new world (`Survival.recover`), and, with
+    ``--max-rejoins``, replacements join at a step boundary (`Survival.admit`). `admitted`: this rank
+    is such a replacement, admitted by that change at its step: its part, the shared tensors and
+    their optimizer state come from their holders, and it reads its worker's data from that step on."""
     cfg = prep.config
     out = Path(cfg.out)
-    run = Run(prep, info, device)
-    batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=info.rank, world_size=info.world_size)
-    start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
+    worker = info.rank if survival is None else survival.worker  # the data shard: the worker's of the first world
+    if admitted is not None:
+        prep = dataclasses.replace(prep, mask=admitted.mask)  # the designed rows, in the new world's rank order
+    run = Run(prep, info, device, joining=admitted is not None)
+    batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=worker, world_size=cfg.workers)
+    if admitted is not None:  # the step, the learning rate's schedule and the data go on from the members'
+        run.welcome(range(len(admitted.rows), len(admitted.workers)))
+        run.steps_applied = admitted.step
+        batches.load_state_dict({**batches.state_dict(), "step": admitted.step})
+        start = admitted.step
+    else:
+        start = 0 if prep.resume_from is None else load_checkpoint(run, batches, prep.resume_from)
     if start < cfg.steps:  # a checkpoint at the end of a round: the change comes now, before the memory meter
         run.enter_next_round()
     meter = MemoryMeter(run.model, run.optimizer, device, extra=run.comm_buffers)
@@ -189,6 +213,11 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
         for step in range(start, cfg.steps):
             inputs, targets = (t.to(device) for t in next(batches))
             change = None
+            if survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
+                change = survival.admit(run, step, device)
+                if change is not None:
+                    info = run.info
+                    report_change(change, info, cfg.steps)
             while True:  # once, unless workers are lost during the step (`survival`)
                 bytes_before, wire_before = run.comm_bytes, run.wire_bytes
                 measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
@@ -217,8 +246,9 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                       "comm_bytes": run.comm_bytes - bytes_before, "wire_bytes": run.wire_bytes - wire_before,
                       "skipped": None}
             if change is not None:
-                record["membership"] = {"lost": list(change.lost), "workers": list(change.workers),
-                                        "recovery_s": change.recovery_s, "coverage_restored": change.restored}
+                record["membership"] = {"lost": list(change.lost), "joined": list(change.joined),
+                                        "workers": list(change.workers), "recovery_s": change.recovery_s,
+                                        "coverage_restored": change.restored}
             if pending is not None:
                 close_step(*pending)
             pending = (step, record, stats)
@@ -308,6 +338,13 @@ def report_change(change: MembershipChange, info, steps: int, *, applied: bool =
     from masklab import analyze
     from sdp_train.trainer.outputs import mask_lines
 
+    if change.joined:
+        print(f"sdp train: step {change.step + 1}/{steps}: worker{'s' * (len(change.joined) > 1)} "
+              f"{', '.join(map(str, change.joined))} rejoined ({change.recovery_s:.2f} s, "
+              f"{change.moved_bytes / 1e6:.3f} MB moved by this rank); workers {', '.join(map(str, change.workers))} "
+              "train on under the designed mask (its rows in that order):", flush=True)
+        print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
+        return
     lost = ", ".join(map(str, change.lost))
     print(f"sdp train: step {change.step + 1}/{steps}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
           f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), "

@@ -53,12 +53,13 @@ def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Pa
     return run_mode(request.param, tmp_path_factory)
 
 
-def run_mode(mode: str, tmp_path_factory, extra: tuple[str, ...] = ()) -> tuple[str, subprocess.CompletedProcess, Path]:
+def run_mode(mode: str, tmp_path_factory, extra: tuple[str, ...] = (), faults: dict[str, str] | None = None
+             ) -> tuple[str, subprocess.CompletedProcess, Path]:
     """``sdp train --mode MODE --on-worker-loss continue`` (and `extra` flags) on 3 ranks, rank 0
-    SIGKILLed at KILL_STEP."""
+    SIGKILLed at KILL_STEP (and the other test-only `faults`, `sdp_train.trainer.faults`)."""
     out = tmp_path_factory.mktemp(f"worker_loss_{mode}") / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
-           "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{KILL_RANK}", "SDP_COLLECTIVE_TIMEOUT_S": "60"}
+           "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{KILL_RANK}", "SDP_COLLECTIVE_TIMEOUT_S": "60", **(faults or {})}
     restore = ["--restore-coverage"] if mode in RESTORES and not extra else []
     proc = subprocess.run([sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", mode, *restore, *extra,
                            "--checkpoint-every", str(STEPS), "--out", str(out)],
@@ -92,13 +93,15 @@ def survivors_rows(mode: str, prep) -> np.ndarray:
                          seed=prep.config.seed).matrix
 
 
-def reference(mode: str, extra: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The run on one process: one full model and one AdamW (the run's groups and hyperparameters),
     each step every member's gradient from its subnetwork on its own batch (its row of the mask in
-    force: `survivors_rows` once KILL_RANK is lost), each entry's the mean over its holders among the
-    members (`sdp_train.testing`'s simulated update: blocks, neuron slices and shared parameters
-    alike), clipped as a whole. A block a survivor newly holds has one AdamW state here, which the
-    run moves from its old holder."""
+    force: `survivors_rows` once KILL_RANK is lost; `members_of(prep, step)` when given, as
+    `members_rows`), each entry's the mean over its holders among the members (`sdp_train.testing`'s
+    simulated update: blocks, neuron slices and shared parameters alike), clipped as a whole. A block
+    a survivor newly holds has one AdamW state here, which the run moves from its old holder. Every
+    worker's batch stream moves with the steps, a member's or not: a worker that rejoins reads the
+    batch of the step it joins at."""
     from sdp_train.cli import build_parser
     from sdp_train.cli.train import config_from_args
     from sdp_train.data import build_batches
@@ -118,7 +121,8 @@ def reference(mode: str, extra: tuple[str, ...] = ()) -> tuple[dict[str, torch.T
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
     losses = []
     for step in range(STEPS):
-        members, matrix = members_rows(mode, prep, step)
+        members, matrix = (members_of or (lambda prep, step: members_rows(mode, prep, step)))(prep, step)
+        drawn = [next(b) for b in batches]
         values = []
 
         def loss(sub, batch):
@@ -126,10 +130,10 @@ def reference(mode: str, extra: tuple[str, ...] = ()) -> tuple[dict[str, torch.T
             return values[-1]
 
         if mode == "bbsdp":  # backward masking: the full model's gradient, each block's averaged over its holders
-            grads = _backward_masked_update(model, matrix, members, [next(batches[k]) for k in members], loss)
+            grads = _backward_masked_update(model, matrix, members, [drawn[k] for k in members], loss)
         else:
             grads = _simulated_update(model, [subnetwork(model, matrix[k]) for k in members],
-                                      [next(batches[k]) for k in members], loss)
+                                      [drawn[k] for k in members], loss)
         for name, p in params.items():
             p.grad = grads[name]
         torch.nn.utils.clip_grad_norm_(params.values(), cfg.grad_clip)

@@ -117,6 +117,11 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"on_worker_loss": "rejoin"}, "not one of ('stop', 'continue')"),
     ({"on_worker_loss": "stop", "restore_coverage": True}, "acts after a worker is lost"),
     ({"mode": "overlap", "restore_coverage": True}, "with restore_coverage (--restore-coverage), got mode 'overlap'"),
+    ({"on_worker_loss": "stop", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins) acts after a worker is lost"),
+    ({"mode": "nsdp", "max_rejoins": 1}, "got mode 'nsdp', model 'llama-debug', schedule=None, local_steps=1, "),
+    ({"restore_coverage": True, "max_rejoins": 2}, "rejoining is built for B-SDP's static mask only"),
+    ({"schedule": "permute", "max_rejoins": 1}, "schedule='permute'"),
+    ({"model": "net.py:make", "max_rejoins": 1}, "model 'net.py:make'"),
 ])
 def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(changes, message):
     with pytest.raises(ConfigError, match="on_worker_loss") as info:
@@ -127,6 +132,10 @@ def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(change
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
 def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue").on_worker_loss == "continue"
+
+
+def test_b_sdp_with_a_static_mask_may_take_lost_workers_back():
+    assert TrainConfig(mode="bsdp", workers=2, on_worker_loss="continue", max_rejoins=2).max_rejoins == 2
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
@@ -196,3 +205,43 @@ def test_the_survivors_rounds_keep_the_position_and_restrict_every_round_to_thei
     for step in range(8):
         assert second.round_matrix(step).tolist() == mask.round_matrix(step, seed=0)[[2, 3]].tolist()
     assert rounds.rows is None and rounds.matrix.shape == (4, 4)  # the old position is untouched
+
+
+class _Process:
+    """A rank's process as `_wait_all` sees it: running (``returncode`` None) or exited."""
+
+    def __init__(self, returncode: int | None = None) -> None:
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def test_the_launcher_replaces_a_lost_rank_once_the_survivors_left_it_out_and_at_most_max_rejoins_times(store):
+    """`_wait_all` with ``max_rejoins=1``: rank 0 dies; no replacement while the survivors have not agreed
+    on a membership without it (`MEMBERS_KEY`), one as soon as they have (its exit mark cleared), and
+    none for the replacement's own failure: the budget is spent."""
+    from sdp_train.trainer.membership import MEMBERS_KEY, _wait_all
+
+    procs = {0: _Process(-9), 1: _Process(), 2: _Process()}
+    started: list[_Process] = []
+
+    def replace(rank: int) -> _Process:
+        started.append(_Process())
+        return started[-1]
+
+    waiting = threading.Thread(target=lambda: codes.append(_wait_all(procs, store, replace, 1)))
+    codes: list[list[int]] = []
+    waiting.start()
+    threading.Event().wait(0.3)
+    assert not started and store.check([exited_key(0)])  # the survivors have not decided yet
+    store.set(MEMBERS_KEY, "1,2")
+    threading.Event().wait(0.3)
+    assert len(started) == 1 and procs[0] is started[0] and not store.check([exited_key(0)])
+    store.set(MEMBERS_KEY, "1,2,0")  # admitted
+    started[0].returncode = -9  # lost again: no budget left
+    store.set(MEMBERS_KEY, "1,2")
+    threading.Event().wait(0.3)
+    procs[1].returncode = procs[2].returncode = 0
+    waiting.join(timeout=10)
+    assert codes == [[-9, 0, 0]] and len(started) == 1
