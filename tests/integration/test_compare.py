@@ -19,16 +19,18 @@ from sdp_train.trainer.config import TrainConfig
 
 TINY = Preset(model="llama-debug", workers=3, steps=4, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=1,
               active=2 / 3, sweep=(1 / 3,), eval_every=2, eval_batches=1, max_data_bytes=100_000, memory_steps=1)
-# Each system trained is one 3-rank launch. The FLOP-matched run is not trained here: it is the same
-# B-SDP with more steps, which test_plan_certifies_every_mask_and_matches_flops checks, and the report
-# multiplies a run's configured steps by its FLOPs per step (checked on the bsdp row below).
-SPECS = [RunSpec("ddp", "ddp"), RunSpec("bsdp", "bsdp", 2 / 3), RunSpec("bsdp-C0.3333", "bsdp", 1 / 3)]
+# What test_compare_trains_reports_and_resumes trains: each system is one launch, of 2 ranks (a
+# rank costs the suite about 5 CPU-s to start). The FLOP-matched run is not trained here: it is the
+# same B-SDP with more steps, which test_plan_certifies_every_mask_and_matches_flops checks, and the
+# report multiplies a run's configured steps by its FLOPs per step (checked on the bsdp row below).
+TRAINED = Preset(**{**TINY.__dict__, "workers": 2, "active": 0.5, "sweep": (1.0,)})
+SPECS = [RunSpec("ddp", "ddp"), RunSpec("bsdp", "bsdp", 0.5), RunSpec("bsdp-C1", "bsdp", 1.0)]
 RUN_SPECS = compare_mod.run_specs  # the `tiny` fixture replaces it with SPECS
 
 
 @pytest.fixture
 def tiny(monkeypatch):
-    monkeypatch.setitem(compare_mod.PRESETS, "tiny", TINY)
+    monkeypatch.setitem(compare_mod.PRESETS, "tiny", TRAINED)
     monkeypatch.setattr(compare_mod, "run_specs", lambda preset: list(SPECS))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -79,7 +81,9 @@ def test_plan_certifies_every_mask_and_matches_flops(tmp_path, tiny):
     assert planned["bsdp-flop-matched"].config.steps == math.ceil(TINY.steps * ratio)
     # with K=3, C=1/3 designs a disconnected mask: the certificate says so, but no theorem of the
     # stepwise regime needs a connected mixing graph, so it is not a failed condition
-    k3 = {p.spec.name: p for p in plan_runs(TINY, tmp_path / "k3")}["bsdp-C0.3333"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(compare_mod, "run_specs", lambda preset: [RunSpec("bsdp-C0.3333", "bsdp", 1 / 3)])
+        k3 = {p.spec.name: p for p in plan_runs(TINY, tmp_path / "k3")}["bsdp-C0.3333"]
     assert not k3.verification["certificate"]["connected"] and k3.verification["verified"]
     assert list(k3.verification["conditions"]) == ["every block held (coverage >= 1)"]
     # forward-masked B-SDP is covered by no theorem: no bound ratio is printed for it
@@ -99,29 +103,29 @@ def test_compare_trains_reports_and_resumes(tmp_path, tiny, capsys, monkeypatch)
     out = tmp_path / "cmp"
     certify = compare_mod.certify
 
-    def refusing_small_c(mask, steps, mode, **kw):  # the path of a mask that fails a condition
+    def refusing_full_c(mask, steps, mode, **kw):  # the path of a mask that fails a condition
         result = certify(mask, steps, mode, **kw)
-        if mask.active_fraction < 0.4:
-            result["conditions"]["test: C below 0.4 refused"] = False
+        if mask.active_fraction > 0.9:
+            result["conditions"]["test: C above 0.9 refused"] = False
             result["verified"] = False
         return result
 
-    monkeypatch.setattr(compare_mod, "certify", refusing_small_c)
+    monkeypatch.setattr(compare_mod, "certify", refusing_full_c)
     assert main(["compare", "--preset", "tiny", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "mask bsdp: C=0.667" in printed and "verified" in printed
+    assert "mask bsdp: C=0.500" in printed and "verified" in printed
     report = json.loads((out / "compare.json").read_text())
     runs = report["runs"]
     assert set(runs) == {"ddp", "bsdp"}
-    assert report["not_run"] == {"bsdp-C0.3333": "its mask failed verification"}
-    assert "mask bsdp-C0.3333: C=0.333" in printed and "FAILED: test: C below 0.4 refused" in printed
+    assert report["not_run"] == {"bsdp-C1": "its mask failed verification"}
+    assert "mask bsdp-C1: C=1.000" in printed and "FAILED: test: C above 0.9 refused" in printed
     assert runs["ddp"]["final_val_loss_vs_ddp"] == 1.0 and runs["ddp"]["peak_memory_vs_ddp"] == 1.0
     assert runs["bsdp"]["peak_memory_vs_ddp"] < 1.0 and runs["bsdp"]["comm_bytes_per_step_vs_ddp"] < 1.0
     assert runs["bsdp"]["training_flops_vs_ddp"] < 1.0 and runs["bsdp"]["steps"] == TINY.steps
     for row in runs.values():
         assert math.isfinite(row["final_val_loss"]) and row["val_history"][-1]["step"] == row["steps"] - 1
     table = (out / "compare.md").read_text()
-    assert "| bsdp | 0.667 |" in table and "Not run: `bsdp-C0.3333`" in table
+    assert "| bsdp | 0.5 |" in table and "Not run: `bsdp-C1`" in table
     assert table in printed
     for png in ("compare_loss.png", "compare_cost.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
