@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ[LOCKED_ENV] = str(os.getpid())  # the ranks' launcher (this process) holds --out
         try:
             if cfg.on_worker_loss == "continue":
-                from sdp_train.trainer.membership import launch_keeping_survivors
+                from sdp_train.trainer.survivor_launcher import launch_keeping_survivors
 
                 return launch_keeping_survivors(["train", *argv_of(args)], cfg.workers, max_rejoins=cfg.max_rejoins)
             return launch_local(["train", *argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)

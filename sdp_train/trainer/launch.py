@@ -28,7 +28,7 @@ from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import DistInfo, collective_timeout, get_dist_info, share_split_resources, under_torchrun
 
 
-LAUNCHER_ENV = "SDP_KEEPS_SURVIVORS"  # set for the ranks of `membership.launch_keeping_survivors`
+LAUNCHER_ENV = "SDP_KEEPS_SURVIVORS"  # set for the ranks of `survivor_launcher.launch_keeping_survivors`
 
 
 def restart_attempt() -> int:

@@ -148,7 +148,7 @@ def test_the_keeping_launcher_reports_the_lowest_ranks_input_error_line_and_noth
     exited 2 having left its one-line input error (`leave_error_to_launcher`) is an input error."""
     import json
 
-    from sdp_train.trainer import launch, membership
+    from sdp_train.trainer import launch, survivor_launcher
 
     def leave(rank: int, line: str) -> None:
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"rank{rank}.json"))
@@ -157,11 +157,11 @@ def test_the_keeping_launcher_reports_the_lowest_ranks_input_error_line_and_noth
 
     leave(1, "sdp train: error: bad shard")
     leave(2, "sdp train: error: another")
-    assert membership._refused(str(tmp_path), [0, 2, 2]) == "sdp train: error: bad shard"
-    assert membership._refused(str(tmp_path), [0, 1, 2]) == "sdp train: error: another"  # rank 1 failed otherwise
-    assert membership._refused(str(tmp_path), [0, 1, 1]) is None
+    assert survivor_launcher._refused(str(tmp_path), [0, 2, 2]) == "sdp train: error: bad shard"
+    assert survivor_launcher._refused(str(tmp_path), [0, 1, 2]) == "sdp train: error: another"  # rank 1 failed otherwise
+    assert survivor_launcher._refused(str(tmp_path), [0, 1, 1]) is None
     (tmp_path / "rank2.json").write_text(json.dumps({"message": "a crash's record"}))  # not an input error
-    assert membership._refused(str(tmp_path), [0, 1, 2]) is None
+    assert survivor_launcher._refused(str(tmp_path), [0, 1, 2]) is None
 
 
 @settings(deadline=None, max_examples=40)
@@ -207,6 +207,18 @@ def test_the_survivors_rounds_keep_the_position_and_restrict_every_round_to_thei
     assert rounds.rows is None and rounds.matrix.shape == (4, 4)  # the old position is untouched
 
 
+def test_members_admit_the_same_joiners_at_a_boundary_whenever_the_replacement_announces_itself(store):
+    """`joiners_at`: a member that asks before worker 0's replacement waits decides for every member of
+    that step's boundary; the replacement joins at the next boundary any member reaches."""
+    from sdp_train.trainer.membership import joiners_at, joining_key
+
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    assert joiners_at(store, 5, [0, 3]) == []
+    client.set(joining_key(0), "1")
+    assert joiners_at(client, 5, [0, 3]) == []  # decided without it at step 5
+    assert joiners_at(client, 6, [0, 3]) == [0] and joiners_at(store, 6, [0, 3]) == [0]
+
+
 class _Process:
     """A rank's process as `_wait_all` sees it: running (``returncode`` None) or exited."""
 
@@ -221,7 +233,8 @@ def test_the_launcher_replaces_a_lost_rank_once_the_survivors_left_it_out_and_at
     """`_wait_all` with ``max_rejoins=1``: rank 0 dies; no replacement while the survivors have not agreed
     on a membership without it (`MEMBERS_KEY`), one as soon as they have (its exit mark cleared), and
     none for the replacement's own failure: the budget is spent."""
-    from sdp_train.trainer.membership import MEMBERS_KEY, _wait_all
+    from sdp_train.trainer.membership import MEMBERS_KEY
+    from sdp_train.trainer.survivor_launcher import _wait_all
 
     procs = {0: _Process(-9), 1: _Process(), 2: _Process()}
     started: list[_Process] = []
