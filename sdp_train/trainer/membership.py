@@ -282,11 +282,11 @@ class Survival:
         self.generation += 1
         try:
             self._form_world(info, device)
-        except RuntimeError as exc:
-            raise WorkerLossError(f"step {step}: the world with joining worker(s) {joined} did not form ({exc}); "
-                                  "a loss while workers join is not recovered: restart from a checkpoint (--resume)",
-                                  report=info.is_main) from None
-        run.admit(mask, range(len(self.workers), len(workers)), info)
+            run.admit(mask, range(len(self.workers), len(workers)), info)
+        except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
+            raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}); a loss "
+                                  "while workers join is not recovered: restart from a checkpoint (--resume)",
+                                  report=info.is_main) from exc
         change = MembershipChange(step, (), workers, tuple(range(len(self.workers))), mask,
                                   recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes,
                                   joined=tuple(joined))
