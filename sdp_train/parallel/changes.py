@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sdp_train.parallel import clip_guard
-from sdp_train.parallel.blockmap import SliceSpec, owned_parameters, owned_state
+from sdp_train.parallel.blockmap import WHOLE, SliceSpec, owned_parameters, owned_state
 from sdp_train.parallel.masking import Cut, ModelLayout, drop_blocks
 from sdp_train.parallel.parts import apply_checkpointing
 from sdp_train.parallel.schedule import (
@@ -105,11 +105,17 @@ class MaskChanges:
         """Workers that join a run (ranks `joiners`, this object built over the world they joined; block
         level): each of their tensors (`held`, per rank; parameters, buffers, the shared ones included)
         and its `optimizer` state from its lowest-ranked holder among the others, bit for bit, as at a
-        round's change whose joiners held nothing before. Every rank calls it, after its wrapper exists
-        (a joiner's part is built, its optimizer steps it)."""
+        round's change whose joiners held nothing before. Under backward masking every worker keeps a
+        copy of every block, whose values (the same on every worker after a step) come from the lowest
+        other rank. Every rank calls it, after its wrapper exists (a joiner's part is built, its
+        optimizer steps it)."""
         old = [{} if r in joiners else part for r, part in enumerate(held)]
         names = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
-        send_tensors(self.module, names, old, held, self.rank, self.device, self.bytes)
+        values, old_values = held, old
+        if not self.moves_blocks:  # backward masking
+            values = [dict.fromkeys(names, WHOLE)] * len(held)
+            old_values = [{} if r in joiners else part for r, part in enumerate(values)]
+        send_tensors(self.module, names, old_values, values, self.rank, self.device, self.bytes)
         move_optimizer_state([optimizer], self.module, self.layout.parameter_names, old, held, self.rank, self.bytes)
 
     def undo_gains(self, matrix: np.ndarray) -> None:

@@ -349,7 +349,7 @@ class SubnetworkSync(ModeSync):
         """Every member keeps its blocks (its row is the designed one: static masks, no restored coverage),
         so only the wrapper is new, over the designed mask's rows in the new world's order."""
         old = self.sdp
-        if self._fsdp is not None or old.rounds.counts or old.cut.keeps_whole_model or old.level != "block":
+        if self._fsdp is not None or old.rounds.counts or old.level != "block":
             return super().for_joiners(mask, info)
         sdp = SubnetworkDataParallel.from_subnetwork(
             old.module, layout=old.layout, mask=mask, held_by_rank=[old.layout.held(row) for row in mask.matrix],
@@ -359,8 +359,9 @@ class SubnetworkSync(ModeSync):
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
 
     def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
-        """B-SDP: each tensor a joiner holds, shared ones included, and its AdamW state come from the
-        tensor's lowest-ranked other holder (`MaskChanges.welcome`)."""
+        """B-SDP and Bb-SDP: each tensor a joiner holds, shared ones included, and its AdamW state come
+        from the tensor's lowest-ranked other holder; in Bb-SDP every other block's values too, from
+        the lowest other rank (`MaskChanges.welcome`)."""
         changes = self.sdp.changes
         before = changes.bytes.buffer
         changes.welcome(optimizer, self.sdp.held_by_rank, joiners)

@@ -119,7 +119,7 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"mode": "overlap", "restore_coverage": True}, "with restore_coverage (--restore-coverage), got mode 'overlap'"),
     ({"on_worker_loss": "stop", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins) acts after a worker is lost"),
     ({"mode": "nsdp", "max_rejoins": 1}, "got mode 'nsdp', model 'llama-debug', schedule=None, local_steps=1, "),
-    ({"restore_coverage": True, "max_rejoins": 2}, "rejoining is built for B-SDP's static mask only"),
+    ({"restore_coverage": True, "max_rejoins": 2}, "rejoining is built for B-SDP's and Bb-SDP's static masks only"),
     ({"schedule": "permute", "max_rejoins": 1}, "schedule='permute'"),
     ({"model": "net.py:make", "max_rejoins": 1}, "model 'net.py:make'"),
 ])
@@ -134,8 +134,9 @@ def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue").on_worker_loss == "continue"
 
 
-def test_b_sdp_with_a_static_mask_may_take_lost_workers_back():
-    assert TrainConfig(mode="bsdp", workers=2, on_worker_loss="continue", max_rejoins=2).max_rejoins == 2
+@pytest.mark.parametrize("mode", ["bsdp", "bbsdp"])
+def test_b_sdp_and_bb_sdp_with_a_static_mask_may_take_lost_workers_back(mode):
+    assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue", max_rejoins=2).max_rejoins == 2
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
