@@ -28,7 +28,7 @@ from sdp_train.parallel.schedule import (
     move_optimizer_state,
     recut_neurons,
     send_blocks,
-    send_tensors,
+    send_parts,
 )
 from sdp_train.parallel.sync import holder_set_groups
 from sdp_train.parallel.wire import ByteCount
@@ -102,20 +102,21 @@ class MaskChanges:
 
     def welcome(self, optimizer: torch.optim.Optimizer, held: Sequence[dict[str, SliceSpec]],
                 joiners: Sequence[int]) -> None:
-        """Workers that join a run (ranks `joiners`, this object built over the world they joined; block
-        level): each of their tensors (`held`, per rank; parameters, buffers, the shared ones included)
-        and its `optimizer` state from its lowest-ranked holder among the others, bit for bit, as at a
-        round's change whose joiners held nothing before. Under backward masking every worker keeps a
-        copy of every block, whose values (the same on every worker after a step) come from the lowest
-        other rank. Every rank calls it, after its wrapper exists (a joiner's part is built, its
-        optimizer steps it)."""
+        """Workers that join a run (ranks `joiners`, this object built over the world they joined): each
+        part of their tensors (`held`, per rank; parameters, buffers, the shared ones included, N-SDP's
+        neuron slices) and its `optimizer` state from its lowest-ranked holder among the others, bit
+        for bit, as at a round's change whose joiners held nothing before. Under backward masking every
+        worker keeps a copy of every block, whose values (the same on every worker after a step) come
+        from the lowest other rank. Every rank calls it, after its wrapper exists (a joiner's part is
+        built, its optimizer steps it)."""
         old = [{} if r in joiners else part for r, part in enumerate(held)]
         names = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
-        values, old_values = held, old
-        if not self.moves_blocks:  # backward masking
-            values = [dict.fromkeys(names, WHOLE)] * len(held)
-            old_values = [{} if r in joiners else part for r, part in enumerate(values)]
-        send_tensors(self.module, names, old_values, values, self.rank, self.device, self.bytes)
+        if self.moves_blocks or self.recuts:
+            send_parts(self.module, names, old, held, [optimizer], self.rank, self.device, self.bytes)
+            return
+        every = [dict.fromkeys(names, WHOLE)] * len(held)  # backward masking: values first, then the held state
+        send_parts(self.module, names, [{} if r in joiners else part for r, part in enumerate(every)], every, [],
+                   self.rank, self.device, self.bytes)
         move_optimizer_state([optimizer], self.module, self.layout.parameter_names, old, held, self.rank, self.bytes)
 
     def undo_gains(self, matrix: np.ndarray) -> None:

@@ -29,6 +29,10 @@ kept stay, each gained group's values and optimizer state come from its lowest-r
 (packed broadcasts), and a new parameter takes the old one's place in the module, the optimizer
 group and the state.
 
+A worker that joins a run in progress (a lost worker's replacement) holds nothing yet: each part of
+its tensors, a whole tensor or N-SDP's neuron slice, and its optimizer state come from the part's
+lowest-ranked holder (`send_parts`), packed as above.
+
 Not here: overlap averaging (`sdp_train.parallel.overlap`), whose workers keep their own state, and FSDP,
 whose holder meshes are fixed when it is built (refused).
 """
@@ -259,17 +263,106 @@ def send_blocks(module: nn.Module, blocks: Sequence[str], old_rows: np.ndarray, 
 
 
 @torch.no_grad()
-def send_tensors(module: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 old_held: Sequence[Mapping[str, SliceSpec]], new_held: Sequence[Mapping[str, SliceSpec]], rank: int,
-                 device: torch.device, counter: ByteCount) -> None:
-    """Every whole tensor of `tensors` (full-model name -> shape, dtype: parameters and buffers) that a
-    rank holds under `new_held` only, from its lowest-ranked holder under `old_held`, into the tensor
-    its module already has (a joining worker's, built empty or from the seed). A collective."""
+def send_parts(module: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+               old_held: Sequence[Mapping[str, SliceSpec]], new_held: Sequence[Mapping[str, SliceSpec]],
+               optimizers: Sequence[torch.optim.Optimizer], rank: int, device: torch.device,
+               counter: ByteCount) -> None:
+    """Every part of every tensor of `tensors` (full-model name -> shape, dtype: parameters and buffers)
+    that a rank holds under `new_held` only, from the lowest-ranked holder of that part under
+    `old_held`, into the tensor its module already has (a joining worker's, built from the seed), and
+    for a parameter its optimizer state: each state tensor of the parameter's shape cut as the
+    parameter is, any other (AdamW's ``step``) whole. A part is the whole tensor or (N-SDP) the
+    positions along the tensor's sliced dim that one old holder is the lowest to hold. A collective:
+    every rank passes the same arguments but `rank`."""
     state = module.state_dict(keep_vars=True)
-    items = [(src, receivers, *tensors[name], name)
-             for name, src, receivers in plan_moves(list(tensors), old_held, new_held)]
-    broadcast_packed(items, lambda name: state[name], lambda name, value: state[name].copy_(value), rank, device,
-                     counter)
+    owner = {id(p): opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    parts = _parts(tensors, old_held, new_held)
+    mine = {n: _cut_layout(owner[id(state[n])], state[n]) for n, src, _, _, _ in parts
+            if src == rank and isinstance(state[n], nn.Parameter) and id(state[n]) in owner}
+    layouts = [mine]
+    if len(new_held) > 1:
+        layouts = [{}] * len(new_held)
+        dist.all_gather_object(layouts, mine)
+    keys = {}  # each moving parameter's state keys, from its first sender: key -> (shape, dtype, on device, cut)
+    for name, src, _, _, _ in parts:
+        keys.setdefault(name, layouts[src].get(name, {}))
+    items, whole_sent = [], set()
+    for name, src, r, dim, positions in parts:
+        shape = list(tensors[name][0])
+        if dim is not None:
+            shape[dim] = len(positions)
+        items.append((src, [r], tuple(shape), tensors[name][1], (name, None, dim, positions, src, r)))
+        for key, (key_shape, dtype, _, cut) in keys[name].items():
+            if cut:
+                items.append((src, [r], tuple(shape), dtype, (name, key, dim, positions, src, r)))
+            elif (name, key, r) not in whole_sent:
+                whole_sent.add((name, key, r))
+                items.append((src, [r], tuple(key_shape), dtype, (name, key, None, None, src, r)))
+
+    def local(name: str, key: str | None) -> torch.Tensor:
+        return state[name] if key is None else owner[id(state[name])].state[state[name]][key]
+
+    def read(entry) -> torch.Tensor:
+        name, key, dim, positions, src, _ = entry
+        value = local(name, key)
+        cut = key is None or keys[name][key][3]
+        if dim is None or not cut:
+            return value
+        return value.index_select(dim, torch.tensor(old_held[src][name].local_positions(positions),
+                                                    dtype=torch.int64, device=value.device))
+
+    def write(entry, value: torch.Tensor) -> None:
+        name, key, dim, positions, _, r = entry
+        if key is not None:
+            param = state[name]
+            _, dtype, on_device, cut = keys[name][key]
+            slots = owner[id(param)].state[param]
+            if not cut:
+                slots[key] = value.clone() if on_device else value.cpu()
+                return
+            if key not in slots:
+                slots[key] = torch.zeros(param.shape, dtype=dtype, device=param.device if on_device else "cpu")
+        target = local(name, key)
+        if dim is None:
+            target.copy_(value)
+        else:
+            index = torch.tensor(new_held[r][name].local_positions(positions), dtype=torch.int64, device=target.device)
+            target.index_copy_(dim, index, value.to(target.device))
+
+    broadcast_packed(items, read, write, rank, device, counter)
+
+
+def _parts(tensors: Mapping[str, Any], old_held: Sequence[Mapping[str, SliceSpec]],
+           new_held: Sequence[Mapping[str, SliceSpec]]) -> list[tuple[str, int, int, int | None, list[int] | None]]:
+    """``(name, sender, receiver, dim, full positions)`` of every part a receiver newly holds (positions
+    None: the whole tensor), the sender the lowest-ranked old holder of those positions."""
+    parts = []
+    for name in tensors:
+        specs = [held.get(name) for held in old_held]
+        sliced = [sp for sp in (*specs, *(held.get(name) for held in new_held)) if sp is not None and not sp.is_whole]
+        dim, size = (sliced[0].dim, sliced[0].full_size) if sliced else (None, 0)
+        for r, held in enumerate(new_held):
+            if name not in held or specs[r] == held[name]:
+                continue
+            if dim is None:
+                src = next((s for s, sp in enumerate(specs) if sp is not None), None)
+                if src is not None:
+                    parts.append((name, src, r, None, None))
+                continue
+            positions = [set(range(size) if sp.is_whole else sp.index) if sp is not None else set() for sp in specs]
+            senders: dict[int, list[int]] = {}
+            for i in (range(size) if held[name].is_whole else held[name].index):
+                src = next((s for s, there in enumerate(positions) if i in there), None)
+                if i not in positions[r] and src is not None:
+                    senders.setdefault(src, []).append(i)
+            parts += [(name, src, r, dim, part) for src, part in sorted(senders.items())]
+    return parts
+
+
+def _cut_layout(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, tuple]:
+    """`_state_layout` of `param`, each key with whether it has the parameter's shape (cut as it is)."""
+    return {key: (*layout, layout[0] == tuple(param.shape) and param.dim() > 0)
+            for key, layout in _state_layout(optimizer, param).items()}
 
 
 def gain_block(module: nn.Module, name: str, device: torch.device) -> nn.Module:

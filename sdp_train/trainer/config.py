@@ -31,7 +31,7 @@ WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_t
 # modes whose survivors can continue without rollback (static masks)
 SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")
 RESTORING_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose survivors can restore the designed coverage
-REJOINING_MODES = ("bsdp", "bbsdp")  # modes whose lost workers a replacement can take over (`max_rejoins`)
+REJOINING_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose lost workers a replacement can take over (`max_rejoins`)
 
 
 @dataclass(kw_only=True)
@@ -165,10 +165,11 @@ class TrainConfig:
     state, from its lowest-ranked surviving holder. False: the lost rows are dropped and a block keeps
     its other holders only (coverage falls)."""
     max_rejoins: int = 0
-    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``bbsdp``, a built-in model, static mask, without
-    `restore_coverage` or `local_steps`): start a replacement for a lost worker, up to this many times in all, once the
-    survivors have agreed on the loss. The replacement rejoins at the next step boundary: it takes the
-    lost worker's row of the mask (the run returns to the designed mask), receives its blocks, the
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, a built-in model, static
+    mask, without `restore_coverage` or `local_steps`): start a replacement for a lost worker, up to
+    this many times in all, once the survivors have agreed on the loss. The replacement rejoins at
+    the next step boundary: it takes the lost worker's row of the mask (the run returns to the
+    designed mask), receives its blocks (N-SDP: neuron groups; Bb-SDP: every block's values), the
     shared parameters, buffers and optimizer state from their lowest-ranked holders and reads the
     lost worker's data from the step it joins at; no checkpoint is loaded
     (`sdp_train.trainer.membership`)."""
@@ -332,8 +333,8 @@ class TrainConfig:
             why = (f"mode {', '.join(REJOINING_MODES)}, a built-in model, a static mask averaged every step and no "
                    f"restore_coverage for max_rejoins={self.max_rejoins} (--max-rejoins), got mode {self.mode!r}, "
                    f"model {self.model!r}, schedule={self.schedule!r}, local_steps={self.local_steps}, "
-                   f"restore_coverage={self.restore_coverage}: rejoining is built for B-SDP's and Bb-SDP's static "
-                   "masks only")
+                   f"restore_coverage={self.restore_coverage}: rejoining is built for the static masks "
+                   "of B-SDP, N-SDP and Bb-SDP only")
         if why is not None:
             raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
 

@@ -346,10 +346,11 @@ class SubnetworkSync(ModeSync):
         return survivors
 
     def for_joiners(self, mask: Mask, info: DistInfo) -> SubnetworkSync:
-        """Every member keeps its blocks (its row is the designed one: static masks, no restored coverage),
-        so only the wrapper is new, over the designed mask's rows in the new world's order."""
+        """Every member keeps its blocks or neuron groups (its row is the designed one: static masks, no
+        restored coverage), so only the wrapper is new, over the designed mask's rows in the new world's
+        order."""
         old = self.sdp
-        if self._fsdp is not None or old.rounds.counts or old.level != "block":
+        if self._fsdp is not None or old.rounds.counts:
             return super().for_joiners(mask, info)
         sdp = SubnetworkDataParallel.from_subnetwork(
             old.module, layout=old.layout, mask=mask, held_by_rank=[old.layout.held(row) for row in mask.matrix],
@@ -359,9 +360,9 @@ class SubnetworkSync(ModeSync):
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
 
     def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
-        """B-SDP and Bb-SDP: each tensor a joiner holds, shared ones included, and its AdamW state come
-        from the tensor's lowest-ranked other holder; in Bb-SDP every other block's values too, from
-        the lowest other rank (`MaskChanges.welcome`)."""
+        """Each tensor (N-SDP: each neuron slice) a joiner holds, shared ones included, and its AdamW state
+        come from the lowest-ranked other holder; in Bb-SDP every other block's values too, from the
+        lowest other rank (`MaskChanges.welcome`)."""
         changes = self.sdp.changes
         before = changes.bytes.buffer
         changes.welcome(optimizer, self.sdp.held_by_rank, joiners)

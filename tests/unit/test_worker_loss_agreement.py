@@ -118,8 +118,8 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"on_worker_loss": "stop", "restore_coverage": True}, "acts after a worker is lost"),
     ({"mode": "overlap", "restore_coverage": True}, "with restore_coverage (--restore-coverage), got mode 'overlap'"),
     ({"on_worker_loss": "stop", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins) acts after a worker is lost"),
-    ({"mode": "nsdp", "max_rejoins": 1}, "got mode 'nsdp', model 'llama-debug', schedule=None, local_steps=1, "),
-    ({"restore_coverage": True, "max_rejoins": 2}, "rejoining is built for B-SDP's and Bb-SDP's static masks only"),
+    ({"mode": "overlap", "max_rejoins": 1}, "got mode 'overlap', model 'llama-debug', schedule=None, local_steps=1, "),
+    ({"restore_coverage": True, "max_rejoins": 2}, "rejoining is built for the static masks of B-SDP, N-SDP and Bb-SDP only"),
     ({"schedule": "permute", "max_rejoins": 1}, "schedule='permute'"),
     ({"model": "net.py:make", "max_rejoins": 1}, "model 'net.py:make'"),
 ])
@@ -134,8 +134,8 @@ def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue").on_worker_loss == "continue"
 
 
-@pytest.mark.parametrize("mode", ["bsdp", "bbsdp"])
-def test_b_sdp_and_bb_sdp_with_a_static_mask_may_take_lost_workers_back(mode):
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
+def test_b_sdp_n_sdp_and_bb_sdp_with_a_static_mask_may_take_lost_workers_back(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue", max_rejoins=2).max_rejoins == 2
 
 
