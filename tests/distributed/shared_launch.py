@@ -35,7 +35,8 @@ class Launch:
 
 LAUNCHES: dict[str, Launch] = {
     "library3": Launch(3, ("test_bsdp_schedule", "test_bbsdp_schedule", "test_nsdp_schedule", "test_local_steps",
-                           "test_overlap_averaging", "test_resnet_skipped_blocks", "test_nsdp_full_layer")),
+                           "test_overlap_averaging", "test_resnet_skipped_blocks", "test_nsdp_full_layer",
+                           "test_joiner_state")),
     # test_hf_trainer last: Trainer and Accelerate keep process-wide state (accelerate's PartialState)
     "library2": Launch(2, ("test_api_training", "test_tied_parameters", "test_hf_trainer")),
     # test_compile_blocks last: what dynamo compiled stays compiled in the process
