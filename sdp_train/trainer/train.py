@@ -154,11 +154,12 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     their optimizer state come from their holders, and it reads its worker's data from that step on."""
     cfg = prep.config
     out = Path(cfg.out)
-    worker = info.rank if survival is None else survival.worker  # the data shard: the worker's of the first world
-    if admitted is not None:
-        prep = dataclasses.replace(prep, mask=admitted.mask)  # the designed rows, in the new world's rank order
+    shard = (info.rank, info.world_size)
+    if admitted is not None:  # the lost worker's data shard of the first world, the designed rows in rank order
+        shard = (survival.worker, cfg.workers)
+        prep = dataclasses.replace(prep, mask=admitted.mask)
     run = Run(prep, info, device, joining=admitted is not None)
-    batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=worker, world_size=cfg.workers)
+    batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=shard[0], world_size=shard[1])
     if admitted is not None:  # the step, the learning rate's schedule and the data go on from the members'
         run.welcome(range(len(admitted.rows), len(admitted.workers)))
         run.steps_applied = admitted.step
