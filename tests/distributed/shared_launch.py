@@ -9,7 +9,8 @@ dynamo: about 4.5 CPU-s a rank) per module. An entry of `LAUNCHES` is a module w
 launch on its own; the spec function runs once, in the pytest process that starts the launch,
 and writes the files the spec names. `shared_out` is the modules' fixture: the first pytest
 process (an xdist worker or the only one) to need a launch's results starts it, the others wait
-on a file lock and reuse them, or see its failure.
+on a file lock and reuse them, or see its failure. Each rank writes its CPU seconds per entry to
+``OUTDIR/cpu_rank{r}.json`` (where a launch's time goes; BENCHMARKS.md, "Suite CPU time").
 
     python -m torch.distributed.run --standalone --nproc-per-node K shared_launch.py LAUNCH OUTDIR
 """
@@ -21,6 +22,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,12 +124,16 @@ def main(name: str, out: Path) -> None:
         importlib.import_module(module)  # before the group exists, as `sdp train` does (modules_before_groups)
 
     def every_entry(out: Path) -> None:
+        cpu = {}  # this rank's CPU seconds per entry: where a launch's time goes
         for entry in LAUNCHES[name].entries:
+            start = time.process_time()
             if entry in specs:
                 rank_script.run_case(specs[entry]["case"], specs[entry]["spec"], out / entry)
             else:
                 importlib.import_module(f"tests.distributed.{entry}").rank_work(out / entry)
             dist.barrier()
+            cpu[entry] = round(time.process_time() - start, 2)
+        (out / f"cpu_rank{dist.get_rank()}.json").write_text(json.dumps(cpu))
 
     run_alone(every_entry, out)
 
