@@ -1,6 +1,7 @@
 """The survivors' mask that restores the designed coverage after a loss (`masklab.survivors`), against
-brute force: every block on min(c, K - |D|) survivors, and no other matching of the design's rows to
-the survivors moves fewer block bytes. The run that moves the blocks: tests/distributed/test_worker_loss.py."""
+brute force: every block on min(c, K - |D|) survivors, every survivor within its memory budget, and no
+other matching of the design's rows to the survivors (that fits their budgets) moves fewer block bytes.
+The run that moves the blocks: tests/distributed/test_worker_loss.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from masklab import Mask, Schedule
-from masklab.errors import MaskError
+from masklab.errors import DesignError, MaskError
 from masklab.failures import is_fatal, survivors_mask
 from masklab.survivors import matched_rows, restored_mask
 from masklab.testing.strategies import masks
@@ -65,3 +66,72 @@ def test_a_schedule_is_refused_naming_the_round_to_pass():
     mask = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]], schedule=Schedule("permute"))
     with pytest.raises(MaskError, match="round_matrix"):
         restored_mask(mask, [0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(old=st.integers(2, 5).flatmap(lambda k: st.tuples(
+    st.lists(st.lists(st.integers(0, 1), min_size=5, max_size=5), min_size=k, max_size=k),
+    st.lists(st.lists(st.integers(0, 1), min_size=5, max_size=5), min_size=k, max_size=k),
+    st.lists(st.integers(1, 9), min_size=5, max_size=5),
+    st.lists(st.lists(st.booleans(), min_size=k, max_size=k), min_size=k, max_size=k))))
+def test_the_matched_rows_are_the_best_matching_that_fits_or_none_fits(old):
+    old_rows, new_rows, sizes, fits = (np.array(x) for x in old)
+
+    def moved(order) -> int:
+        return int((((new_rows[list(order)] == 1) & (old_rows == 0)) * sizes).sum())
+
+    allowed = [p for p in itertools.permutations(range(len(old_rows))) if all(fits[k, r] for k, r in enumerate(p))]
+    if not allowed:
+        with pytest.raises(DesignError, match="budget"):
+            matched_rows(old_rows, new_rows, sizes, fits=fits)
+        return
+    order = matched_rows(old_rows, new_rows, sizes, fits=fits)
+    assert all(fits[k, r] for k, r in enumerate(order))
+    assert moved(order) == min(moved(p) for p in allowed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(mask=masks(workers=st.integers(3, 6), max_blocks=7), data=st.data())
+def test_survivors_with_budgets_get_the_coverage_within_their_budgets_or_one_error(mask, data):
+    lost = data.draw(st.sets(st.integers(0, mask.workers - 1), min_size=1, max_size=mask.workers - 2))
+    if is_fatal(mask, lost):
+        return
+    sizes = data.draw(st.lists(st.integers(1, 50), min_size=mask.blocks, max_size=mask.blocks))
+    fixed = data.draw(st.integers(0, 20))
+    budgets = data.draw(st.lists(st.integers(1, fixed + sum(sizes)), min_size=mask.workers, max_size=mask.workers))
+    kept = survivors_mask(mask, lost)
+    target = min(int(mask.coverage.min()), kept.workers)
+    try:
+        new = restored_mask(mask, lost, sizes=sizes, budgets=budgets, fixed_bytes=fixed, seed=0)
+    except DesignError as exc:  # one line naming a worker over its budget
+        assert "budget" in str(exc) and "\n" not in str(exc)
+        return
+    if int(kept.coverage.min()) >= target:
+        assert new.matrix.tolist() == kept.matrix.tolist()
+        return
+    survivors = [k for k in range(mask.workers) if k not in lost]
+    assert (new.coverage >= target).all() and new.matrix.any(axis=1).all()
+    assert ((new.matrix @ sizes) + fixed <= np.array(budgets)[survivors]).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(mask=masks(workers=st.integers(3, 6), max_blocks=7), data=st.data())
+def test_equal_block_sizes_restore_as_block_counts_do(mask, data):
+    lost = data.draw(st.sets(st.integers(0, mask.workers - 1), min_size=1, max_size=mask.workers - 2))
+    if is_fatal(mask, lost):
+        return
+    size = data.draw(st.integers(1, 9))
+    same = restored_mask(mask, lost, sizes=[size] * mask.blocks, seed=0)
+    assert same.matrix.tolist() == restored_mask(mask, lost, seed=0).matrix.tolist()
+
+
+def test_budgets_are_refused_for_neuron_groups_and_sizes_must_fit_the_mask():
+    from masklab import neuron_design
+
+    mask = neuron_design(4, 3, 4, coverage=2, seed=1)
+    with pytest.raises(DesignError, match="neuron"):
+        restored_mask(mask, [2], groups=4, budgets=[10**6] * 4)
+    with pytest.raises(DesignError, match="sizes has 2 entries but the mask has 12 blocks"):
+        restored_mask(mask, [2], sizes=[1, 2])
+    with pytest.raises(DesignError, match="budgets has 2 entries but there are K=3 workers"):
+        restored_mask(Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), [0], budgets=[9, 9])
