@@ -160,8 +160,9 @@ class TrainConfig:
     restore_coverage: bool = False
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask): after a loss,
     train on under a mask designed for the survivors with the designed coverage (the start mask's least
-    c_j, at most the survivors' number; `masklab.survivors.restored_mask`), its rows matched to the
-    survivors so the fewest blocks move, and move each block a survivor newly holds, with its optimizer
+    c_j, at most the survivors' number; `masklab.survivors.restored_mask`, which balances the survivors'
+    bytes where a built-in family's blocks differ in size), its rows matched to the survivors so the
+    fewest block bytes move, and move each block a survivor newly holds, with its optimizer
     state, from its lowest-ranked surviving holder. False: the lost rows are dropped and a block keeps
     its other holders only (coverage falls)."""
     max_rejoins: int = 0

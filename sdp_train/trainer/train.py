@@ -63,7 +63,7 @@ import torch.distributed as dist
 from masklab.io import atomic_write_text, mask_to_dict
 from sdp_train.data import IMAGE_DATASETS, build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
-from sdp_train.models import model_class
+from sdp_train.models import block_map, model_class
 from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.dist import default_device, get_dist_info, print0
 from sdp_train.parallel.grads import local
@@ -321,14 +321,19 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
 
 def coverage_to_restore(prep: Prepared) -> dict[str, Any] | None:
     """With ``restore_coverage``: what `masklab.survivors.restored_mask` designs the survivors' mask with
-    (the start mask's least coverage, N-SDP's neuron groups per block, the run's seed); else None."""
+    (the start mask's least coverage, N-SDP's neuron groups per block, the run's seed, and at block level
+    a built-in family's elements per block, its parameters' and buffers', so that the survivors' bytes
+    stay balanced where blocks differ in size, as in a ResNet); else None."""
     cfg = prep.config
     if not cfg.restore_coverage:
         return None
-    groups = None
+    groups = sizes = None
     if cfg.level == "neuron":
         groups = USER_NEURON_GROUPS if isinstance(prep.model_config, UserModel) else prep.model_config.neuron_groups
-    return {"coverage": int(prep.mask.coverage.min()), "groups": groups, "seed": cfg.seed}
+    elif not isinstance(prep.model_config, UserModel):
+        bmap = block_map(prep.model_config)
+        sizes = [sum(math.prod(bmap.shapes[n]) for n, _ in block.tensors) for block in bmap.blocks["block"]]
+    return {"coverage": int(prep.mask.coverage.min()), "groups": groups, "seed": cfg.seed, "sizes": sizes}
 
 
 def report_change(change: MembershipChange, info, steps: int, *, applied: bool = False) -> None:
