@@ -314,7 +314,9 @@ class TrainConfig:
         if self.mode not in SURVIVABLE_MODES:
             why = f"mode {self.mode!r}: continuing is built for {', '.join(SURVIVABLE_MODES)}"
         elif self.fsdp:
-            why = "a mask without fsdp (--fsdp): FSDP's holder meshes cannot shrink"
+            why = ("a mask without fsdp (--fsdp): FSDP shards each block's parameters and optimizer state over its "
+                   "holders, and the embedding and head over every worker, so a lost worker takes the only copy of "
+                   "its shards; with fsdp a loss is survived by a checkpoint restart (--max-restarts)")
         elif self.restore_coverage and self.local_steps != 1:
             why = (f"averaging every step with restore_coverage (--restore-coverage), got local_steps={self.local_steps} "
                    "(--local-steps): a survivor's copy of a block it does not hold would come from mid-round")

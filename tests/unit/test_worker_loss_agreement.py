@@ -110,7 +110,7 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"mode": "ddp"}, "mode 'ddp': continuing is built for bsdp, nsdp, bbsdp, overlap"),
     ({"schedule": "permute", "mode": "overlap"}, "a static mask in mode 'overlap'"),
     ({"schedule": "cyclic", "restore_coverage": True}, "got schedule='cyclic' (--schedule) in mode 'bsdp' with "),
-    ({"fsdp": True}, "a mask without fsdp (--fsdp)"),
+    ({"fsdp": True}, "a mask without fsdp (--fsdp): FSDP shards each block"),
     ({"local_steps": 2, "restore_coverage": True}, "got local_steps=2 (--local-steps)"),
     ({"max_restarts": 1}, "max_restarts=1"),
     ({"workers": 1}, "workers=1"),
