@@ -164,16 +164,18 @@ class TrainConfig:
     bytes where a built-in family's blocks differ in size), its rows matched to the survivors so the
     fewest block bytes move, and move each block a survivor newly holds, with its optimizer
     state, from its lowest-ranked surviving holder. False: the lost rows are dropped and a block keeps
-    its other holders only (coverage falls)."""
+    its other holders only (coverage falls). A replacement that rejoins (`max_rejoins`) gives the
+    run its designed mask back."""
     max_rejoins: int = 0
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, a built-in model, static
-    mask, without `restore_coverage` or `local_steps`): start a replacement for a lost worker, up to
-    this many times in all, once the survivors have agreed on the loss. The replacement rejoins at
-    the next step boundary: it takes the lost worker's row of the mask (the run returns to the
-    designed mask), receives its blocks (N-SDP: neuron groups; Bb-SDP: every block's values), the
-    shared parameters, buffers and optimizer state from their lowest-ranked holders and reads the
-    lost worker's data from the step it joins at; no checkpoint is loaded
-    (`sdp_train.trainer.membership`)."""
+    mask, without `local_steps`): start a replacement for a lost worker, up to this many times in
+    all, once the survivors have agreed on the loss. The replacement rejoins at the next step
+    boundary: it takes the lost worker's row of the mask (the run returns to the designed mask; with
+    `restore_coverage` each member whose restored row differs gains the blocks or neuron groups of
+    its designed row, with their optimizer state, and drops the others), receives its blocks (N-SDP:
+    neuron groups; Bb-SDP: every block's values), the shared parameters, buffers and optimizer state
+    from their lowest-ranked holders and reads the lost worker's data from the step it joins at; no
+    checkpoint is loaded (`sdp_train.trainer.membership`)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
@@ -331,13 +333,17 @@ class TrainConfig:
                    f"{self.mode!r}: overlap averaging's survivors keep the lost worker's rows dropped")
         elif self.workers < 2:
             why = f"workers={self.workers}: a single worker has no survivor"
-        elif self.max_rejoins and (self.mode not in REJOINING_MODES or self.restore_coverage or self.local_steps != 1
-                                   or self.schedule not in (None, "static") or is_user_model(self.model)):
-            why = (f"mode {', '.join(REJOINING_MODES)}, a built-in model, a static mask averaged every step and no "
-                   f"restore_coverage for max_rejoins={self.max_rejoins} (--max-rejoins), got mode {self.mode!r}, "
-                   f"model {self.model!r}, schedule={self.schedule!r}, local_steps={self.local_steps}, "
-                   f"restore_coverage={self.restore_coverage}: rejoining is built for the static masks "
-                   "of B-SDP, N-SDP and Bb-SDP only")
+        elif self.max_rejoins and self.mode not in REJOINING_MODES:
+            why = (f"mode {', '.join(REJOINING_MODES)} for max_rejoins={self.max_rejoins} (--max-rejoins), got mode "
+                   f"{self.mode!r}: overlap averaging's workers each keep a copy of their own")
+        elif self.max_rejoins and self.schedule not in (None, "static"):
+            why = (f"a static mask for max_rejoins={self.max_rejoins} (--max-rejoins), got "
+                   f"schedule={self.schedule!r} (--schedule)")
+        elif self.max_rejoins and self.local_steps != 1:
+            why = (f"averaging every step for max_rejoins={self.max_rejoins} (--max-rejoins), got "
+                   f"local_steps={self.local_steps} (--local-steps)")
+        elif self.max_rejoins and is_user_model(self.model):
+            why = f"a built-in model for max_rejoins={self.max_rejoins} (--max-rejoins), got model {self.model!r}"
         if why is not None:
             raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
 

@@ -19,8 +19,9 @@ once the survivors have agreed on the loss. The replacement announces itself in 
 store once (`Survival.admit`: the first member there decides, by compare-and-set, which waiting
 workers join at that boundary, so every member admits the same ones at the same step; no device is
 synchronised), and the members and joiners then form a new world (the members' ranks first, the
-joiners' last, so that every block's lowest-ranked holder is a member), go back to the designed mask
-and give each joiner its blocks, the shared tensors and their optimizer state (`ModeSync.welcome`).
+joiners' last, so that every block's lowest-ranked holder is a member), give each joiner its blocks,
+the shared tensors and their optimizer state (`ModeSync.welcome`) and go back to the designed mask
+(members whose rows were restored for the survivors gain and drop parts: `Run.welcome`).
 
 Not here: what a mode rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`, `for_joiners`), the
 loop that reruns the step or starts a joiner at its step (`sdp_train.trainer.train`).
@@ -103,6 +104,10 @@ class MembershipChange:
     joined: tuple[int, ...] = ()
     """Workers that joined at `step` (replacements of lost ones: `lost` is then empty); `mask` is the
     designed mask's rows of `workers`."""
+    welcome_mask: Mask | None = None
+    """Workers that joined: the mask they receive their parts under, the members' rows in force (the
+    survivors' restored rows after ``--restore-coverage``) then the joiners' designed rows; every worker
+    goes on to `mask` from it (`sdp_train.trainer.run.Run.welcome`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "lost": list(self.lost), "joined": list(self.joined), "workers": list(self.workers),
@@ -225,12 +230,14 @@ class Survival:
         return cls(store, info.rank, range(info.world_size), mask, restore=restore, designed=mask if rejoin else None)
 
     @classmethod
-    def join(cls, designed: Mask, worker: int, device: torch.device) -> tuple[Survival, DistInfo, MembershipChange]:
+    def join(cls, designed: Mask, worker: int, device: torch.device, *, restore: Mapping[str, Any] | None = None
+             ) -> tuple[Survival, DistInfo, MembershipChange]:
         """A replacement for worker `worker` (its process started by `launch_keeping_survivors`): wait in the
         store until the members admit it (`admit`), then form the new world with them. Returns this
-        worker's survival, its place in the world and the change that admitted it (its step, the
-        members' ranks `rows`, the joiners after them); raises `WorkerLossError` when every member has
-        exited first (the run ended)."""
+        worker's survival (`restore` as the members'), its place in the world and the change that
+        admitted it (its step, the members' ranks `rows`, the joiners after them, the members' rows in
+        force in `welcome_mask`); raises `WorkerLossError` when every member has exited first (the run
+        ended)."""
         store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), designed.workers)
         store.set(joining_key(worker), "1")
         while not store.check([admission_key(worker)]):
@@ -241,12 +248,13 @@ class Survival:
         admitted = json.loads(store.get(admission_key(worker)))
         store.delete_key(admission_key(worker))  # a later replacement of this worker waits for its own
         workers = tuple(admitted["workers"])
-        survival = cls(store, worker, workers, _rows(designed, workers), designed=designed)
+        survival = cls(store, worker, workers, _rows(designed, workers), restore=restore, designed=designed)
         survival.generation = admitted["generation"]
         info = DistInfo(workers.index(worker), len(workers), 0)
         survival._form_world(info, device)
+        joined = workers[admitted["members"]:]
         change = MembershipChange(admitted["step"], (), workers, tuple(range(admitted["members"])), survival.mask,
-                                  joined=workers[admitted["members"]:])
+                                  joined=joined, welcome_mask=_welcome_mask(designed, admitted["rows"], joined))
         survival.changes.append(change)
         return survival, info, change
 
@@ -256,8 +264,10 @@ class Survival:
         missing, each member reads the store once per step: the first member at this boundary writes
         which waiting workers join (compare-and-set, first write wins) and every member reads that, so
         all admit the same workers at the same step, with no collective and no device synchronisation.
-        The members and the joiners then form a new world (joiners last), the run goes back to the
-        designed mask's rows of its workers, and each joiner receives its part (`Run.admit`)."""
+        The members and the joiners then form a new world (joiners last), each joiner receives its part
+        under the members' rows in force and its designed row, and the run goes back to the designed
+        mask's rows of its workers (`Run.admit`: members whose rows were restored for the survivors
+        gain and drop parts)."""
         if self.designed is None or len(self.workers) == self.designed.workers:
             return None
         missing = [w for w in range(self.designed.workers) if w not in self.workers]
@@ -271,25 +281,27 @@ class Survival:
         began = time.perf_counter()
         workers = (*self.workers, *joined)
         mask = _rows(self.designed, workers)
+        welcome = _welcome_mask(self.designed, self.mask.matrix.tolist(), joined)
         info = DistInfo(self.workers.index(self.worker), len(workers), 0)
         if info.is_main:
             for w in joined:
                 self.store.delete_key(joining_key(w))
                 self.store.set(admission_key(w), json.dumps({"step": step, "generation": self.generation + 1,
-                                                             "workers": workers, "members": len(self.workers)}))
+                                                             "workers": workers, "members": len(self.workers),
+                                                             "rows": self.mask.matrix.tolist()}))
         run.sync.close()  # its hooks hold the groups
         destroy_distributed()
         self.generation += 1
         try:
             self._form_world(info, device)
-            run.admit(mask, range(len(self.workers), len(workers)), info)
+            run.admit(mask, range(len(self.workers), len(workers)), info, welcome_mask=welcome)
         except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
             raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}); a loss "
                                   "while workers join is not recovered: restart from a checkpoint (--resume)",
                                   report=info.is_main) from exc
         change = MembershipChange(step, (), workers, tuple(range(len(self.workers))), mask,
                                   recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes,
-                                  joined=tuple(joined))
+                                  joined=tuple(joined), welcome_mask=welcome)
         self.workers, self.mask = workers, mask
         if info.is_main:
             self.store.set(MEMBERS_KEY, ",".join(map(str, workers)))
@@ -360,6 +372,15 @@ class Survival:
                                      moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
+
+
+def _welcome_mask(designed: Mask, rows: Sequence[Sequence[int]], joined: Sequence[int]) -> Mask:
+    """The mask joiners receive their parts under: the members' `rows` in force, then the designed rows of
+    the `joined` workers."""
+    matrix = np.vstack([np.asarray(rows, dtype=designed.matrix.dtype).reshape(-1, designed.blocks),
+                        designed.matrix[list(joined)]])
+    return Mask(matrix, block_names=designed.block_names, block_sizes=designed.block_sizes,
+                construction=designed.construction)
 
 
 def _rows(designed: Mask, workers: Sequence[int]) -> Mask:

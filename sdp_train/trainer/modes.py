@@ -148,14 +148,16 @@ class ModeSync:
         their ranks in the old world, in the order of their new ranks, `mask` the survivors' mask (the
         old one's `rows`, or one that restores the designed coverage). Called after `close`, on the new
         default group; the model, its values and the optimizer state stay, but for what moves to a
-        survivor that newly holds it (`optimizer` steps it)."""
+        survivor that newly holds it (`optimizer` steps it). After a rejoin every worker "survives"
+        (`rows` all of them) and `mask` is the designed one (`sdp_train.trainer.run.Run.welcome`)."""
         raise ConfigError(f"{type(self).__name__} cannot continue after losing a worker (--on-worker-loss continue)")
 
     def for_joiners(self, mask: Mask, info: DistInfo) -> ModeSync:
         """This mode's sync over a new world that workers join (`sdp_train.trainer.membership`): the members'
-        ranks first, in their order, the joiners' last, `mask` the designed mask's rows in that order.
-        Called after `close`, on the new default group, by the members; each joiner builds its own
-        (`build_sync` with ``joining``), and every rank then calls `welcome`."""
+        ranks first, in their order, the joiners' last, `mask` the members' rows in force and the
+        joiners' designed rows, in that order. Called after `close`, on the new default group, by the
+        members; each joiner builds its own (`build_sync` with ``joining``), and every rank then calls
+        `welcome` (and, where a member's row is not its designed one, `for_survivors` with every worker)."""
         raise ConfigError(f"{type(self).__name__} cannot take a worker back (--max-rejoins)")
 
     def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
@@ -346,9 +348,8 @@ class SubnetworkSync(ModeSync):
         return survivors
 
     def for_joiners(self, mask: Mask, info: DistInfo) -> SubnetworkSync:
-        """Every member keeps its blocks or neuron groups (its row is the designed one: static masks, no
-        restored coverage), so only the wrapper is new, over the designed mask's rows in the new world's
-        order."""
+        """Every member keeps its blocks or neuron groups (`mask` has its row in force: static masks), so
+        only the wrapper is new, over `mask`'s rows in the new world's order."""
         old = self.sdp
         if self._fsdp is not None or old.rounds.counts:
             return super().for_joiners(mask, info)

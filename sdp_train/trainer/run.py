@@ -20,6 +20,7 @@ import signal
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -223,21 +224,32 @@ class Run:
         self.sync.attach(self.optimizer)
         self.optimizer.zero_grad(set_to_none=False)
 
-    def admit(self, mask, joiners, info: DistInfo) -> None:
+    def admit(self, mask, joiners, info: DistInfo, *, welcome_mask=None) -> None:
         """Train on in a new world that workers join (`sdp_train.trainer.membership.Survival.admit`, after the
-        old sync's `close`): the mode's sync rebuilt over the designed `mask` (`ModeSync.for_joiners`), the
-        same model and optimizer; then the joiners' state comes (`welcome`)."""
+        old sync's `close`): the mode's sync rebuilt over `welcome_mask` (the members' rows in force, the
+        joiners' designed rows; None: the designed `mask`) by `ModeSync.for_joiners`, the same model and
+        optimizer; then the joiners' state comes and all go to `mask` (`welcome`)."""
         self.retired_bytes += self.sync.bytes
-        self.sync = self.sync.for_joiners(mask, info)
-        self.info, self.mask = info, mask
+        self.mask = mask if welcome_mask is None else welcome_mask
+        self.sync = self.sync.for_joiners(self.mask, info)
+        self.info = info
         self.model, self.train_model = self.sync.model, self.sync.train_model
         self.sync.attach(self.optimizer)
-        self.welcome(joiners)
+        self.welcome(joiners, mask)
 
-    def welcome(self, joiners) -> None:
+    def welcome(self, joiners, mask=None) -> None:
         """The ranks `joiners` receive their values, buffers and optimizer state from the other holders
-        (every rank of the new world, members after `admit`, joiners after `__init__`)."""
+        (every rank of the new world, members after `admit`, joiners after `__init__`), under the mask
+        in force; then, where `mask` (the designed one's rows) differs from it (members whose rows were
+        restored for the survivors of a loss), every rank goes to `mask`: a member gains what its row
+        now gives it from its lowest-ranked holder, with the optimizer state, and drops the rest
+        (`ModeSync.for_survivors` with every worker kept)."""
         self.sync.welcome(joiners, self.optimizer)
+        if mask is not None and not np.array_equal(mask.matrix, self.mask.matrix):
+            welcomed = self.sync.moved_bytes
+            self.sync.close()
+            self.continue_with(mask, range(self.info.world_size), self.info)
+            self.sync.moved_bytes += welcomed
         self.optimizer.zero_grad(set_to_none=False)
 
     def finish(self, step: int, stats: Mapping[str, Any]) -> dict[str, float | bool]:

@@ -120,7 +120,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         info = init_distributed(device, preload=modules_before_groups([cfg], device))
     try:
         if joining:
-            survival, info, admitted = Survival.join(prep.mask, info.rank, device)
+            survival, info, admitted = Survival.join(prep.mask, info.rank, device, restore=coverage_to_restore(prep))
             return train_prepared(prep, info, device, survival, admitted=admitted)
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
@@ -155,13 +155,15 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     cfg = prep.config
     out = Path(cfg.out)
     shard = (info.rank, info.world_size)
-    if admitted is not None:  # the lost worker's data shard of the first world, the designed rows in rank order
+    if admitted is not None:  # the lost worker's data shard of the first world; built under the members' rows
         shard = (survival.worker, cfg.workers)
-        prep = dataclasses.replace(prep, mask=admitted.mask)
-    run = Run(prep, info, device, joining=admitted is not None)
+        run = Run(dataclasses.replace(prep, mask=admitted.welcome_mask), info, device, joining=True)
+        prep = dataclasses.replace(prep, mask=admitted.mask)  # the designed rows in rank order, from `welcome` on
+    else:
+        run = Run(prep, info, device)
     batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=shard[0], world_size=shard[1])
     if admitted is not None:  # the step, the learning rate's schedule and the data go on from the members'
-        run.welcome(range(len(admitted.rows), len(admitted.workers)))
+        run.welcome(range(len(admitted.rows), len(admitted.workers)), admitted.mask)
         run.steps_applied = admitted.step
         batches.load_state_dict({**batches.state_dict(), "step": admitted.step})
         start = admitted.step

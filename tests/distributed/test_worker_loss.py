@@ -20,6 +20,11 @@ loss, equal to a single-process reference that averages each entry over its hold
 members of the step, with 3 workers
 up to step STEP and workers 1 and 2 from step STEP + 1 on, with their rows of the mask in force
 (float32 rounding).
+
+N-SDP's launch goes on (``--max-rejoins 1``, ``SDP_TEST_JOIN_AT_STEP=JOIN_STEP``): worker 0's replacement
+rejoins at JOIN_STEP, receives its neuron groups under the survivors' restored rows, and every worker then
+goes back to its designed row (`check_rejoined`, shared with tests/distributed/test_worker_loss_rejoin.py:
+the reference's members are workers 0-2 under the designed rows again from JOIN_STEP on).
 """
 
 from __future__ import annotations
@@ -46,11 +51,21 @@ LEVEL = {"bsdp": "block", "nsdp": "neuron", "bbsdp": "block", "overlap": "block"
 # Overlap averaging (every step here, local_steps 1) averages in the optimizer step's hook: the same as Bb-SDP.
 CHANGE_STEP = {"bsdp": KILL_STEP + 1, "nsdp": KILL_STEP + 1, "bbsdp": KILL_STEP, "overlap": KILL_STEP}
 RESTORES = ("bsdp", "nsdp", "bbsdp")  # launched with --restore-coverage; overlap averaging drops the lost row
+JOIN_STEP = KILL_STEP + 2  # where worker 0's replacement rejoins (`SDP_TEST_JOIN_AT_STEP`), after the rerun step
+REJOINS = ("nsdp",)  # launched with --restore-coverage --max-rejoins 1 too (`check_rejoined`)
+RESTORE_AND_REJOIN = ("--restore-coverage", "--max-rejoins", "1")
 
 
 @pytest.fixture(scope="module", params=["bsdp", "nsdp"])  # bbsdp, overlap: test_worker_loss_applied.py
 def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
-    return run_mode(request.param, tmp_path_factory)
+    return launch(request.param, tmp_path_factory)
+
+
+def launch(mode: str, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
+    """`run_mode`, for `REJOINS` with a replacement for worker 0 that rejoins at JOIN_STEP."""
+    if mode in REJOINS:
+        return run_mode(mode, tmp_path_factory, RESTORE_AND_REJOIN, {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP)})
+    return run_mode(mode, tmp_path_factory)
 
 
 def run_mode(mode: str, tmp_path_factory, extra: tuple[str, ...] = (), faults: dict[str, str] | None = None
@@ -77,6 +92,18 @@ def members_rows(mode: str, prep, step: int) -> tuple[list[int], np.ndarray]:
         matrix[members] = prep.mask.round_matrix(step, seed=prep.config.seed)[members]
     else:
         matrix[members] = prep.mask.matrix[members] if step <= KILL_STEP else survivors_rows(mode, prep)
+    return members, matrix
+
+
+def rejoin_rows(mode: str, prep, step: int, *, restored: bool) -> tuple[list[int], np.ndarray]:
+    """`members_rows` of a run whose replacement for KILL_RANK rejoins at JOIN_STEP: every worker's designed
+    row before the loss and from JOIN_STEP on (the joiner's too, whatever the rank order), between them
+    the survivors' rows (`restored`: the mask designed for them, `survivors_rows`)."""
+    if not KILL_STEP < step < JOIN_STEP:
+        return [0, 1, 2], prep.mask.matrix.astype(bool)
+    members = [k for k in range(3) if k != KILL_RANK]
+    matrix = np.zeros_like(prep.mask.matrix, dtype=bool)
+    matrix[members] = survivors_rows(mode, prep) if restored else prep.mask.matrix[members]
     return members, matrix
 
 
@@ -251,7 +278,10 @@ def common_part(specs: list[dict], ranks: list[dict], name: str) -> tuple[torch.
 
 @pytest.mark.slow
 def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_switches_to_the_survivors_mask(run):
-    check_survivors(*run)
+    if run[0] in REJOINS:  # and, once the replacement rejoins, to the designed rows
+        check_rejoined(*run, restored=True)
+    else:
+        check_survivors(*run)
 
 
 def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> None:
@@ -301,6 +331,62 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
     # Bb-SDP: every worker's backward runs through the whole model, and AdamW's step, about lr per
     # entry whatever the gradient's size, turns the reordered sums' rounding into up to ~1e-5 (measured)
     atol = 5e-5 if mode in ("bbsdp", "overlap") else 1e-5
+    for name, value in expected.items():
+        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=atol, msg=name)
+    assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
+
+
+def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, restored: bool) -> None:
+    """What a run whose replacement for KILL_RANK rejoins at JOIN_STEP must show: exit 0 (`run_mode`); the
+    loss at CHANGE_STEP (`restored`: under the mask designed for the survivors) and the rejoin at JOIN_STEP
+    in summary.json and on their metrics lines, every step's line once; workers 1, 2 and 0 in rank order
+    under the designed mask's rows in that order; every holder of every tensor (N-SDP: every row or
+    column; Bb-SDP: every tensor) bit-identical at the end (each rank's file of the final checkpoint);
+    and the final model, and every step's loss, equal to the reference with the members of `rejoin_rows`."""
+    from masklab.io import mask_from_dict
+    from safetensors.torch import load_file
+
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    prep = prepared(mode)
+    workers = [1, 2, KILL_RANK]
+    lost, joined = summary["membership_changes"]
+    assert (lost["step"], lost["lost"], lost["joined"], lost["workers"]) == (CHANGE_STEP[mode], [KILL_RANK], [], [1, 2])
+    assert lost["coverage_restored"] == restored
+    assert mask_from_dict(lost["mask"]).matrix.tolist() == rejoin_rows(mode, prep, KILL_STEP + 1, restored=restored
+                                                                       )[1][[1, 2]].astype(int).tolist()
+    assert (joined["step"], joined["lost"], joined["joined"], joined["workers"]) == (JOIN_STEP, [], [KILL_RANK], workers)
+    mask = mask_from_dict(joined["mask"])
+    assert mask.matrix.tolist() == prep.mask.matrix[workers].tolist()  # the designed rows, joiner last
+    assert joined["moved_bytes"] > 0 and summary["world_size"] == 3
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode], JOIN_STEP]
+    assert metrics[JOIN_STEP]["membership"]["joined"] == [KILL_RANK]
+    assert f"worker {KILL_RANK} rejoined" in proc.stdout and "train on under the designed mask" in proc.stdout
+    assert ("under a mask that restores the designed coverage" in proc.stdout) == restored
+    assert f"sdp: rank {KILL_RANK} lost (exit code -9): starting a replacement" in proc.stderr
+
+    # every holder identical: each rank's copy of every tensor it holds, from the checkpoint after the last step
+    final = out / "checkpoints" / f"step_{STEPS}"
+    ranks = [torch.load(final / f"rank{r}.pt", weights_only=True)["model"] for r in range(3)]
+    specs = held_parts(mode, mask.matrix)
+    for name in set().union(*ranks):
+        holders = [r for r in range(3) if name in ranks[r]]
+        if LEVEL[mode] == "block" and mode != "bbsdp":  # forward masking keeps the held blocks only
+            block = int(name.split(".")[1]) if name.startswith("layers.") else None
+            assert holders == [r for r in range(3) if block is None or mask.matrix[r, block]], name
+        for r in holders[1:]:
+            if mode == "bbsdp":
+                assert torch.equal(ranks[holders[0]][name], ranks[r][name]), name
+            elif name in specs[holders[0]] and name in specs[r]:
+                a, b = common_part([specs[holders[0]], specs[r]], [ranks[holders[0]], ranks[r]], name)
+                assert torch.equal(a, b), (name, r)
+
+    expected, losses = reference(mode, RESTORE_AND_REJOIN if restored else ("--max-rejoins", "1"),
+                                 members_of=lambda prep, step: rejoin_rows(mode, prep, step, restored=restored))
+    model = load_file(out / "model.safetensors")
+    assert set(model) == set(expected)
+    atol = 5e-5 if mode == "bbsdp" else 1e-5  # Bb-SDP: as `check_survivors`
     for name, value in expected.items():
         torch.testing.assert_close(model[name], value, rtol=1e-4, atol=atol, msg=name)
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)

@@ -118,10 +118,11 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"on_worker_loss": "stop", "restore_coverage": True}, "acts after a worker is lost"),
     ({"mode": "overlap", "restore_coverage": True}, "with restore_coverage (--restore-coverage), got mode 'overlap'"),
     ({"on_worker_loss": "stop", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins) acts after a worker is lost"),
-    ({"mode": "overlap", "max_rejoins": 1}, "got mode 'overlap', model 'llama-debug', schedule=None, local_steps=1, "),
-    ({"restore_coverage": True, "max_rejoins": 2}, "rejoining is built for the static masks of B-SDP, N-SDP and Bb-SDP only"),
-    ({"schedule": "permute", "max_rejoins": 1}, "schedule='permute'"),
-    ({"model": "net.py:make", "max_rejoins": 1}, "model 'net.py:make'"),
+    ({"mode": "overlap", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins), got mode 'overlap': overlap"),
+    ({"schedule": "permute", "max_rejoins": 1}, "a static mask for max_rejoins=1 (--max-rejoins), got "
+                                                "schedule='permute' (--schedule)"),
+    ({"model": "net.py:make", "max_rejoins": 1}, "a built-in model for max_rejoins=1 (--max-rejoins), got model "
+                                                 "'net.py:make'"),
 ])
 def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(changes, message):
     with pytest.raises(ConfigError, match="on_worker_loss") as info:
@@ -137,6 +138,12 @@ def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
 def test_b_sdp_n_sdp_and_bb_sdp_with_a_static_mask_may_take_lost_workers_back(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue", max_rejoins=2).max_rejoins == 2
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
+def test_b_sdp_n_sdp_and_bb_sdp_may_take_lost_workers_back_after_restoring_the_coverage(mode):
+    cfg = TrainConfig(mode=mode, workers=4, on_worker_loss="continue", restore_coverage=True, max_rejoins=1)
+    assert cfg.restore_coverage and cfg.max_rejoins == 1
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
