@@ -167,10 +167,11 @@ class TrainConfig:
     its other holders only (coverage falls). A replacement that rejoins (`max_rejoins`) gives the
     run its designed mask back."""
     max_rejoins: int = 0
-    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, a built-in model, static
-    mask, without `local_steps`): start a replacement for a lost worker, up to this many times in
-    all, once the survivors have agreed on the loss. The replacement rejoins at the next step
-    boundary: it takes the lost worker's row of the mask (the run returns to the designed mask; with
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask, without
+    `local_steps`): start a replacement for a lost worker, up to this many times in all, once the
+    survivors have agreed on the loss. The replacement rejoins at the next step boundary (a model of
+    your own, ``FILE.py:FACTORY``, it builds from the factory and the library cuts, as at start): it
+    takes the lost worker's row of the mask (the run returns to the designed mask; with
     `restore_coverage` each member whose restored row differs gains the blocks or neuron groups of
     its designed row, with their optimizer state, and drops the others), receives its blocks (N-SDP:
     neuron groups; Bb-SDP: every block's values), the shared parameters, buffers and optimizer state
@@ -342,8 +343,6 @@ class TrainConfig:
         elif self.max_rejoins and self.local_steps != 1:
             why = (f"averaging every step for max_rejoins={self.max_rejoins} (--max-rejoins), got "
                    f"local_steps={self.local_steps} (--local-steps)")
-        elif self.max_rejoins and is_user_model(self.model):
-            why = f"a built-in model for max_rejoins={self.max_rejoins} (--max-rejoins), got model {self.model!r}"
         if why is not None:
             raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
 

@@ -121,8 +121,6 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"mode": "overlap", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins), got mode 'overlap': overlap"),
     ({"schedule": "permute", "max_rejoins": 1}, "a static mask for max_rejoins=1 (--max-rejoins), got "
                                                 "schedule='permute' (--schedule)"),
-    ({"model": "net.py:make", "max_rejoins": 1}, "a built-in model for max_rejoins=1 (--max-rejoins), got model "
-                                                 "'net.py:make'"),
 ])
 def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(changes, message):
     with pytest.raises(ConfigError, match="on_worker_loss") as info:
@@ -138,6 +136,12 @@ def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
 def test_b_sdp_n_sdp_and_bb_sdp_with_a_static_mask_may_take_lost_workers_back(mode):
     assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue", max_rejoins=2).max_rejoins == 2
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
+def test_a_model_of_your_own_may_take_lost_workers_back(mode):
+    cfg = TrainConfig(model="net.py:make", mode=mode, workers=2, on_worker_loss="continue", max_rejoins=1)
+    assert cfg.max_rejoins == 1
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
