@@ -86,7 +86,8 @@ examples:
   sdp train --model examples/sdp_train_models.py:byte_lm --mode nsdp --workers 2
   sdp train --model my_model.py:build --mode nsdp --mlp "mlp.w1,mlp.w3:mlp.w2" --workers 4
 
-Every flag is a TrainConfig field; --config FILE (JSON) sets any of them, flags override it.
+Every flag but --overwrite and the node flags is a TrainConfig field; --config FILE (JSON) sets any
+of them, flags override it.
 docs/api.md ("sdp train with your own model") and README.md ("The sdp command") say more."""
 
 
@@ -115,6 +116,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(flag, dest=name, nargs="?", const=alone, default=None, metavar="BACKEND",
                        help=f"{texts.get(name, '')} (alone: {alone})")
     p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
+    nodes = p.add_argument_group(
+        "several nodes, keeping survivors (with --on-worker-loss continue; otherwise run under torchrun)",
+        "start `sdp train` with the same flags on every node, each with its --node-rank; node 0's launcher hosts "
+        "the ranks' store at --master-addr:--master-port, and a lost node other than node 0 is a lost worker set")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="M",
+                       help="nodes, each starting --workers / M ranks (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node, in [0, M) (default 0)")
+    nodes.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                       help="node 0's address, which every node reaches (default 127.0.0.1)")
+    nodes.add_argument("--master-port", type=int, default=29500, metavar="PORT",
+                       help="the port of node 0's store (default 29500, as torchrun's)")
     p.set_defaults(func=run)
 
 
@@ -160,11 +172,14 @@ def run(args: argparse.Namespace) -> int:
     from sdp_train.trainer.prepare import prepare
 
     cfg = config_from_args(args)
+    node = node_of(args, cfg)
     if under_torchrun():
         die_with_parent()  # a SIGKILLed launcher takes its ranks with it
     owner = not (under_torchrun() and (os.environ.get(LOCKED_ENV) or not get_dist_info().is_main))
     lock = None
-    if owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
+    if owner and node.rank:  # another node's launcher: node 0's holds --out
+        check_data(prepare(cfg))
+    elif owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
         prep = prepare(cfg)  # refuse bad configs and masks before starting any process
         check_data(prep)
         check_outputs(cfg)
@@ -193,13 +208,39 @@ def run(args: argparse.Namespace) -> int:
             if cfg.on_worker_loss == "continue":
                 from sdp_train.trainer.survivor_launcher import launch_keeping_survivors
 
-                return launch_keeping_survivors(["train", *argv_of(args)], cfg.workers, max_rejoins=cfg.max_rejoins)
+                return launch_keeping_survivors(["train", *argv_of(args)], cfg.workers, max_rejoins=cfg.max_rejoins,
+                                                node=node)
             return launch_local(["train", *argv_of(args)], cfg.workers, max_restarts=cfg.max_restarts)
         finally:
             del os.environ[LOCKED_ENV]
     finally:
         if lock is not None:
             lock.release()
+
+
+def node_of(args: argparse.Namespace, cfg: TrainConfig):
+    """This launcher's `Node` (``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``), checked
+    against `cfg`: several nodes keep survivors only (``--on-worker-loss continue``; torchrun launches the
+    others), each starting an equal share of ``--workers``."""
+    from sdp_train.trainer.survivor_launcher import Node
+
+    nodes, rank = args.nnodes, args.node_rank
+    if nodes < 1:
+        raise ConfigError(f"--nnodes {nodes} must be >= 1")
+    if not 0 <= rank < nodes:
+        raise ConfigError(f"--node-rank {rank} must lie in [0, --nnodes) = [0, {nodes})")
+    if not 0 < args.master_port < 65536:
+        raise ConfigError(f"--master-port {args.master_port} must be a port number in [1, 65535]")
+    if nodes == 1:
+        return Node()
+    if cfg.on_worker_loss != "continue":
+        raise ConfigError(f"--nnodes {nodes} starts the launchers that keep survivors (--on-worker-loss continue); "
+                          f"other runs on several nodes go through torchrun: torchrun --nnodes {nodes} "
+                          "--nproc-per-node N ... -m sdp_train.cli train ...")
+    if cfg.workers % nodes:
+        raise ConfigError(f"--workers {cfg.workers} must be a multiple of --nnodes {nodes}: each node starts "
+                          "an equal share")
+    return Node(nodes, rank, args.master_addr, args.master_port)
 
 
 def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool, keep: tuple[str, ...] = ()) -> OutLock:
@@ -325,4 +366,4 @@ def argv_of(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(getattr(args, name))]
     argv += [flag for flag, (name, _) in _SWITCHES.items() if getattr(args, name)]
     argv += [flag for flag, (name, _) in _OFF_SWITCHES.items() if getattr(args, name) is False]
-    return argv
+    return argv  # not --nnodes and the other launch flags: a rank's place comes with its environment

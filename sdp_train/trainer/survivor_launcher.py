@@ -1,6 +1,8 @@
-"""The launcher of ``sdp train --on-worker-loss continue`` on one node: it starts each rank as a plain
-process with torchrun's environment, hosts the ranks' TCP store, marks each rank that exits in it,
-and (``--max-rejoins``) starts a replacement for a rank the survivors have left out.
+"""The launcher of ``sdp train --on-worker-loss continue``, one per node: it starts its node's ranks as
+plain processes with torchrun's environment, marks each of them that exits in the ranks' TCP store,
+and (``--max-rejoins``) starts a replacement for one of them that the survivors have left out. Node 0's
+launcher hosts the store; with ``--nnodes M`` every other node's launcher beats in it, and node 0's marks
+the ranks of a node whose beat stops as exited (a lost node), so that the survivors agree without them.
 
 torch's elastic agent would stop every rank when one fails, which is the rollback this avoids
 (docs/design.md §7). Not here: what the ranks agree on and how a replacement joins
@@ -17,7 +19,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,24 +31,60 @@ from sdp_train.trainer.launch import LAUNCHER_ENV, input_error_line
 from sdp_train.trainer.membership import JOIN_ENV, MEMBERS_KEY, exited_key
 
 
-def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejoins: int = 0) -> int:
-    """Run ``python -m sdp_train.cli <module_argv>`` on `nproc` local ranks that outlive each other.
+NODE_TIMEOUT_ENV = "SDP_NODE_TIMEOUT_S"  # seconds without a node's beat before node 0 counts it lost (default 15)
+NODE_LOST = "node lost"  # an exit mark (`exited_key`) that node 0 writes for a lost node's ranks
+TEST_NODE_DIES_ENV = "SDP_TEST_NODE_DIES"  # tests only: the launcher dies when a rank of its node is killed
 
-    Each rank gets the environment torchrun would give it, with this process's TCP store as the
-    agent's store (``TORCHELASTIC_USE_AGENT_STORE``); when a rank's process ends, its exit code goes
-    into the store (`exited_key`). With `max_rejoins`, a rank that failed is started again (up to
-    `max_rejoins` times in all), as a replacement that joins the run (`JOIN_ENV`, `Survival.join`), once
-    the survivors have agreed on a membership without it and while one of them still runs; its exit
-    mark is cleared first. Returns 0 when every worker of the last membership (`MEMBERS_KEY`, all of
+
+@dataclass(frozen=True)
+class Node:
+    """This launcher's place among ``nodes`` launchers (``--nnodes``, ``--node-rank``) and node 0's store
+    address (``--master-addr``, ``--master-port``; port 0 on one node: any free one)."""
+
+    nodes: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def ranks(self, world_size: int) -> range:
+        """The global ranks this node starts: the node's share of `world_size`, in node order."""
+        local = world_size // self.nodes
+        return range(self.rank * local, (self.rank + 1) * local)
+
+
+def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejoins: int = 0,
+                             node: Node = Node()) -> int:
+    """Run ``python -m sdp_train.cli <module_argv>`` on this node's share of `nproc` ranks (all of them on
+    one node), ranks that outlive each other.
+
+    Each rank gets the environment torchrun would give it, with node 0's TCP store as the agent's
+    store (``TORCHELASTIC_USE_AGENT_STORE``); when a rank's process ends, its exit code goes into the
+    store (`exited_key`). With `max_rejoins`, a rank that failed is started again (up to
+    `max_rejoins` times in all, per node), as a replacement that joins the run (`JOIN_ENV`,
+    `Survival.join`), once the survivors have agreed on a membership without it and while one of
+    them still runs; its exit mark is cleared first. Several nodes: each other node's launcher beats
+    in the store while it waits; node 0's marks every rank of a node whose beat stops for
+    ``SDP_NODE_TIMEOUT_S`` seconds (`NODE_LOST`), and every launcher waits until each worker of the
+    last membership has an exit mark, node 0's also until the others have read it, since the store
+    goes with node 0. Returns 0 when every worker of the last membership (`MEMBERS_KEY`, all of
     them when none changed) exited 0, after one line naming the lost ones; 2 with a rank's one-line
-    input error; 1 otherwise; 128 + the signal's number when interrupted (the ranks are stopped).
+    input error; 1 otherwise; 128 + the signal's number when interrupted (this node's ranks are stopped).
     """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=collective_timeout())
-    run_id = uuid.uuid4().hex
+    timeout = collective_timeout()
+    if node.rank == 0:
+        store = dist.TCPStore(node.master_addr if node.nodes > 1 else "127.0.0.1", node.master_port,
+                              is_master=True, wait_for_workers=False, timeout=timeout)
+        run_id = uuid.uuid4().hex
+        store.set(RUN_ID_KEY, run_id)
+    else:
+        store = dist.TCPStore(node.master_addr, node.master_port, is_master=False, timeout=timeout)
+        run_id = store.get(RUN_ID_KEY).decode()  # waits for node 0
+    ranks = node.ranks(nproc)
     with tempfile.TemporaryDirectory(prefix="sdp-ranks-") as errors:
         def start(rank: int, joining: bool) -> subprocess.Popen:
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank - ranks.start), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(len(ranks)), "GROUP_RANK": str(node.rank),
+                   "MASTER_ADDR": node.master_addr if node.nodes > 1 else "127.0.0.1",
                    "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                    "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
                    "TORCHELASTIC_ERROR_FILE": str(Path(errors) / f"rank{rank}.json"), LAUNCHER_ENV: "1"}
@@ -54,10 +93,12 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
             return subprocess.Popen([sys.executable, "-m", "sdp_train.cli", *module_argv], env=env)
 
-        procs = {rank: start(rank, False) for rank in range(nproc)}
+        procs = {rank: start(rank, False) for rank in ranks}
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        tick = _Nodes(store, node, nproc)
         try:
-            codes = _wait_all(procs, store, lambda rank: start(rank, True), max_rejoins)
+            codes = dict(zip(ranks, _wait_all(procs, store, lambda rank: start(rank, True), max_rejoins, tick=tick)))
+            codes = tick.run_ended(codes)
         except KeyboardInterrupt as exc:
             for p in procs.values():
                 if p.poll() is None:
@@ -67,23 +108,104 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
             sig = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
             print(f"sdp {module_argv[0]}: interrupted ({sig.name})", file=sys.stderr, flush=True)
             return 128 + int(sig)
+        except dist.DistError:  # a store operation failed: node 0, and the store with it, is gone
+            if node.rank == 0:
+                raise
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+            print(f"sdp: node {node.rank}: lost node 0, which hosts the run's store: the run cannot go on; restart "
+                  "from a checkpoint (--resume)", file=sys.stderr, flush=True)
+            return 1
         finally:
             signal.signal(signal.SIGTERM, previous)
-        refused = _refused(errors, codes)
+        refused = _refused(errors, [codes[r] for r in ranks], ranks.start)
         if refused is not None:
             print(refused, file=sys.stderr, flush=True)
             return EXIT_USAGE
     members = _members(store) or list(range(nproc))
     others = [r for r in range(nproc) if r not in members]
-    lost = ", ".join(f"rank {r} (exit code {codes[r]})" for r in others)
+    lost = ", ".join(_lost(r, codes[r]) for r in others)
     if all(codes[r] == 0 for r in members):
         if others:
             print(f"sdp: lost {lost}; ranks {', '.join(map(str, members))} finished the run", file=sys.stderr,
                   flush=True)
         return 0
-    failed = ", ".join(f"rank {r} (exit code {codes[r]})" for r in members if codes[r] != 0)
+    failed = ", ".join(_lost(r, codes[r]) for r in members if codes[r] != 0)
     print(f"sdp: worker failed: {failed}{f'; lost before: {lost}' if others else ''}", file=sys.stderr, flush=True)
     return 1
+
+
+RUN_ID_KEY = "sdp/run_id"  # node 0's launch id, which every node's ranks take as TORCHELASTIC_RUN_ID
+
+
+def _lost(rank: int, code: int | str) -> str:
+    return f"rank {rank} ({code})" if code == NODE_LOST else f"rank {rank} (exit code {code})"
+
+
+class _Nodes:
+    """What a launcher does beside its own ranks when there are several nodes (nothing on one): the other
+    nodes beat (`beat_key`) every `_wait_all` round; node 0 watches the beats, marks a silent node's ranks
+    `NODE_LOST`, and at the end waits until every live node has read the outcome (`done_key`)."""
+
+    def __init__(self, store: dist.Store, node: Node, world_size: int) -> None:
+        self.store, self.node, self.world_size = store, node, world_size
+        self.timeout = float(os.environ.get(NODE_TIMEOUT_ENV, "15"))
+        self.seen = {n: (-1, time.monotonic()) for n in range(1, node.nodes)}  # node -> (beat, when it changed)
+        self.lost: set[int] = set()
+
+    def __call__(self) -> None:
+        if self.node.nodes == 1:
+            return
+        if self.node.rank:
+            self.store.add(beat_key(self.node.rank), 1)
+            return
+        now = time.monotonic()
+        for n, (beat, since) in self.seen.items():
+            if n in self.lost or self.store.check([done_key(n)]):
+                continue
+            current = self.store.add(beat_key(n), 0)
+            if current != beat:
+                self.seen[n] = (current, now)
+            elif current and now - since > self.timeout:  # a node that never beat: the rendezvous waits for it
+                self.lost.add(n)
+                for rank in Node(self.node.nodes, n).ranks(self.world_size):
+                    if not self.store.check([exited_key(rank)]):
+                        self.store.set(exited_key(rank), NODE_LOST)
+                print(f"sdp: node {n} lost (no sign of its launcher for {self.timeout:g} s): its ranks are counted "
+                      "lost", file=sys.stderr, flush=True)
+
+    def run_ended(self, codes: dict[int, int]) -> dict[int, int | str]:
+        """Every rank's exit code (a lost node's: `NODE_LOST`) once every worker of the last membership has
+        an exit mark; node 0 returns after every other node has read them or is lost."""
+        if self.node.nodes == 1:
+            return codes
+        while True:
+            members = _members(self.store) or range(self.world_size)
+            if all(self.store.check([exited_key(w)]) for w in members):
+                break
+            self()
+            time.sleep(0.05)
+        marks = {r: self.store.get(exited_key(r)).decode() if self.store.check([exited_key(r)]) else NODE_LOST
+                 for r in range(self.world_size)}
+        if self.node.rank:
+            self.store.set(done_key(self.node.rank), "1")
+        else:
+            while not all(n in self.lost or self.store.check([done_key(n)]) for n in self.seen):
+                self()
+                time.sleep(0.05)
+        return {r: codes[r] if r in codes else (NODE_LOST if mark == NODE_LOST else int(mark))
+                for r, mark in marks.items()}
+
+
+def beat_key(node: int) -> str:
+    """The store counter node `node`'s launcher adds to while it runs (nodes other than 0)."""
+    return f"sdp/node{node}/beat"
+
+
+def done_key(node: int) -> str:
+    """The store key node `node`'s launcher sets once it has read the run's outcome (node 0 then exits)."""
+    return f"sdp/node{node}/done"
 
 
 def _members(store: dist.Store) -> list[int]:
@@ -99,16 +221,21 @@ def _raise_interrupt(signum, frame) -> None:
     raise _Terminated
 
 
-def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, max_rejoins: int) -> list[int]:
-    """Every rank's exit code (its last process's), each marked in the store as soon as its process ends;
-    a failed rank is replaced (``procs[rank] = replace(rank)``, at most `max_rejoins` times in all) once
-    the survivors' membership leaves it out, while another rank still runs."""
+def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, max_rejoins: int, *,
+              tick: Callable[[], None] = lambda: None) -> list[int]:
+    """Every rank's exit code (its last process's), in rank order, each marked in the store as soon as its
+    process ends; a failed rank is replaced (``procs[rank] = replace(rank)``, at most `max_rejoins` times
+    in all) once the survivors' membership leaves it out, while another rank still runs. `tick` runs
+    every round (`_Nodes`)."""
     codes: dict[int, int] = {}
     to_replace: set[int] = set()
     while len(codes) < len(procs) or to_replace:
+        tick()
         for rank, p in procs.items():
             if rank not in codes and p.poll() is not None:
                 codes[rank] = p.returncode
+                if p.returncode < 0 and os.environ.get(TEST_NODE_DIES_ENV) == "1":  # tests only: a lost node
+                    os.kill(os.getpid(), signal.SIGKILL)
                 store.set(exited_key(rank), str(p.returncode))
                 if p.returncode not in (0, EXIT_USAGE) and max_rejoins > 0:
                     to_replace.add(rank)
@@ -123,12 +250,13 @@ def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, ma
                       f"run ({max_rejoins} more allowed)", file=sys.stderr, flush=True)
                 procs[rank] = replace(rank)
         time.sleep(0.05)
-    return [codes[r] for r in range(len(procs))]
+    return [codes[r] for r in sorted(procs)]
 
 
-def _refused(errors: str, codes: Sequence[int]) -> str | None:
-    """The one-line input error of the lowest rank that exited refusing its input, or None."""
-    for rank, code in enumerate(codes):
+def _refused(errors: str, codes: Sequence[int], first: int = 0) -> str | None:
+    """The one-line input error of the lowest rank (`first` + index in `codes`) that exited refusing its
+    input, or None."""
+    for rank, code in enumerate(codes, start=first):
         path = Path(errors) / f"rank{rank}.json"
         if code != EXIT_USAGE or not path.is_file():
             continue

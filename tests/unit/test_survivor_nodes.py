@@ -1,0 +1,89 @@
+"""Several nodes that keep survivors (``sdp train --on-worker-loss continue --nnodes M``): each node's share
+of the ranks, the flags' checks, and node 0's launcher counting a node lost when its beat stops, never
+one that has not started or has finished. The launch itself: tests/distributed/test_multinode_survivors.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from sdp_train.cli import build_parser
+from sdp_train.cli.train import config_from_args, node_of
+from sdp_train.errors import ConfigError
+from sdp_train.trainer.membership import MEMBERS_KEY, exited_key
+from sdp_train.trainer.survivor_launcher import NODE_LOST, Node, _Nodes, beat_key, done_key
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_each_node_starts_an_equal_share_of_the_ranks_in_node_order():
+    assert [list(Node(3, n).ranks(6)) for n in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert list(Node().ranks(4)) == [0, 1, 2, 3]
+
+
+def _node(*flags: str) -> Node:
+    args = build_parser().parse_args(["train", "--model", "llama-debug", "--mode", "bsdp", "--active", "1.0",
+                                      "--out", "unused", *flags])
+    return node_of(args, config_from_args(args))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--workers", "4", "--nnodes", "2"), "--nnodes 2 starts the launchers that keep survivors"),
+    (("--workers", "3", "--nnodes", "2", "--on-worker-loss", "continue"), "--workers 3 must be a multiple of --nnodes 2"),
+    (("--workers", "4", "--nnodes", "2", "--node-rank", "2", "--on-worker-loss", "continue"),
+     "--node-rank 2 must lie in [0, --nnodes) = [0, 2)"),
+    (("--workers", "4", "--nnodes", "0"), "--nnodes 0 must be >= 1"),
+    (("--workers", "4", "--master-port", "70000"), "--master-port 70000 must be a port number"),
+])
+def test_bad_node_flags_are_refused_in_one_line_naming_the_flag(flags, message):
+    with pytest.raises(ConfigError) as info:
+        _node(*flags)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_node_flags_give_this_launchers_place():
+    node = _node("--workers", "4", "--nnodes", "2", "--node-rank", "1", "--on-worker-loss", "continue",
+                 "--master-addr", "10.0.0.1", "--master-port", "1234")
+    assert node == Node(2, 1, "10.0.0.1", 1234)
+    assert _node("--workers", "2") == Node()
+
+
+def test_node_0_counts_a_silent_node_lost_but_not_one_that_never_beat_or_is_done(store, monkeypatch):
+    monkeypatch.setenv("SDP_NODE_TIMEOUT_S", "0.3")
+    watch = _Nodes(store, Node(4, 0), 4)  # one rank per node
+    other = [_Nodes(store, Node(4, n), 4) for n in (1, 2)]
+    for node in other:
+        node()  # nodes 1 and 2 beat once; node 3 never starts
+    store.set(done_key(2), "1")  # node 2 read the outcome and left
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:
+        watch()
+        time.sleep(0.05)
+    assert store.get(exited_key(1)).decode() == NODE_LOST  # silent since its one beat
+    assert not store.check([exited_key(2)]) and not store.check([exited_key(3)])
+    assert watch.lost == {1}
+
+
+def test_a_node_waits_for_every_members_mark_and_node_0_for_the_other_nodes(store):
+    node0, node1 = _Nodes(store, Node(2, 0), 2), _Nodes(store, Node(2, 1), 2)
+    store.set(MEMBERS_KEY, "0,1")
+    ended: dict[int, dict] = {}
+    threads = [threading.Thread(target=lambda n=n, w=w: ended.__setitem__(n, w.run_ended({n: 0})))
+               for n, w in ((0, node0), (1, node1))]
+    store.set(exited_key(0), "0")
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert not ended  # rank 1 has no mark yet: both wait (node 1 beating)
+    assert store.add(beat_key(1), 0) > 0
+    store.set(exited_key(1), "0")
+    for t in threads:
+        t.join(timeout=10)
+    assert ended == {0: {0: 0, 1: 0}, 1: {0: 0, 1: 0}} and store.check([done_key(1)])
