@@ -4,8 +4,10 @@
 `Rounds` counts optimizer steps, knows the round whose mask this worker's state is in, and says
 when a round that ended is followed by one with another mask (a change is *due*); it saves and
 restores that position. After workers are lost, `Rounds.for_survivors` keeps the position with
-every round's mask restricted to the survivors' rows. It moves nothing: the wrapper that owns it makes the change
-(`sdp_train.parallel.schedule` moves blocks and optimizer state). Reasoning: docs/design.md §5.
+every round's mask restricted to the survivors' rows; when workers join, `Rounds.for_joiners` keeps
+it with every round the designed round's rows of the new world's workers. It moves nothing: the
+wrapper that owns it makes the change (`sdp_train.parallel.schedule` moves blocks and optimizer
+state). Reasoning: docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ class Rounds:
         upcoming = survivors.round_matrix(self.steps)
         survivors.due = None if np.array_equal(upcoming, survivors.matrix) else upcoming
         return survivors
+
+    def for_joiners(self, workers: Sequence[int], *, steps: int | None = None) -> Rounds:
+        """This position over a world that workers joined: `workers` are the rows of `mask`, the designed
+        one, of the new world's ranks in their order (a member's worker number is its row), and every
+        round is the designed round's rows of those workers, from the round of the next step on, which
+        every rank's state is in (nothing is due). A member calls it where no change is due (make it
+        first): its rows of that round are already the designed ones. A joiner calls it on a new
+        `Rounds` of the designed mask, with `steps` taken by the members.
+
+        >>> from masklab import Schedule
+        >>> mask = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]], schedule=Schedule("cyclic", every=2))
+        >>> joined = Rounds(mask, 0, counts=True).for_joiners([2, 0], steps=3)  # worker 1 missing
+        >>> joined.matrix.tolist() == mask.round_matrix(3)[[2, 0]].tolist(), joined.due is None
+        (True, True)
+        """
+        assert self.due is None, "a member makes the due change before workers join"
+        joined = copy.copy(self)
+        joined.rows = np.asarray(workers)
+        joined.steps = self.steps if steps is None else steps
+        joined.matrix, joined.mask_step = joined.round_matrix(joined.steps), joined.steps
+        return joined
 
     def to_train(self, steps: int) -> list[tuple[int, np.ndarray]]:
         """``(step, matrix)``: the mask this worker's state is in, at the next step, then the mask of the

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from masklab import Mask
 from masklab.failures import is_fatal
-from masklab.testing.strategies import masks
+from masklab.testing.strategies import mask_sequences, masks
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.membership import WorkerLossError, agree, agreement_timeout, decide, exited_key
@@ -217,6 +217,52 @@ def test_the_survivors_rounds_keep_the_position_and_restrict_every_round_to_thei
     for step in range(8):
         assert second.round_matrix(step).tolist() == mask.round_matrix(step, seed=0)[[2, 3]].tolist()
     assert rounds.rows is None and rounds.matrix.shape == (4, 4)  # the old position is untouched
+
+
+def _train(rounds, steps: int) -> list[tuple[list, bool]]:
+    """Step `rounds` as the wrapper does (`step_done`, then the change that is due) up to `steps` steps
+    taken; after each step, the mask the state is in and whether it changed."""
+    seen = []
+    while rounds.steps < steps:
+        rounds.step_done()
+        due = rounds.take_due()
+        if due is not None:
+            rounds.entered(due, rounds.steps)
+        seen.append((rounds.matrix.tolist(), due is not None))
+    return seen
+
+
+@settings(deadline=None, max_examples=60)
+@given(mask=st.one_of(masks(workers=st.integers(2, 5), max_blocks=4, schedule=True),
+                      mask_sequences(workers=st.integers(2, 5), max_blocks=4)), data=st.data())
+def test_after_a_rejoin_every_round_is_the_designed_rounds_rows_of_the_workers_in_their_new_order(mask, data):
+    """`Rounds.for_joiners`, for every schedule, loss and admission step and order of workers: the members'
+    position (steps taken, rows restricted after the loss) and a joiner's new one agree, the members keep
+    their rows of the round in force, and from then on every round is the designed round's rows of the
+    workers in rank order, with a change due exactly where the designed rows of those workers change."""
+    from sdp_train.parallel.rounds import Rounds
+
+    lost_at, waited, later = data.draw(st.integers(0, 7)), data.draw(st.integers(0, 7)), 12
+    lost = data.draw(st.sets(st.integers(0, mask.workers - 1), min_size=1, max_size=mask.workers - 1))
+    rounds = Rounds(mask, seed=1, counts=True)
+    _train(rounds, lost_at)
+    survivors = [w for w in range(mask.workers) if w not in lost]
+    members = rounds.for_survivors(survivors)  # ranks of the first world = workers
+    _train(members, lost_at + waited)
+    if members.due is not None:  # a loss can leave a change due (the members make it before admitting)
+        members.entered(members.take_due(), members.steps)
+    joiners = data.draw(st.permutations(sorted(lost)))[:data.draw(st.integers(1, len(lost)))]
+    workers = [*survivors, *joiners]
+    step = members.steps
+    joined = members.for_joiners(workers)
+    joiner = Rounds(mask, seed=1, counts=True).for_joiners(workers, steps=step)
+    designed = mask.round_matrix(step, seed=1)[workers]
+    assert joined.matrix.tolist() == joiner.matrix.tolist() == designed.tolist()
+    assert joined.matrix[:len(survivors)].tolist() == members.matrix.tolist()  # no member's part changes
+    assert joined.state() == joiner.state() == {"steps": step} and joined.due is joiner.due is None
+    expected = [mask.round_matrix(t, seed=1)[workers].tolist() for t in range(step, step + later + 1)]
+    changes = [(now, now != before) for before, now in zip(expected, expected[1:])]
+    assert _train(joined, step + later) == _train(joiner, step + later) == changes
 
 
 def test_members_admit_the_same_joiners_at_a_boundary_whenever_the_replacement_announces_itself(store):
