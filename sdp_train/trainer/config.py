@@ -167,16 +167,17 @@ class TrainConfig:
     its other holders only (coverage falls). A replacement that rejoins (`max_rejoins`) gives the
     run its designed mask back."""
     max_rejoins: int = 0
-    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask, without
-    `local_steps`): start a replacement for a lost worker, up to this many times in all, once the
-    survivors have agreed on the loss. The replacement rejoins at the next step boundary (a model of
-    your own, ``FILE.py:FACTORY``, it builds from the factory and the library cuts, as at start): it
-    takes the lost worker's row of the mask (the run returns to the designed mask; with
-    `restore_coverage` each member whose restored row differs gains the blocks or neuron groups of
-    its designed row, with their optimizer state, and drops the others), receives its blocks (N-SDP:
-    neuron groups; Bb-SDP: every block's values), the shared parameters, buffers and optimizer state
-    from their lowest-ranked holders and reads the lost worker's data from the step it joins at; no
-    checkpoint is loaded (`sdp_train.trainer.membership`)."""
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``; a static mask or a schedule, and
+    in ``bsdp`` and ``nsdp`` local steps): start a replacement for a lost worker, up to this many times
+    in all, once the survivors have agreed on the loss. The replacement rejoins at the next step
+    boundary (with `local_steps` H, the next multiple of H, right after the holders' average; a model
+    of your own, ``FILE.py:FACTORY``, it builds from the factory and the library cuts, as at start): it
+    takes the lost worker's row of the mask (the run returns to the designed mask; under a schedule, to
+    the designed round's rows at the same step; with `restore_coverage` each member whose restored row
+    differs gains the blocks or neuron groups of its designed row, with their optimizer state, and
+    drops the others), receives its blocks (N-SDP: neuron groups; Bb-SDP: every block's values), the
+    shared parameters, buffers and optimizer state from their lowest-ranked holders and reads the lost
+    worker's data from the step it joins at; no checkpoint is loaded (`sdp_train.trainer.membership`)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
@@ -337,12 +338,6 @@ class TrainConfig:
         elif self.max_rejoins and self.mode not in REJOINING_MODES:
             why = (f"mode {', '.join(REJOINING_MODES)} for max_rejoins={self.max_rejoins} (--max-rejoins), got mode "
                    f"{self.mode!r}: overlap averaging's workers each keep a copy of their own")
-        elif self.max_rejoins and self.schedule not in (None, "static"):
-            why = (f"a static mask for max_rejoins={self.max_rejoins} (--max-rejoins), got "
-                   f"schedule={self.schedule!r} (--schedule)")
-        elif self.max_rejoins and self.local_steps != 1:
-            why = (f"averaging every step for max_rejoins={self.max_rejoins} (--max-rejoins), got "
-                   f"local_steps={self.local_steps} (--local-steps)")
         if why is not None:
             raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
 

@@ -6,8 +6,9 @@ collectives and before the optimizer step; ``SDP_TEST_KILL_IN_RECOVERY=W`` makes
 first world) SIGKILL itself in its first recovery from a lost worker (``--on-worker-loss continue``),
 after the survivors' decision and before their new world forms; ``SDP_TEST_JOIN_AT_STEP=S`` makes
 the members of a run that misses a worker (``--max-rejoins``) admit replacements at step S's
-boundary only, waiting there until every missing worker's replacement waits to join, so that a test
-knows the step (a replacement's start takes seconds). All act on the first attempt of a
+boundary only (with ``--local-steps H``, a multiple of H: members admit nowhere else), waiting there
+until every missing worker's replacement waits to join, so that a test knows the step (a
+replacement's start takes seconds). All act on the first attempt of a
 job only: a restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
 the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
 lists the tests that use them.

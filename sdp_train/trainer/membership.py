@@ -15,13 +15,14 @@ lost while the new values were sent or averaged). Why the store and not torchft:
 
 With ``--max-rejoins N`` the launcher starts a replacement for a lost worker (the same worker number)
 once the survivors have agreed on the loss. The replacement announces itself in the store
-(`joining_key`) and waits; at every step boundary while a worker is missing, each member reads the
-store once (`Survival.admit`: the first member there decides, by compare-and-set, which waiting
-workers join at that boundary, so every member admits the same ones at the same step; no device is
-synchronised), and the members and joiners then form a new world (the members' ranks first, the
-joiners' last, so that every block's lowest-ranked holder is a member), give each joiner its blocks,
-the shared tensors and their optimizer state (`ModeSync.welcome`) and go back to the designed mask
-(members whose rows were restored for the survivors gain and drop parts: `Run.welcome`).
+(`joining_key`) and waits; at every step boundary while a worker is missing (with local steps, every
+round's), each member reads the store once (`Survival.admit`: the first member there decides, by
+compare-and-set, which waiting workers join at that boundary, so every member admits the same ones at
+the same step; no device is synchronised), and the members and joiners then form a new world (the
+members' ranks first, the joiners' last, so that every block's lowest-ranked holder is a member), give
+each joiner its blocks, the shared tensors and their optimizer state (`ModeSync.welcome`) and go back
+to the designed mask (under a schedule, the designed round's rows at the same position; members whose
+rows were restored for the survivors gain and drop parts: `Run.welcome`).
 
 Not here: what a mode rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`, `for_joiners`), the
 loop that reruns the step or starts a joiner at its step (`sdp_train.trainer.train`).
@@ -103,7 +104,7 @@ class MembershipChange:
     broadcasts)."""
     joined: tuple[int, ...] = ()
     """Workers that joined at `step` (replacements of lost ones: `lost` is then empty); `mask` is the
-    designed mask's rows of `workers`."""
+    designed mask's rows of `workers` (under a schedule, of the round in force at `step`)."""
     welcome_mask: Mask | None = None
     """Workers that joined: the mask they receive their parts under, the members' rows in force (the
     survivors' restored rows after ``--restore-coverage``) then the joiners' designed rows; every worker
@@ -211,27 +212,29 @@ class Survival:
     `restore`: keyword arguments of `masklab.survivors.restored_mask` (``coverage``, ``groups``,
     ``seed``) to restore the designed coverage after a loss (``--restore-coverage``); None keeps the
     survivors' rows as they are. `designed`: the run's mask, one row per worker of the original run,
-    which workers that join take back (``--max-rejoins``); None: nobody joins."""
+    which workers that join take back (``--max-rejoins``; under a schedule, its rounds drawn with
+    `seed`); None: nobody joins."""
 
     def __init__(self, store: dist.Store, worker: int, workers: Sequence[int], mask: Mask, *,
-                 restore: Mapping[str, Any] | None = None, designed: Mask | None = None) -> None:
+                 restore: Mapping[str, Any] | None = None, designed: Mask | None = None, seed: int = 0) -> None:
         self.store, self.worker, self.workers, self.mask = store, worker, tuple(workers), mask
         self.restore = None if restore is None else dict(restore)
-        self.designed = designed
+        self.designed, self.seed = designed, seed
         self.generation = 0
         self.changes: list[MembershipChange] = []
 
     @classmethod
     def for_run(cls, mask: Mask, info: DistInfo, *, restore: Mapping[str, Any] | None = None,
-                rejoin: bool = False) -> Survival:
+                rejoin: bool = False, seed: int = 0) -> Survival:
         """The survival of a run that `launch_keeping_survivors` started (its store is the launcher's);
-        `rejoin`: replacements of lost workers may join (``--max-rejoins``)."""
+        `rejoin`: replacements of lost workers may join (``--max-rejoins``); `seed`: the run's."""
         store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size)
-        return cls(store, info.rank, range(info.world_size), mask, restore=restore, designed=mask if rejoin else None)
+        return cls(store, info.rank, range(info.world_size), mask, restore=restore, designed=mask if rejoin else None,
+                   seed=seed)
 
     @classmethod
-    def join(cls, designed: Mask, worker: int, device: torch.device, *, restore: Mapping[str, Any] | None = None
-             ) -> tuple[Survival, DistInfo, MembershipChange]:
+    def join(cls, designed: Mask, worker: int, device: torch.device, *, restore: Mapping[str, Any] | None = None,
+             seed: int = 0) -> tuple[Survival, DistInfo, MembershipChange]:
         """A replacement for worker `worker` (its process started by `launch_keeping_survivors`): wait in the
         store until the members admit it (`admit`), then form the new world with them. Returns this
         worker's survival (`restore` as the members'), its place in the world and the change that
@@ -248,13 +251,15 @@ class Survival:
         admitted = json.loads(store.get(admission_key(worker)))
         store.delete_key(admission_key(worker))  # a later replacement of this worker waits for its own
         workers = tuple(admitted["workers"])
-        survival = cls(store, worker, workers, _rows(designed, workers), restore=restore, designed=designed)
+        step = admitted["step"]
+        survival = cls(store, worker, workers, _rows(designed, workers, step, seed), restore=restore, designed=designed,
+                       seed=seed)
         survival.generation = admitted["generation"]
         info = DistInfo(workers.index(worker), len(workers), 0)
         survival._form_world(info, device)
         joined = workers[admitted["members"]:]
-        change = MembershipChange(admitted["step"], (), workers, tuple(range(admitted["members"])), survival.mask,
-                                  joined=joined, welcome_mask=_welcome_mask(designed, admitted["rows"], joined))
+        change = MembershipChange(step, (), workers, tuple(range(admitted["members"])), survival.mask, joined=joined,
+                                  welcome_mask=_welcome_mask(designed, admitted["rows"], joined, step, seed))
         survival.changes.append(change)
         return survival, info, change
 
@@ -267,8 +272,11 @@ class Survival:
         The members and the joiners then form a new world (joiners last), each joiner receives its part
         under the members' rows in force and its designed row, and the run goes back to the designed
         mask's rows of its workers (`Run.admit`: members whose rows were restored for the survivors
-        gain and drop parts)."""
-        if self.designed is None or len(self.workers) == self.designed.workers:
+        gain and drop parts). Under a schedule the designed round's rows, at the same position, after
+        the members made a change a loss left due. With local steps only at a round's boundary, right
+        after the holders' average: inside a round their copies differ (every member skips the others
+        alike, reading nothing)."""
+        if self.designed is None or len(self.workers) == self.designed.workers or step % run.cfg.local_steps:
             return None
         missing = [w for w in range(self.designed.workers) if w not in self.workers]
         if run.faults.join_at is not None:  # tests only: admit at that step, once the replacements wait
@@ -280,21 +288,25 @@ class Survival:
             return None
         began = time.perf_counter()
         workers = (*self.workers, *joined)
-        mask = _rows(self.designed, workers)
-        welcome = _welcome_mask(self.designed, self.mask.matrix.tolist(), joined)
+        mask = _rows(self.designed, workers, step, self.seed)
+        # the members' rows in force: as the survivors left them (restored, static masks); under a schedule the
+        # designed round's (`self.mask` is the round of the last loss)
+        rows = (self.mask.matrix if self.designed.schedule.is_static else mask.matrix[:len(self.workers)]).tolist()
+        welcome = _welcome_mask(self.designed, rows, joined, step, self.seed)
         info = DistInfo(self.workers.index(self.worker), len(workers), 0)
         if info.is_main:
             for w in joined:
                 self.store.delete_key(joining_key(w))
                 self.store.set(admission_key(w), json.dumps({"step": step, "generation": self.generation + 1,
                                                              "workers": workers, "members": len(self.workers),
-                                                             "rows": self.mask.matrix.tolist()}))
-        run.sync.close()  # its hooks hold the groups
-        destroy_distributed()
-        self.generation += 1
+                                                             "rows": rows}))
         try:
+            run.enter_next_round()  # a change a loss left due, among the members: their rows become the designed
+            run.sync.close()  # its hooks hold the groups
+            destroy_distributed()
+            self.generation += 1
             self._form_world(info, device)
-            run.admit(mask, range(len(self.workers), len(workers)), info, welcome_mask=welcome)
+            run.admit(mask, workers, range(len(self.workers), len(workers)), info, welcome_mask=welcome)
         except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
             raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}); a loss "
                                   "while workers join is not recovered: restart from a checkpoint (--resume)",
@@ -374,16 +386,18 @@ class Survival:
         return change
 
 
-def _welcome_mask(designed: Mask, rows: Sequence[Sequence[int]], joined: Sequence[int]) -> Mask:
+def _welcome_mask(designed: Mask, rows: Sequence[Sequence[int]], joined: Sequence[int], step: int, seed: int
+                  ) -> Mask:
     """The mask joiners receive their parts under: the members' `rows` in force, then the designed rows of
-    the `joined` workers."""
+    the `joined` workers (under a schedule drawn with `seed`, of the round in force at optimizer step `step`)."""
     matrix = np.vstack([np.asarray(rows, dtype=designed.matrix.dtype).reshape(-1, designed.blocks),
-                        designed.matrix[list(joined)]])
+                        designed.round_matrix(step, seed=seed)[list(joined)]])
     return Mask(matrix, block_names=designed.block_names, block_sizes=designed.block_sizes,
                 construction=designed.construction)
 
 
-def _rows(designed: Mask, workers: Sequence[int]) -> Mask:
-    """The designed mask's rows of `workers`, in their order."""
-    return Mask(designed.matrix[list(workers)], block_names=designed.block_names, block_sizes=designed.block_sizes,
-                construction=designed.construction)
+def _rows(designed: Mask, workers: Sequence[int], step: int, seed: int) -> Mask:
+    """The designed mask's rows of `workers`, in their order (under a schedule drawn with `seed`, of the round
+    in force at optimizer step `step`)."""
+    return Mask(designed.round_matrix(step, seed=seed)[list(workers)], block_names=designed.block_names,
+                block_sizes=designed.block_sizes, construction=designed.construction)

@@ -48,6 +48,7 @@ from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.masking import Cut, ModelLayout, describe, shared_inside
 from sdp_train.parallel.overlap import OverlapAveraging
 from sdp_train.parallel.parallelize import parallelize
+from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import ByteCount
 from sdp_train.parallel.wrapper import SubnetworkDataParallel
 from sdp_train.trainer.config import BASELINES
@@ -152,10 +153,11 @@ class ModeSync:
         (`rows` all of them) and `mask` is the designed one (`sdp_train.trainer.run.Run.welcome`)."""
         raise ConfigError(f"{type(self).__name__} cannot continue after losing a worker (--on-worker-loss continue)")
 
-    def for_joiners(self, mask: Mask, info: DistInfo) -> ModeSync:
+    def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> ModeSync:
         """This mode's sync over a new world that workers join (`sdp_train.trainer.membership`): the members'
-        ranks first, in their order, the joiners' last, `mask` the members' rows in force and the
-        joiners' designed rows, in that order. Called after `close`, on the new default group, by the
+        ranks first, in their order, the joiners' last, `workers` their rows of the designed mask in that
+        order and `mask` the members' rows in force and the joiners' designed rows (under a schedule, of
+        the round in force), in that order. Called after `close`, on the new default group, by the
         members; each joiner builds its own (`build_sync` with ``joining``), and every rank then calls
         `welcome` (and, where a member's row is not its designed one, `for_survivors` with every worker)."""
         raise ConfigError(f"{type(self).__name__} cannot take a worker back (--max-rejoins)")
@@ -347,16 +349,25 @@ class SubnetworkSync(ModeSync):
         survivors.moved_bytes = moved
         return survivors
 
-    def for_joiners(self, mask: Mask, info: DistInfo) -> SubnetworkSync:
-        """Every member keeps its blocks or neuron groups (`mask` has its row in force: static masks), so
-        only the wrapper is new, over `mask`'s rows in the new world's order."""
+    def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> SubnetworkSync:
+        """Every member keeps its blocks or neuron groups (`mask` has its rows in force), so only the wrapper
+        is new, over `mask`'s rows in the new world's order. Under a schedule or with local steps (no
+        restored coverage: the members' rows in force are the designed ones) it goes on from the same
+        position (`Rounds.for_joiners`: the steps taken, every round from the one in force the designed
+        round's rows of `workers`); the members made a change that was due first (`Survival.admit`), and
+        with local steps they admit only right after an average, where every holder has the same values."""
         old = self.sdp
-        if self._fsdp is not None or old.rounds.counts:
-            return super().for_joiners(mask, info)
+        if self._fsdp is not None:
+            return super().for_joiners(mask, info, workers)
+        rounds = old.rounds.for_joiners(workers) if old.rounds.counts else None
+        if not old.mask.schedule.is_static:
+            mask = old.mask
         sdp = SubnetworkDataParallel.from_subnetwork(
-            old.module, layout=old.layout, mask=mask, held_by_rank=[old.layout.held(row) for row in mask.matrix],
+            old.module, layout=old.layout, mask=mask,
+            held_by_rank=[old.layout.held(row) for row in (mask.matrix if rounds is None else rounds.matrix)],
             local_index=old.local_index, masking=old.masking, activation_checkpointing=False,
-            autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype, values_agree=True, seed=old.seed)
+            autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype, values_agree=True, seed=old.seed,
+            local_steps=old.local_steps, rounds=rounds)
         sdp.changes.bytes += old.changes.bytes
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
 
@@ -429,7 +440,7 @@ class OverlapSync(ModeSync):
         return OverlapSync(overlap, info)
 
 
-def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: bool = False) -> ModeSync:
+def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: Rounds | None = None) -> ModeSync:
     """This rank's model, made and wrapped for ``prep.config.mode`` (`sdp_train.trainer.prepare.Prepared`).
 
     In this order: 1. the model: every rank builds the full model from the run's seed, except
@@ -437,11 +448,14 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: bool
     blocks it does not hold; 2. activation checkpointing inside each block (and for ``fsdp`` the
     world's FSDP2 shards), by `sdp_train.parallel.parallelize`, where the mode's wrapper does not do it
     itself; 3. each block compiled (``--compile``; `SubnetworkDataParallel` compiles its own); 4. the mode's wrapper.
-    `joining`: this rank joins a run in progress (`ModeSync.for_joiners`): its values come afterwards, from
-    the holders (`ModeSync.welcome`), so the wrapper sends none when it starts, as the members' does not.
+    `joining`: this rank joins a run in progress (`ModeSync.for_joiners`) at that position of the designed
+    schedule (`Rounds.for_joiners`), ``prep.mask`` the new world's rows in force (its own the designed
+    one, under a schedule of the round in force): its values come afterwards, from the holders
+    (`ModeSync.welcome`), so the wrapper sends none when it starts, as the members' does not.
     """
     cfg, mc = prep.config, prep.model_config
     user = isinstance(mc, UserModel)
+    designed = prep.mask if joining is None else joining.mask  # a joiner's prep.mask: the rows in force
     if (cfg.mode == "fsdp" or cfg.fsdp) and not dist.is_initialized():
         raise ConfigError(f"mode {cfg.mode!r} with FSDP needs torch.distributed: run under torchrun "
                           f"or with --workers >= 2 (got workers={cfg.workers})")
@@ -449,7 +463,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: bool
     if user:
         torch.manual_seed(cfg.seed)
         model = mc.build(device).to(device)
-    elif cfg.mode in ("bsdp", "nsdp") and _moves_parts(cfg, prep):
+    elif cfg.mode in ("bsdp", "nsdp") and _moves_parts(cfg, designed):
         # blocks move between workers: the full model on meta, cut by the library (below), each dropped
         # block a pass-through that keeps its meta copy for the worker that gains it later
         with on_meta():
@@ -483,7 +497,7 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: bool
         overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps, seed=cfg.seed)
         return OverlapSync(overlap, info)
     cut = Cut("backward" if cfg.mode == "bbsdp" else "forward", cfg.level)
-    library_cut = user or (_moves_parts(cfg, prep) and not cut.keeps_whole_model)
+    library_cut = user or (_moves_parts(cfg, designed) and not cut.keeps_whole_model)
     if library_cut:
         # the full model, cut by the library; a family's seeded values: B-SDP's equal the family path's,
         # N-SDP's sliced tensors are drawn at their local shape, then each neuron group takes its
@@ -497,20 +511,30 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: bool
         rows = prep.mask.round_matrix(0, seed=cfg.seed).astype(bool)
         held_by_rank = [held_tensors(mc, rows[r], cfg.level) for r in range(info.world_size)]
         part = Subnetwork(model, family_layout(mc, cfg.level), prep.mask, held_by_rank, model.full_index(), device)
+    mask, rounds = _joined_position(part.mask, joining, cfg.local_steps)
     sdp = SubnetworkDataParallel.from_subnetwork(
-        part.module, layout=part.layout, mask=part.mask, held_by_rank=part.held_by_rank,
+        part.module, layout=part.layout, mask=mask, held_by_rank=part.held_by_rank,
         local_index=part.local_index, masking=cut.masking, activation_checkpointing=cfg.activation_checkpointing,
-        fsdp=cfg.fsdp, values_agree=joining or not library_cut, seed=cfg.seed, local_steps=cfg.local_steps,
-        compile=cfg.compile or False)
+        fsdp=cfg.fsdp, values_agree=joining is not None or not library_cut, seed=cfg.seed,
+        local_steps=cfg.local_steps, compile=cfg.compile or False, rounds=rounds)
     return SubnetworkSync(sdp, sdp.module, info, fsdp=cfg.fsdp)
 
 
+def _joined_position(mask: Mask, joining: Rounds | None, local_steps: int) -> tuple[Mask, Rounds | None]:
+    """The mask a joiner's wrapper trains and the position it goes on from where the run keeps one (a
+    schedule, local steps): under a schedule the designed mask, its rounds over the new world's workers
+    (`joining`, as the members' wrapper goes on); with local steps `mask`, the new world's rows, at the
+    steps taken. Else `mask` and None: the wrapper starts its own."""
+    if joining is None or (joining.mask.schedule.is_static and local_steps == 1):
+        return mask, None
+    return (mask if joining.mask.schedule.is_static else joining.mask), joining
 
-def _moves_parts(cfg: Any, prep: Any) -> bool:
+
+def _moves_parts(cfg: Any, mask: Mask) -> bool:
     """Whether the library cuts a built-in family's model in B-SDP and N-SDP, so that its parts can move
-    between workers: under a schedule, and in B-SDP when survivors of a loss restore the coverage
-    (N-SDP re-cuts the family's own MLPs: `family_layout`)."""
-    return not prep.mask.schedule.is_static or (cfg.restore_coverage and cfg.mode == "bsdp")
+    between workers: under a schedule (`mask`, the run's), and in B-SDP when survivors of a loss restore
+    the coverage (N-SDP re-cuts the family's own MLPs: `family_layout`)."""
+    return not mask.schedule.is_static or (cfg.restore_coverage and cfg.mode == "bsdp")
 
 
 def _blocks(model: nn.Module, prep: Any) -> list[str]:

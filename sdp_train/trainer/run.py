@@ -30,6 +30,7 @@ from sdp_train.errors import NonFiniteError
 from sdp_train.models import family_of
 from sdp_train.parallel import grads
 from sdp_train.parallel.dist import DistInfo
+from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import ByteCount
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.faults import InjectedFaults
@@ -104,8 +105,10 @@ class Run:
     is the same for every mode.
     """
 
-    def __init__(self, prep: Prepared, info: DistInfo, device: torch.device, *, joining: bool = False) -> None:
-        """`joining`: this rank joins a run in progress (`sdp_train.trainer.membership`); call `welcome` next."""
+    def __init__(self, prep: Prepared, info: DistInfo, device: torch.device, *, joining: Rounds | None = None
+                 ) -> None:
+        """`joining`: this rank joins a run in progress (`sdp_train.trainer.membership`), at that position of
+        the designed schedule (`build_sync`); call `welcome` next."""
         cfg = prep.config
         self.cfg, self.model_config, self.info, self.device = cfg, prep.model_config, info, device
         self.mask = prep.mask
@@ -224,14 +227,15 @@ class Run:
         self.sync.attach(self.optimizer)
         self.optimizer.zero_grad(set_to_none=False)
 
-    def admit(self, mask, joiners, info: DistInfo, *, welcome_mask=None) -> None:
+    def admit(self, mask, workers, joiners, info: DistInfo, *, welcome_mask=None) -> None:
         """Train on in a new world that workers join (`sdp_train.trainer.membership.Survival.admit`, after the
         old sync's `close`): the mode's sync rebuilt over `welcome_mask` (the members' rows in force, the
-        joiners' designed rows; None: the designed `mask`) by `ModeSync.for_joiners`, the same model and
-        optimizer; then the joiners' state comes and all go to `mask` (`welcome`)."""
+        joiners' designed rows; None: the designed `mask`) for `workers`, the new world's rows of the
+        designed mask, by `ModeSync.for_joiners`, the same model and optimizer; then the joiners' state
+        comes and all go to `mask` (`welcome`)."""
         self.retired_bytes += self.sync.bytes
         self.mask = mask if welcome_mask is None else welcome_mask
-        self.sync = self.sync.for_joiners(self.mask, info)
+        self.sync = self.sync.for_joiners(self.mask, info, workers)
         self.info = info
         self.model, self.train_model = self.sync.model, self.sync.train_model
         self.sync.attach(self.optimizer)

@@ -21,8 +21,8 @@ with ``--on-worker-loss continue`` ``membership_changes``: per loss of workers, 
 survivors reran, the workers lost and those left (workers of the original run), the recovery's
 seconds, the survivors' mask, whether it restores the designed coverage (``restore_coverage``) and
 the buffer bytes rank 0 moved for it, and per rejoin (``max_rejoins``) the step, the workers that
-``joined`` and all workers in rank order, the designed mask's rows in that order, the seconds and
-the bytes rank 0 sent (that step's metrics line has ``membership``; `sdp_train.trainer.membership`);
+``joined`` and all workers in rank order, the designed mask's rows in that order (under a schedule, of
+the round in force), the seconds and the bytes rank 0 sent (that step's metrics line has ``membership``; `sdp_train.trainer.membership`);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
 ``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
@@ -67,6 +67,7 @@ from sdp_train.models import block_map, model_class
 from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.dist import default_device, get_dist_info, print0
 from sdp_train.parallel.grads import local
+from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import WIRE_MODEL
 from sdp_train.trainer.checkpoint import (
     check_out_shared,
@@ -120,12 +121,13 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         info = init_distributed(device, preload=modules_before_groups([cfg], device))
     try:
         if joining:
-            survival, info, admitted = Survival.join(prep.mask, info.rank, device, restore=coverage_to_restore(prep))
+            survival, info, admitted = Survival.join(prep.mask, info.rank, device, restore=coverage_to_restore(prep),
+                                                     seed=cfg.seed)
             return train_prepared(prep, info, device, survival, admitted=admitted)
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
-        survival = (Survival.for_run(prep.mask, info, restore=coverage_to_restore(prep), rejoin=cfg.max_rejoins > 0)
-                    if cfg.on_worker_loss == "continue" else None)
+        survival = (Survival.for_run(prep.mask, info, restore=coverage_to_restore(prep), rejoin=cfg.max_rejoins > 0,
+                                     seed=cfg.seed) if cfg.on_worker_loss == "continue" else None)
         return train_prepared(prep, info, device, survival)
     except WorkerLossError as exc:  # the survivors cannot continue: one of them says why
         if exc.report:
@@ -157,7 +159,8 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     shard = (info.rank, info.world_size)
     if admitted is not None:  # the lost worker's data shard of the first world; built under the members' rows
         shard = (survival.worker, cfg.workers)
-        run = Run(dataclasses.replace(prep, mask=admitted.welcome_mask), info, device, joining=True)
+        position = Rounds(prep.mask, cfg.seed, counts=True).for_joiners(admitted.workers, steps=admitted.step)
+        run = Run(dataclasses.replace(prep, mask=admitted.welcome_mask), info, device, joining=position)
         prep = dataclasses.replace(prep, mask=admitted.mask)  # the designed rows in rank order, from `welcome` on
     else:
         run = Run(prep, info, device)

@@ -147,7 +147,7 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
     losses = []
-    for step in range(STEPS):
+    for step in range(cfg.steps):
         members, matrix = (members_of or (lambda prep, step: members_rows(mode, prep, step)))(prep, step)
         drawn = [next(b) for b in batches]
         values = []

@@ -1,24 +1,34 @@
-"""Losing a worker where training goes in rounds: a mask schedule (``sdp train --mode bsdp --schedule
-permute --every 3 --on-worker-loss continue``) and local steps (``--local-steps 3``), each on 3 gloo
-ranks with rank 0 SIGKILLed after step 2's collectives, before its optimizer step. Step 2 ends the
-first round in both.
+"""Losing a worker and taking it back where training goes in rounds: a mask schedule (``sdp train --mode
+bsdp --schedule permute --every 3 --on-worker-loss continue --max-rejoins 1``, 12 steps) and local steps
+(``--local-steps 3``, 6 steps), each on 3 gloo ranks with rank 0 SIGKILLed after step 2's collectives,
+before its optimizer step, and its replacement admitted at a step the test fixes
+(``SDP_TEST_JOIN_AT_STEP``: the members wait there for it; a replacement's start takes seconds). Step 2
+ends the first round in both.
 
 Schedule: round 1 swaps the rows of workers 0 and 2, so after their optimizer step the survivors
 fail in the mask change (worker 2 builds blocks 0 and 1 and waits for them from worker 0): they agree
 on 3 steps applied, worker 2 drops the blocks it built (`MaskChanges.undo_gains`), and the schedule
 goes on over the survivors' rows of every round (`Rounds.for_survivors`), so the change to round 1
 is made again between workers 1 and 2 when step 3 begins, worker 2 receiving blocks 0 and 1 with
-their AdamW state from worker 1. Checked as in tests/distributed/test_worker_loss.py: exit 0, the
-change at step 2 in summary.json and its metrics line, the holders of every block bit-identical at
-the end, and the final model and every step's loss equal to the single-process reference whose
-members take their rows of each round (3 workers up to step 2, workers 1 and 2 from step 3 on).
+their AdamW state from worker 1. At step 4, inside round 1, worker 0's replacement rejoins: the new
+world is workers 1, 2, 0, every round from then on the designed round's rows of the workers in that
+order (`Rounds.for_joiners`), and the joiner builds its row of round 1, not round 0's, and receives it
+with its AdamW state from the members; the changes at steps 6 and 9 then move blocks in the new world
+(at step 9 to the joiner). Checked as in tests/distributed/test_worker_loss.py: exit 0, the loss at
+step 2 and the rejoin at step 4 in summary.json and on their metrics lines, every step's line once,
+every holder of every tensor bit-identical at the end, each rank holding its designed row of the last
+round, and the final model and every step's loss equal to the single-process reference whose members
+take their designed rows of each round (workers 0-2 up to step 2, 1-2 at step 3, 0-2 from step 4 on).
 
 Local steps: each worker trains its own subnetwork 3 steps, then every block becomes its holders'
 average; the survivors fail in that average after their optimizer step 2, agree on 3 steps applied,
-keep their own copies and the step count, and take the average again among themselves. The final
-model and every step's loss equal a reference with a subnetwork and an AdamW per worker, each
-clipped by its own norm, averaged over the living holders every 3 steps. A module of its own, so
-that pytest-xdist runs these launches beside the others.
+keep their own copies and the step count, and take the average again among themselves. The
+replacement may join only at a round's boundary, right after the average (holders' copies differ
+inside a round): at step 3 it takes each tensor it holds, with its AdamW state, from its lowest-ranked
+holder (worker 1, else 2) and the step count. The final model and every step's loss equal a reference
+with a subnetwork and an AdamW per worker, each clipped by its own norm, averaged over the living
+holders every 3 steps, worker 0 rebuilt at step 3 from the holders' values and AdamW state. A module of
+its own, so that pytest-xdist runs these launches beside the others.
 """
 
 from __future__ import annotations
@@ -27,114 +37,152 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from tests.distributed.test_worker_loss import (
-    KILL_RANK,
-    KILL_STEP,
-    STEPS,
-    common_part,
-    held_parts,
-    members_rows,
-    prepared,
-    reference,
-    run_mode,
-)
+from tests.distributed.test_worker_loss import KILL_RANK, KILL_STEP, STEPS, prepared, reference, run_mode
 
-SCHEDULE = ("--schedule", "permute", "--every", "3")
+REJOIN = ("--max-rejoins", "1")
+SCHEDULE_STEPS = 12  # rounds of 3 steps: changes at steps 3, 6 and 9
+SCHEDULE = ("--schedule", "permute", "--every", "3", "--steps", str(SCHEDULE_STEPS), *REJOIN)
 H = 3
-LOCAL_STEPS = ("--local-steps", str(H))
+LOCAL_STEPS = ("--local-steps", str(H), *REJOIN)
+# the schedule's: inside round 1, after the survivors trained step 3; local steps': the next round's boundary
+JOIN_STEP = {"scheduled": KILL_STEP + 2, "local": H}
+WORKERS = [1, 2, KILL_RANK]  # the world after the rejoin, in rank order
 
 
 @pytest.fixture(scope="module")
 def scheduled(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
-    return run_mode("bsdp", tmp_path_factory, SCHEDULE)
+    return run_mode("bsdp", tmp_path_factory, SCHEDULE, {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP["scheduled"])})
 
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
-    return run_mode("bsdp", tmp_path_factory, LOCAL_STEPS)
+    return run_mode("bsdp", tmp_path_factory, LOCAL_STEPS, {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP["local"])})
 
 
-@pytest.mark.slow
-def test_survivors_lost_in_a_mask_change_make_it_again_and_finish_as_the_reference(scheduled):
-    _, proc, out = scheduled
+def members_of(join_step: int):
+    """`reference`'s members of each step, with their designed rows of the round of that step: workers 0-2
+    up to KILL_STEP, the survivors until `join_step`, all three again from then on."""
+
+    def members(prep, step: int) -> tuple[list[int], np.ndarray]:
+        members = [k for k in range(3) if k != KILL_RANK] if KILL_STEP < step < join_step else [0, 1, 2]
+        matrix = np.zeros_like(prep.mask.matrix, dtype=bool)
+        matrix[members] = prep.mask.round_matrix(step, seed=prep.config.seed)[members]
+        return members, matrix
+
+    return members
+
+
+def check_changes(proc: subprocess.CompletedProcess, out: Path, join_step: int, steps: int, mask: np.ndarray) -> None:
+    """The loss at KILL_STEP (every survivor had applied it) and the rejoin at `join_step` under `mask`, the
+    designed rows of WORKERS, in summary.json, on their metrics lines and in the output."""
+    from masklab.io import mask_from_dict
+
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    prep = prepared("bsdp", SCHEDULE)
-    round1 = prep.mask.round_matrix(KILL_STEP + 1, seed=prep.config.seed)
-    assert not (round1 == prep.mask.round_matrix(KILL_STEP, seed=prep.config.seed)).all()  # step 3 changes mask
-
-    (change,) = summary["membership_changes"]
-    assert (change["step"], change["lost"], change["workers"]) == (KILL_STEP, [KILL_RANK], [1, 2])
-    assert [m["step"] for m in metrics] == list(range(STEPS))
-    assert [m["step"] for m in metrics if "membership" in m] == [KILL_STEP]
+    lost, joined = summary["membership_changes"]
+    assert (lost["step"], lost["lost"], lost["joined"], lost["workers"]) == (KILL_STEP, [KILL_RANK], [], [1, 2])
+    assert (joined["step"], joined["lost"], joined["joined"], joined["workers"]) == (join_step, [], [KILL_RANK], WORKERS)
+    assert mask_from_dict(joined["mask"]).matrix.tolist() == mask.tolist()
+    assert joined["moved_bytes"] > 0 and summary["world_size"] == 3
+    assert [m["step"] for m in metrics] == list(range(steps))
+    assert [m["step"] for m in metrics if "membership" in m] == [KILL_STEP, join_step]
+    assert metrics[join_step]["membership"]["joined"] == [KILL_RANK]
     assert "having applied this step, from the next step" in proc.stdout
-    assert summary["mask_change_bytes"] > 0
+    assert f"worker {KILL_RANK} rejoined" in proc.stdout
 
-    final = out / "checkpoints" / f"step_{STEPS}"
-    ranks = [torch.load(final / f"rank{r}.pt", weights_only=True)["model"] for r in range(2)]
-    _, rows = members_rows("bsdp", prep, STEPS - 1)
-    specs = held_parts("bsdp", rows[[1, 2]])
-    assert set(ranks[0]) == set(specs[0]) and set(ranks[1]) == set(specs[1])  # each holds its round-1 row
-    for name in set(ranks[0]) & set(ranks[1]):
-        a, b = common_part(specs, ranks, name)
-        assert torch.equal(a, b), name
 
+def check_holders(out: Path, steps: int, rows: np.ndarray) -> None:
+    """Each rank's file of the final checkpoint holds exactly its row of `rows` (the blocks of the last
+    round, and the shared tensors), and every holder of a tensor has the same values, bit for bit."""
+    final = out / "checkpoints" / f"step_{steps}"
+    ranks = [torch.load(final / f"rank{r}.pt", weights_only=True)["model"] for r in range(3)]
+    for name in set().union(*ranks):
+        block = int(name.split(".")[1]) if name.startswith("layers.") else None
+        holders = [r for r in range(3) if name in ranks[r]]
+        assert holders == [r for r in range(3) if block is None or rows[r, block]], name
+        assert all(torch.equal(ranks[holders[0]][name], ranks[r][name]) for r in holders[1:]), name
+
+
+def check_model(out: Path, expected: dict[str, torch.Tensor], atol: float) -> None:
     from safetensors.torch import load_file
 
-    expected, losses = reference("bsdp", SCHEDULE)
     model = load_file(out / "model.safetensors")
     assert set(model) == set(expected)
     for name, value in expected.items():
-        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=atol, msg=name)
+
+
+@pytest.mark.slow
+def test_survivors_lost_in_a_mask_change_make_it_again_and_a_rejoin_in_a_later_round_ends_as_the_reference(
+        scheduled):
+    _, proc, out = scheduled
+    prep = prepared("bsdp", SCHEDULE)
+    seed, join = prep.config.seed, JOIN_STEP["scheduled"]
+    round1 = prep.mask.round_matrix(KILL_STEP + 1, seed=seed)
+    assert not (round1 == prep.mask.round_matrix(KILL_STEP, seed=seed)).all()  # step 3 changes mask
+    assert not (round1[KILL_RANK] == prep.mask.round_matrix(0, seed=seed)[KILL_RANK]).all()  # joins in round 1's row
+    last = prep.mask.round_matrix(SCHEDULE_STEPS - 1, seed=seed)
+    assert not (last[KILL_RANK] == round1[KILL_RANK]).all()  # and gains blocks after the rejoin
+    check_changes(proc, out, join, SCHEDULE_STEPS, prep.mask.round_matrix(join, seed=seed)[WORKERS])
+    assert json.loads((out / "summary.json").read_text())["mask_change_bytes"] > 0
+    check_holders(out, SCHEDULE_STEPS, last[WORKERS])
+    expected, losses = reference("bsdp", SCHEDULE, members_of=members_of(join))
+    check_model(out, expected, atol=1e-5)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
 
 
 @pytest.mark.slow
-def test_survivors_lost_in_a_local_steps_average_take_it_again_and_finish_as_the_reference(local):
+def test_survivors_lost_in_a_local_steps_average_take_it_again_and_a_rejoin_at_the_next_round_ends_as_the_reference(
+        local):
     _, proc, out = local
-    summary = json.loads((out / "summary.json").read_text())
+    prep = prepared("bsdp", LOCAL_STEPS)
+    check_changes(proc, out, JOIN_STEP["local"], STEPS, prep.mask.matrix[WORKERS])
+    check_holders(out, STEPS, prep.mask.matrix[WORKERS])  # the run ends on an average: holders agree
+    expected, losses = local_steps_reference(prep)
+    check_model(out, expected, atol=5e-5)  # AdamW's steps of about lr turn the sums' rounding into ~1e-5
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    (change,) = summary["membership_changes"]
-    assert (change["step"], change["lost"], change["workers"]) == (KILL_STEP, [KILL_RANK], [1, 2])
-    assert [m["step"] for m in metrics] == list(range(STEPS))
-    assert "having applied this step, from the next step" in proc.stdout
-
-    from safetensors.torch import load_file
-
-    expected, losses = local_steps_reference(prepared("bsdp", LOCAL_STEPS))
-    model = load_file(out / "model.safetensors")
-    assert set(model) == set(expected)
-    for name, value in expected.items():  # AdamW's steps of about lr turn the sums' rounding into ~1e-5
-        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=5e-5, msg=name)
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
 
 
 def local_steps_reference(prep) -> tuple[dict[str, torch.Tensor], list[float]]:
     """B-SDP with local steps on one process: each worker's subnetwork (built from the run's seed) and
     AdamW, each step clipped by its own norm; after every H-th step each tensor becomes its mean over
-    the holders alive then (the lost worker computed its step-2 loss and took no step 2)."""
+    the holders alive then (the lost worker computed its step-2 loss and took no step 2). At the join
+    step worker 0 is built again and takes every tensor it holds, and its AdamW state, from its
+    lowest-ranked holder in the new world (worker 1, else worker 2)."""
     from sdp_train.data import build_batches
     from sdp_train.models.subnet import build_worker_model
     from sdp_train.trainer.run import loss_fn, lr_at
 
     cfg = prep.config
     rows = prep.mask.matrix.astype(bool)
-    models = [build_worker_model(prep.model_config, rows[k], "block", seed=cfg.seed) for k in range(3)]
-    opts = [torch.optim.AdamW([{"params": [p for p in m.parameters() if p.dim() >= 2],
-                                "weight_decay": cfg.weight_decay},
-                               {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                              lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8) for m in models]
+
+    def worker(k: int):
+        model = build_worker_model(prep.model_config, rows[k], "block", seed=cfg.seed)
+        opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
+                                  "weight_decay": cfg.weight_decay},
+                                 {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                                lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        return model, opt
+
+    models, opts = map(list, zip(*(worker(k) for k in range(3))))
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
     losses = []
     for step in range(STEPS):
-        members = [0, 1, 2] if step <= KILL_STEP else [1, 2]
-        alive = [k for k in members if step < KILL_STEP or k != KILL_RANK]
+        if step == JOIN_STEP["local"]:
+            models[KILL_RANK], opts[KILL_RANK] = worker(KILL_RANK)
+            _take_from_holders(models, opts, KILL_RANK, WORKERS[:-1])
+        members = [1, 2] if KILL_STEP < step < JOIN_STEP["local"] else [0, 1, 2]
+        alive = [k for k in members if step != KILL_STEP or k != KILL_RANK]
+        drawn = [next(b) for b in batches]  # every worker's stream moves with the steps, a member's or not
         values = []
         for k in members:
-            x, y = next(batches[k])
+            x, y = drawn[k]
             loss = loss_fn(models[k](x), y)
             values.append(loss.item())
             if k in alive:
@@ -154,6 +202,19 @@ def local_steps_reference(prep) -> tuple[dict[str, torch.Tensor], list[float]]:
                     for tensor in holders:
                         tensor.copy_(mean)
     final = {}
-    for k in (2, 1):  # each tensor from its lowest-ranked surviving holder
+    for k in reversed(WORKERS):  # each tensor from its lowest-ranked holder
         final.update(models[k].state_dict())
     return final, losses
+
+
+@torch.no_grad()
+def _take_from_holders(models: list, opts: list, joiner: int, members: list[int]) -> None:
+    """`joiner`'s tensors and their AdamW state, each from the first of `members` that holds it."""
+    states = [m.state_dict() for m in models]
+    params = [dict(m.named_parameters()) for m in models]
+    for name, tensor in states[joiner].items():
+        src = next(k for k in members if name in states[k])
+        tensor.copy_(states[src][name])
+        if name in params[joiner]:
+            held = opts[src].state[params[src][name]]
+            opts[joiner].state[params[joiner][name]] = {key: value.clone() for key, value in held.items()}

@@ -119,13 +119,19 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"mode": "overlap", "restore_coverage": True}, "with restore_coverage (--restore-coverage), got mode 'overlap'"),
     ({"on_worker_loss": "stop", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins) acts after a worker is lost"),
     ({"mode": "overlap", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins), got mode 'overlap': overlap"),
-    ({"schedule": "permute", "max_rejoins": 1}, "a static mask for max_rejoins=1 (--max-rejoins), got "
-                                                "schedule='permute' (--schedule)"),
 ])
 def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(changes, message):
     with pytest.raises(ConfigError, match="on_worker_loss") as info:
         TrainConfig(**{"mode": "bsdp", "workers": 2, "on_worker_loss": "continue", **changes})
     assert message in str(info.value)
+
+
+def test_a_refused_rejoin_names_only_the_condition_that_fails():
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(mode="overlap", workers=4, on_worker_loss="continue", max_rejoins=1)
+    message = str(info.value)
+    assert "mode 'overlap'" in message and not any(other in message for other in ("model", "schedule", "local_steps",
+                                                                                    "restore_coverage")), message
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
@@ -134,8 +140,18 @@ def test_b_sdp_and_n_sdp_with_a_static_mask_may_continue(mode):
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
-def test_b_sdp_n_sdp_and_bb_sdp_with_a_static_mask_may_take_lost_workers_back(mode):
-    assert TrainConfig(mode=mode, workers=2, on_worker_loss="continue", max_rejoins=2).max_rejoins == 2
+@pytest.mark.parametrize("schedule", [None, "permute", "cyclic"])
+def test_b_sdp_n_sdp_and_bb_sdp_with_a_static_mask_or_a_schedule_may_take_lost_workers_back(mode, schedule):
+    every = 1 if schedule is None else 3
+    config = TrainConfig(mode=mode, workers=4, on_worker_loss="continue", max_rejoins=2, schedule=schedule, every=every)
+    assert config.max_rejoins == 2
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
+def test_b_sdp_and_n_sdp_with_local_steps_may_take_lost_workers_back(mode):
+    config = TrainConfig(mode=mode, workers=4, on_worker_loss="continue", max_rejoins=1, local_steps=3,
+                         schedule="cyclic", every=6)
+    assert config.max_rejoins == 1
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
@@ -275,6 +291,36 @@ def test_members_admit_the_same_joiners_at_a_boundary_whenever_the_replacement_a
     client.set(joining_key(0), "1")
     assert joiners_at(client, 5, [0, 3]) == []  # decided without it at step 5
     assert joiners_at(client, 6, [0, 3]) == [0] and joiners_at(store, 6, [0, 3]) == [0]
+
+
+def test_with_local_steps_members_admit_only_at_a_rounds_boundary_and_read_nothing_inside_a_round(store):
+    """`Survival.admit` with ``local_steps=3``: a replacement waits from step 4 on; at steps 4 and 5 (inside
+    a round, where holders' copies differ) the members decide nothing; at step 6 they admit it, making
+    first a change a loss may have left due (`Run.enter_next_round`, where this fake run stops)."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from sdp_train.trainer.membership import Survival, admission_key, joining_key
+
+    class Admitting(Exception):
+        pass
+
+    def enter_next_round() -> None:
+        raise Admitting
+
+    run = SimpleNamespace(cfg=SimpleNamespace(local_steps=3), faults=SimpleNamespace(join_at=None),
+                          enter_next_round=enter_next_round)
+    designed = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
+    survival = Survival(store, 1, (1, 2), Mask(designed.matrix[[1, 2]]), designed=designed)
+    store.set(joining_key(0), "1")
+    for step in (4, 5):
+        assert survival.admit(run, step, torch.device("cpu")) is None
+        assert not store.check([f"sdp/admit/{step}"]) and not store.check([admission_key(0)])
+    with pytest.raises(Admitting):
+        survival.admit(run, 6, torch.device("cpu"))
+    assert json.loads(store.get("sdp/admit/6")) == [0] and json.loads(store.get(admission_key(0)))["step"] == 6
 
 
 class _Process:
