@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
+from sdp_train.parallel.dist import wait
 from sdp_train.parallel.wire import ByteCount
 
 
@@ -35,7 +36,8 @@ def average_values(buckets: Iterable, counter: ByteCount | None = None, *,
         values = [t.detach().clone() if copies else t.data for t in bucket.params]
         own_dtype = bucket.buffer.dtype == bucket.params[0].dtype
         buffer = kernels.overlap_average(values, bucket.layout,
-                                         lambda b, g=bucket.group: dist.all_reduce(b, group=g),
+                                         lambda b, g=bucket.group: wait(dist.all_reduce(b, group=g, async_op=True),
+                                                                        b.device),
                                          buffer=bucket.buffer if own_dtype else None)
         if counter is not None:
             counter.add("all_reduce", bucket.layout.total_numel * buffer.element_size(), len(bucket.plan.holders))

@@ -2,7 +2,8 @@
 
 Tiny helpers in the style of nanochat's ``common.py``: `get_dist_info` reads torchrun's
 environment, `default_device` picks the rank's device, `collective_timeout` is every collective's
-and group's timeout, `print0` prints on rank 0. Creating the default group, launching ranks and
+and group's timeout, `wait` waits for a collective (`watch_waits`: and gives it up when the caller
+says so), `print0` prints on rank 0. Creating the default group, launching ranks and
 agreeing on restarts is the trainer's (`sdp_train.trainer.launch`). This module decides nothing
 about SDP itself.
 """
@@ -10,6 +11,7 @@ about SDP itself.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -97,3 +99,41 @@ def split_resources_shared() -> bool:
 def print0(*args, **kwargs) -> None:
     if get_dist_info().is_main:
         print(*args, **kwargs, flush=True)
+
+
+WATCH_EVERY = timedelta(seconds=1)
+_watch: Callable[[], str | None] | None = None
+
+
+def watch_waits(check: Callable[[], str | None] | None) -> None:
+    """While `check` is set, `wait` asks it every `WATCH_EVERY` whether to give up a gloo collective that
+    has not completed (a string: why, raised as RuntimeError); None: wait until the collective ends.
+
+    Why: a peer that fails out of a collective does not always close its connections at once (its
+    process groups can outlive ``destroy_process_group`` while gloo's threads still hold them), so a
+    rank blocked on it would wait for the whole collective timeout. The trainer's worker-loss recovery
+    sets a check that says when the survivors have begun agreeing on a loss (docs/design.md §7).
+    """
+    global _watch
+    _watch = check
+
+
+def wait(work: dist.Work, device: torch.device) -> None:
+    """``work.wait()``; on CPU (gloo) with a `watch_waits` check set, in slices of `WATCH_EVERY`, giving
+    the collective up when the check says so. A timed-out slice leaves the collective running
+    (``Work.wait(timeout)`` of gloo raises without aborting it); NCCL's wait is never sliced, since
+    its timeout aborts the communicator."""
+    check = _watch
+    if check is None or device.type != "cpu":
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timeout=WATCH_EVERY)
+            return
+        except RuntimeError:
+            if work.is_completed():  # the collective itself failed: its own error
+                raise
+        reason = check()
+        if reason is not None:
+            raise RuntimeError(f"gave up waiting for a collective: {reason}")

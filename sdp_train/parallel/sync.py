@@ -35,7 +35,7 @@ import kernels
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import SliceSpec
 from sdp_train.parallel.bucket_runs import BucketRun, bucket_run, place_buffers
-from sdp_train.parallel.dist import collective_timeout
+from sdp_train.parallel.dist import collective_timeout, wait
 from sdp_train.parallel.wire import ByteCount
 
 
@@ -404,7 +404,7 @@ class SyncEngine:
 
     def _wait(self, bucket: _Bucket) -> None:
         try:
-            bucket.work.wait()
+            wait(bucket.work, bucket.params[0].device)
         except RuntimeError as exc:  # gloo/NCCL report a timed-out or broken peer this way
             names = [a.name for a in bucket.plan.atoms]
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} tensors)" if len(names) > 3 else "")
@@ -453,7 +453,7 @@ class ParamBroadcaster:
             src = bucket.plan.holders[0]
             if self.rank == src:
                 kernels.pack(values, bucket.layout, bucket.buffer, backend=self.backend)
-            dist.broadcast(bucket.buffer, src=src)
+            wait(dist.broadcast(bucket.buffer, src=src, async_op=True), bucket.buffer.device)
             self.bytes.add("broadcast", bucket.buffer.numel() * bucket.buffer.element_size(), self.world_size)
             if self.rank not in bucket.plan.holders:
                 kernels.unpack(bucket.buffer, values, bucket.layout, mode="copy", backend=self.backend)
@@ -501,6 +501,6 @@ class BufferAverager:
         for bucket in self.buckets:
             kernels.pack(bucket.params, bucket.layout, bucket.buffer, scale=bucket.layout.inverse_coverage,
                          backend=self.backend)
-            dist.all_reduce(bucket.buffer, group=bucket.group)
+            wait(dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True), bucket.buffer.device)
             self.bytes.add("all_reduce", bucket.buffer.numel() * bucket.buffer.element_size(), len(bucket.plan.holders))
             kernels.unpack(bucket.buffer, bucket.params, bucket.layout, mode="copy", backend=self.backend)

@@ -168,9 +168,12 @@ def agreement_timeout() -> timedelta:
     """How long the survivors wait for each other to join an agreement: twice the collective timeout.
 
     A survivor learns of a loss from a collective that fails. One blocked in a collective with
-    another survivor that has already left it (for the agreement) fails only when that collective
-    times out, so it may join up to one collective timeout after the first; a wait of one timeout
-    would then decide without it, and it would stop although alive (seen under load in the suite).
+    another survivor that has already left it (for the agreement) gives the collective up within a
+    second of that survivor's joining the agreement (`loss_begun`, checked by gloo waits that take
+    longer: `sdp_train.parallel.dist.watch_waits`); a collective that is not watched (NCCL's, or a
+    gloo one outside the wrapper and the step's statistics) fails only when it times out, so a
+    survivor may join up to one collective timeout after the first; a wait of one timeout would then
+    decide without it, and it would stop although alive (seen under load in the suite).
     """
     return 2 * collective_timeout()
 
@@ -262,6 +265,14 @@ class Survival:
                                   welcome_mask=_welcome_mask(designed, admitted["rows"], joined, step, seed))
         survival.changes.append(change)
         return survival, info, change
+
+    def loss_begun(self) -> str | None:
+        """Why to give up a collective that waits (`sdp_train.parallel.dist.watch_waits`): another member
+        has begun agreeing on a loss (`agree`'s key of the next generation), so a peer of this
+        collective failed out of it; None while none has."""
+        prefix = f"sdp/loss{self.generation + 1}/joined"
+        began = [w for w in self.workers if w != self.worker and self.store.check([f"{prefix}{w}"])]
+        return f"worker {began[0]} began recovering from a lost worker" if began else None
 
     def admit(self, run, step: int, device: torch.device) -> MembershipChange | None:
         """At the boundary before `step` (a step follows): admit the replacements waiting in the store, if

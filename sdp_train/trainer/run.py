@@ -29,7 +29,7 @@ from torch import nn
 from sdp_train.errors import NonFiniteError
 from sdp_train.models import family_of
 from sdp_train.parallel import grads
-from sdp_train.parallel.dist import DistInfo
+from sdp_train.parallel.dist import DistInfo, wait
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import ByteCount
 from sdp_train.trainer.config import TrainConfig
@@ -194,7 +194,7 @@ class Run:
         own_sq = sync.grad_sq_norm()
         stats = torch.stack([loss.detach().float(), own_sq.float()])
         if self.info.world_size > 1:
-            dist.all_reduce(stats)
+            wait(dist.all_reduce(stats, async_op=True), stats.device)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
         if self.faults.kill(step, self.info.rank):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -65,7 +65,7 @@ from sdp_train.data import IMAGE_DATASETS, build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import block_map, model_class
 from sdp_train.parallel.blockmap import on_meta
-from sdp_train.parallel.dist import default_device, get_dist_info, print0
+from sdp_train.parallel.dist import default_device, get_dist_info, print0, watch_waits
 from sdp_train.parallel.grads import local
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import WIRE_MODEL
@@ -123,11 +123,14 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         if joining:
             survival, info, admitted = Survival.join(prep.mask, info.rank, device, restore=coverage_to_restore(prep),
                                                      seed=cfg.seed)
+            watch_waits(survival.loss_begun)
             return train_prepared(prep, info, device, survival, admitted=admitted)
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
         survival = (Survival.for_run(prep.mask, info, restore=coverage_to_restore(prep), rejoin=cfg.max_rejoins > 0,
                                      seed=cfg.seed) if cfg.on_worker_loss == "continue" else None)
+        if survival is not None:  # a survivor blocked on a peer that failed out gives up once recovery begins
+            watch_waits(survival.loss_begun)
         return train_prepared(prep, info, device, survival)
     except WorkerLossError as exc:  # the survivors cannot continue: one of them says why
         if exc.report:
@@ -142,6 +145,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
             dist.barrier()
         raise
     finally:
+        watch_waits(None)
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
 
 
