@@ -343,6 +343,7 @@ class SubnetworkSync(ModeSync):
             autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype,
             values_agree=not old.cut.keeps_whole_model, seed=old.seed, local_steps=old.local_steps, rounds=rounds)
         sdp.changes.bytes += old.changes.bytes  # what the schedule moved so far (`mask_change_bytes`)
+        _checkpointing_goes_on(sdp, old)
         if old.local_steps > 1 and sdp.steps and sdp.steps % old.local_steps == 0:
             sdp.average()  # the round's average, which the loss may have interrupted, among the survivors
         survivors = SubnetworkSync(sdp, sdp.module, info, fsdp=False)
@@ -369,6 +370,7 @@ class SubnetworkSync(ModeSync):
             autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype, values_agree=True, seed=old.seed,
             local_steps=old.local_steps, rounds=rounds)
         sdp.changes.bytes += old.changes.bytes
+        _checkpointing_goes_on(sdp, old)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
 
     def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
@@ -528,6 +530,13 @@ def _joined_position(mask: Mask, joining: Rounds | None, local_steps: int) -> tu
     if joining is None or (joining.mask.schedule.is_static and local_steps == 1):
         return mask, None
     return (mask if joining.mask.schedule.is_static else joining.mask), joining
+
+
+def _checkpointing_goes_on(sdp: SubnetworkDataParallel, old: SubnetworkDataParallel) -> None:
+    """A survivors' or members' wrapper is built with ``activation_checkpointing=False``, since the blocks it
+    keeps are checkpointed inside already; the blocks it gains at later mask changes or hand-overs, and the
+    wrapper after it, must still be checkpointed as the run's are."""
+    sdp.activation_checkpointing = sdp.changes.activation_checkpointing = old.activation_checkpointing
 
 
 def _moves_parts(cfg: Any, mask: Mask) -> bool:
