@@ -1,9 +1,10 @@
-"""Helpers for multi-rank tests: launch a script on K local gloo ranks through torchrun."""
+"""Helpers for multi-rank tests: launch a script on K local gloo ranks through torchrun, pick a free port."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,13 @@ def torchrun(nproc: int, args: list[str], *, timeout: float = 300, interpret_tri
     if proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
     return proc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a launch's store or rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_rank_script(nproc: int, case: str, spec: dict, out: Path, *, interpret_triton: bool = False) -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY, KILL_STEP, KILL_RANK = 6, 2, 3, 1
@@ -28,19 +29,13 @@ ARGS = ["--model", "llama-debug", "--mode", "bsdp", "--active", "0.5", "--worker
         "--memory-steps", "0", "--checkpoint-every", str(EVERY), "--seed", "3"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_worker_killed_on_one_of_two_nodes_is_restarted_and_the_run_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
            "SDP_COLLECTIVE_TIMEOUT_S": "30", "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{KILL_RANK}"}
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", tmp_path.name,
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", tmp_path.name,
              "--max-restarts", "2", "--monitor-interval", "0.2", "-m", "sdp_train.cli", "train", *ARGS,
              "--out", str(out)]
     nodes = [subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)

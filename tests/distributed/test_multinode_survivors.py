@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,16 +24,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.distributed.conftest import free_port
 from tests.distributed.test_worker_loss import ARGS, KILL_STEP, STEPS, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 LOST_NODE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def members_rows(prep, step: int) -> tuple[list[int], np.ndarray]:
@@ -53,7 +47,7 @@ def test_the_survivors_of_a_lost_node_finish_as_the_reference_that_drops_its_wor
            "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{LOST_NODE}", "SDP_COLLECTIVE_TIMEOUT_S": "60",
            "SDP_NODE_TIMEOUT_S": "3"}
     argv = [sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", "bsdp", "--out", str(out),
-            "--nnodes", "3", "--master-port", str(_free_port())]
+            "--nnodes", "3", "--master-port", str(free_port())]
     nodes = [subprocess.Popen([*argv, "--node-rank", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=ROOT, env={**env, "SDP_TEST_NODE_DIES": str(int(n == LOST_NODE))})
              for n in range(3)]
