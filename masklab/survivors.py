@@ -54,7 +54,8 @@ def restored_mask(mask: Mask, lost: Iterable[int], *, coverage: int | None = Non
         the design keeps every survivor's ``fixed_bytes + sum of its blocks' sizes`` within its
         budget (`design_for_costs`), and so does the matching of rows to survivors.
     fixed_bytes : int or sequence of int
-        Bytes every worker holds whatever its blocks, one int or one per row of `mask`.
+        With `budgets`: bytes every worker holds whatever its blocks, counted against its budget, one
+        int or one per row of `mask`.
 
     Returns
     -------
@@ -68,8 +69,8 @@ def restored_mask(mask: Mask, lost: Iterable[int], *, coverage: int | None = Non
     MaskError
         A loss that leaves a block without holder, a schedule, or an invalid `coverage`/`groups`.
     DesignError
-        `budgets` or `sizes` of the wrong length or value, `budgets` with `groups`, or no mask found
-        for the survivors fits their budgets (`design_for_costs`'s message names the worker).
+        `budgets` or `sizes` of the wrong length or value, `budgets` with `groups`, `fixed_bytes`
+        without `budgets`, or no mask found for the survivors fits their budgets (`design_for_costs`'s message names the worker).
 
     Examples
     --------
@@ -95,16 +96,18 @@ def restored_mask(mask: Mask, lost: Iterable[int], *, coverage: int | None = Non
     target = min(int(target), kept.workers)
     weights = _block_bytes(mask, sizes)
     survivors = [k for k in range(mask.workers) if k not in set(lost)]
-    room = None
-    if budgets is not None or not isinstance(fixed_bytes, (int, np.integer)) or fixed_bytes:
+    room = fixed = None  # with budgets: what each survivor's blocks may take, and what it holds besides
+    if budgets is not None:
         from masklab.costs import per_worker
 
         if groups is not None:
-            raise DesignError("budgets and fixed_bytes of restored_mask are per block-level worker; N-SDP's neuron "
-                              f"groups (groups={groups}) are spread over every survivor by neuron_design")
+            raise DesignError("budgets of restored_mask are per block-level worker; N-SDP's neuron groups "
+                              f"(groups={groups}) are spread over every survivor by neuron_design")
         fixed = np.array(per_worker("fixed_bytes", fixed_bytes, mask.workers))[survivors]
-        if budgets is not None:
-            room = np.array(per_worker("budgets", budgets, mask.workers, minimum=1))[survivors] - fixed
+        room = np.array(per_worker("budgets", budgets, mask.workers, minimum=1))[survivors] - fixed
+    elif not isinstance(fixed_bytes, (int, np.integer)) or fixed_bytes:
+        raise DesignError(f"fixed_bytes={fixed_bytes!r} counts against budgets, and budgets is None: give budgets "
+                          "too, or leave fixed_bytes 0")
     if int(kept.coverage.min()) >= target:
         return kept
     if groups is None and (room is not None or len(set(weights.tolist())) > 1):
@@ -112,7 +115,7 @@ def restored_mask(mask: Mask, lost: Iterable[int], *, coverage: int | None = Non
 
         new = design_for_costs([int(w) for w in weights], kept.workers, min_coverage=target,
                                budgets=None if room is None else [int(r + f) for r, f in zip(room, fixed)],
-                               fixed_bytes=[int(f) for f in fixed] if room is not None else None, seed=seed)
+                               fixed_bytes=None if fixed is None else [int(f) for f in fixed], seed=seed)
     elif groups is None:
         new = design(kept.workers, kept.blocks, coverage=target, construction=construction, seed=seed)
     else:

@@ -128,7 +128,7 @@ def test_equal_block_sizes_restore_as_block_counts_do(mask, data):
     assert same.matrix.tolist() == restored_mask(mask, lost, seed=0).matrix.tolist()
 
 
-def test_budgets_are_refused_for_neuron_groups_and_sizes_must_fit_the_mask():
+def test_budgets_are_refused_for_neuron_groups_fixed_bytes_need_budgets_and_sizes_must_fit_the_mask():
     from masklab import neuron_design
 
     mask = neuron_design(4, 3, 4, coverage=2, seed=1)
@@ -138,3 +138,5 @@ def test_budgets_are_refused_for_neuron_groups_and_sizes_must_fit_the_mask():
         restored_mask(mask, [2], sizes=[1, 2])
     with pytest.raises(DesignError, match="budgets has 2 entries but there are K=3 workers"):
         restored_mask(Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), [0], budgets=[9, 9])
+    with pytest.raises(DesignError, match="fixed_bytes=5 counts against budgets, and budgets is None"):
+        restored_mask(Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), [0], fixed_bytes=5)
