@@ -240,6 +240,12 @@ def node_of(args: argparse.Namespace, cfg: TrainConfig):
     if cfg.workers % nodes:
         raise ConfigError(f"--workers {cfg.workers} must be a multiple of --nnodes {nodes}: each node starts "
                           "an equal share")
+    from sdp_train.trainer.survivor_launcher import node_timeout
+
+    try:
+        node_timeout()  # read by node 0's launcher while the run goes: refused now, before any rank starts
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return Node(nodes, rank, args.master_addr, args.master_port)
 
 

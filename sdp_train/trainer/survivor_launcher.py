@@ -71,14 +71,21 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
     input error; 1 otherwise; 128 + the signal's number when interrupted (this node's ranks are stopped).
     """
     timeout = collective_timeout()
-    if node.rank == 0:
-        store = dist.TCPStore(node.master_addr if node.nodes > 1 else "127.0.0.1", node.master_port,
-                              is_master=True, wait_for_workers=False, timeout=timeout)
-        run_id = uuid.uuid4().hex
-        store.set(RUN_ID_KEY, run_id)
-    else:
-        store = dist.TCPStore(node.master_addr, node.master_port, is_master=False, timeout=timeout)
-        run_id = store.get(RUN_ID_KEY).decode()  # waits for node 0
+    try:
+        if node.rank == 0:
+            store = dist.TCPStore(node.master_addr if node.nodes > 1 else "127.0.0.1", node.master_port,
+                                  is_master=True, wait_for_workers=False, timeout=timeout)
+            run_id = uuid.uuid4().hex
+            store.set(RUN_ID_KEY, run_id)
+        else:
+            store = dist.TCPStore(node.master_addr, node.master_port, is_master=False, timeout=timeout)
+            run_id = store.get(RUN_ID_KEY).decode()  # waits for node 0
+    except dist.DistError as exc:  # a port in use, or node 0 not reached within the collective timeout
+        what = "host the store on port" if node.rank == 0 else "reach node 0's store at"
+        where = f"{node.master_addr}:{node.master_port}" if node.rank else str(node.master_port)
+        print(f"sdp: node {node.rank}: cannot {what} {where} (--master-addr, --master-port): "
+              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr, flush=True)
+        return 1
     ranks = node.ranks(nproc)
     with tempfile.TemporaryDirectory(prefix="sdp-ranks-") as errors:
         def start(rank: int, joining: bool) -> subprocess.Popen:
@@ -150,7 +157,7 @@ class _Nodes:
 
     def __init__(self, store: dist.Store, node: Node, world_size: int) -> None:
         self.store, self.node, self.world_size = store, node, world_size
-        self.timeout = float(os.environ.get(NODE_TIMEOUT_ENV, "15"))
+        self.timeout = node_timeout()
         self.seen = {n: (-1, time.monotonic()) for n in range(1, node.nodes)}  # node -> (beat, when it changed)
         self.lost: set[int] = set()
 
@@ -196,6 +203,18 @@ class _Nodes:
                 time.sleep(0.05)
         return {r: codes[r] if r in codes else (NODE_LOST if mark == NODE_LOST else int(mark))
                 for r, mark in marks.items()}
+
+
+def node_timeout() -> float:
+    """Seconds without a node's beat before node 0 counts it lost (``SDP_NODE_TIMEOUT_S``, default 15)."""
+    raw = os.environ.get(NODE_TIMEOUT_ENV, "15")
+    try:
+        seconds = float(raw) if raw.isascii() else float("nan")
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{NODE_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return seconds
 
 
 def beat_key(node: int) -> str:

@@ -15,7 +15,7 @@ from sdp_train.cli import build_parser
 from sdp_train.cli.train import config_from_args, node_of
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.membership import MEMBERS_KEY, exited_key
-from sdp_train.trainer.survivor_launcher import NODE_LOST, Node, _Nodes, beat_key, done_key
+from sdp_train.trainer.survivor_launcher import NODE_LOST, Node, _Nodes, beat_key, done_key, launch_keeping_survivors
 
 
 @pytest.fixture
@@ -46,6 +46,24 @@ def test_bad_node_flags_are_refused_in_one_line_naming_the_flag(flags, message):
     with pytest.raises(ConfigError) as info:
         _node(*flags)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_node_timeout_is_refused_before_launch_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv("SDP_NODE_TIMEOUT_S", value)
+    with pytest.raises(ConfigError, match=f"SDP_NODE_TIMEOUT_S='{value}' must be a positive number of seconds"):
+        _node("--workers", "4", "--nnodes", "2", "--on-worker-loss", "continue")
+
+
+def test_a_node_that_cannot_reach_node_0s_store_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("SDP_COLLECTIVE_TIMEOUT_S", "1")
+    from tests.distributed.conftest import free_port
+
+    port = free_port()  # nothing listens there
+    assert launch_keeping_survivors(["train"], 2, node=Node(2, 1, "127.0.0.1", port)) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"sdp: node 1: cannot reach node 0's store at 127.0.0.1:{port} (--master-addr, --master-port)")
+    assert "\n" not in err
 
 
 def test_the_node_flags_give_this_launchers_place():
