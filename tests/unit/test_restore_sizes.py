@@ -40,7 +40,7 @@ def test_block_level_sizes_are_the_parameter_and_buffer_elements_only_a_blocks_h
     assert len(set(expected)) > 1
 
 
-def test_resnet_survivors_hold_fewer_bytes_at_most_than_with_counts_balanced():
+def test_resnet_survivors_largest_holds_fewer_elements_than_with_block_counts_balanced():
     prep = _prepared("bsdp", **RESNET)
     restore = coverage_to_restore(prep)
     sizes = np.array(restore["sizes"])
