@@ -70,7 +70,8 @@ def restored_mask(mask: Mask, lost: Iterable[int], *, coverage: int | None = Non
         A loss that leaves a block without holder, a schedule, or an invalid `coverage`/`groups`.
     DesignError
         `budgets` or `sizes` of the wrong length or value, `budgets` with `groups`, `fixed_bytes`
-        without `budgets`, or no mask found for the survivors fits their budgets (`design_for_costs`'s message names the worker).
+        without `budgets`, or no mask found for the survivors fits their budgets
+        (`design_for_costs`'s message names the worker).
 
     Examples
     --------

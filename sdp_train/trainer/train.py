@@ -22,7 +22,8 @@ survivors reran, the workers lost and those left (workers of the original run), 
 seconds, the survivors' mask, whether it restores the designed coverage (``restore_coverage``) and
 the buffer bytes rank 0 moved for it, and per rejoin (``max_rejoins``) the step, the workers that
 ``joined`` and all workers in rank order, the designed mask's rows in that order (under a schedule, of
-the round in force), the seconds and the bytes rank 0 sent (that step's metrics line has ``membership``; `sdp_train.trainer.membership`);
+the round in force), the seconds and the bytes rank 0 sent (that step's metrics line has ``membership``;
+`sdp_train.trainer.membership`);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
 ``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
