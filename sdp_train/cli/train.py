@@ -44,6 +44,7 @@ _FLAGS = {  # flag -> (TrainConfig field, type)
     "--log-every": ("log_every", int), "--blocks": ("blocks", str), "--mlp": ("mlp", str), "--schedule": ("schedule", str),
     "--every": ("every", int), "--local-steps": ("local_steps", int), "--loss-chunks": ("loss_chunks", int),
     "--dtype": ("dtype", str), "--bn-recalibration": ("bn_recalibration", int),
+    "--restore-budgets": ("restore_budgets", str),
 }
 _CHOICES = {"mode": MODES, "dtype": COMPUTE_DTYPES, "nonfinite": NONFINITE_POLICIES, "schedule": SCHEDULE_KINDS,
             "on_worker_loss": WORKER_LOSS_POLICIES}
@@ -103,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE", help="JSON file of TrainConfig fields; flags override it")
     docs = {f.name: f for f in fields(TrainConfig)}
     texts = field_help(TrainConfig)
-    metavars = {"model": "NAME|FILE.py:FACTORY", "mlp": "IN[,IN...]:OUT"}
+    metavars = {"model": "NAME|FILE.py:FACTORY", "mlp": "IN[,IN...]:OUT", "restore_budgets": "SIZES"}
     for flag, (name, typ) in _FLAGS.items():
         kwargs = {"choices": _CHOICES[name]} if name in _CHOICES else {}
         p.add_argument(flag, dest=name, type=typ, default=None, metavar=metavars.get(name, name.upper()),

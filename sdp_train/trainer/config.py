@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from masklab.costs import parse_budgets
 from masklab.design import ACTIVE_TOLERANCE, exact_coverage
 from masklab.errors import DesignError
 from sdp_train.errors import ConfigError
@@ -166,6 +167,15 @@ class TrainConfig:
     state, from its lowest-ranked surviving holder. False: the lost rows are dropped and a block keeps
     its other holders only (coverage falls). A replacement that rejoins (`max_rejoins`) gives the
     run its designed mask back."""
+    restore_budgets: str | None = None
+    """With `restore_coverage` at block level (modes ``bsdp``, ``bbsdp``) and a built-in model: one memory
+    budget per worker (``"80GB,80GB,24GB,24GB"``, as ``sdp plan --budgets`` reads them, as many as
+    `workers`) that the survivors' restored mask keeps every survivor within (`restored_mask`'s
+    ``budgets``): what it holds whatever its blocks (the shared parameters, e.g. the embedding, head and
+    norms, with their gradients and AdamW state; in ``bbsdp`` also every block's parameters and every
+    buffer) plus what each of its blocks adds (`sdp_train.trainer.train.coverage_to_restore`; activations
+    and communication buffers are not counted: leave headroom). A loss after which no mask with the
+    designed coverage fits the survivors' budgets stops the run, in one line naming them. None: no budget."""
     max_rejoins: int = 0
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``; a static mask or a schedule, and
     in ``bsdp`` and ``nsdp`` local steps): start a replacement for a lost worker, up to this many times
@@ -201,7 +211,7 @@ class TrainConfig:
         for name in ("model", "construction", "data", "out"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
-        for name in ("mask", "resume", "blocks", "mlp", "schedule"):
+        for name in ("mask", "resume", "blocks", "mlp", "schedule", "restore_budgets"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a string or null")
         for name in ("heterogeneous", "activation_checkpointing", "fsdp", "tensorboard", "save_model",
@@ -252,6 +262,7 @@ class TrainConfig:
                               f"(--local-steps): each round of {self.local_steps} steps trains under one mask")
         self._check_compile()
         self._check_worker_loss()
+        self._check_restore_budgets()
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is not one of {NONFINITE_POLICIES}")
         if self.dtype not in COMPUTE_DTYPES:
@@ -340,6 +351,30 @@ class TrainConfig:
                    f"{self.mode!r}: overlap averaging's workers each keep a copy of their own")
         if why is not None:
             raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
+
+    def _check_restore_budgets(self) -> None:
+        if self.restore_budgets is None:
+            return
+        flag = f"restore_budgets={self.restore_budgets!r} (--restore-budgets)"
+        if not self.restore_coverage or self.level != "block":
+            raise ConfigError(f"{flag} are the memory budgets a block-level restore designs within: they need "
+                              "restore_coverage (--restore-coverage) in mode 'bsdp' or 'bbsdp', got "
+                              f"restore_coverage={self.restore_coverage}, mode {self.mode!r}")
+        if is_user_model(self.model):
+            raise ConfigError(f"{flag} weighs a built-in model's blocks; the blocks of your own model "
+                              f"{self.model!r} have no sizes to keep within budgets")
+        try:
+            budgets = parse_budgets(self.restore_budgets)
+        except DesignError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
+        if len(budgets) != self.workers:
+            raise ConfigError(f"{flag} gives {len(budgets)} sizes but workers={self.workers} (--workers): give one "
+                              "per worker")
+
+    @property
+    def restore_budget_bytes(self) -> list[int] | None:
+        """`restore_budgets` in bytes, one per worker (None without budgets)."""
+        return None if self.restore_budgets is None else parse_budgets(self.restore_budgets)
 
     @property
     def level(self) -> str | None:

@@ -212,11 +212,11 @@ class Survival:
     """This rank's side of ``--on-worker-loss continue``: its worker number in the original run, the
     workers of the current world (rank order), the mask in force and the changes so far.
 
-    `restore`: keyword arguments of `masklab.survivors.restored_mask` (``coverage``, ``groups``,
-    ``seed``) to restore the designed coverage after a loss (``--restore-coverage``); None keeps the
-    survivors' rows as they are. `designed`: the run's mask, one row per worker of the original run,
-    which workers that join take back (``--max-rejoins``; under a schedule, its rounds drawn with
-    `seed`); None: nobody joins."""
+    `restore`: keyword arguments of `masklab.survivors.restored_mask` (``coverage``, ``groups``, ``seed``,
+    ``sizes``; ``budgets``, one per worker of the original run, with ``fixed_bytes``) to restore the
+    designed coverage after a loss (``--restore-coverage``); None keeps the survivors' rows as they are.
+    `designed`: the run's mask, one row per worker of the original run, which workers that join take
+    back (``--max-rejoins``; under a schedule, its rounds drawn with `seed`); None: nobody joins."""
 
     def __init__(self, store: dist.Store, worker: int, workers: Sequence[int], mask: Mask, *,
                  restore: Mapping[str, Any] | None = None, designed: Mask | None = None, seed: int = 0) -> None:
@@ -345,11 +345,19 @@ class Survival:
         if self.restore is None:
             return change
         lost = [k for k, w in enumerate(self.workers) if w in change.lost]
+        restore = dict(self.restore)
+        within = ""
+        if "budgets" in restore:  # one per worker of the run: those of this world's workers, in rank order
+            restore["budgets"] = [restore["budgets"][w] for w in self.workers]
+            kept = [b for b, w in zip(restore["budgets"], self.workers) if w in change.workers]
+            within = (f" within their memory budgets (--restore-budgets: {kept} bytes, {restore['fixed_bytes']} of "
+                      "each held whatever its blocks; a worker number below counts the survivors from 0)")
         try:
-            mask = restored_mask(self.mask, lost, **self.restore)
+            mask = restored_mask(self.mask, lost, **restore)
         except (DesignError, MaskError) as exc:
             raise WorkerLossError(f"step {step}: the survivors {list(change.workers)} cannot restore the designed "
-                                  f"coverage: {exc}; restart from a checkpoint (--resume)", report=report) from None
+                                  f"coverage{within}: {exc}; restart from a checkpoint (--resume)",
+                                  report=report) from None
         if np.array_equal(mask.matrix, change.mask.matrix):
             return change
         return dataclasses.replace(change, mask=mask, restored=True)

@@ -65,7 +65,7 @@ from masklab.io import atomic_write_text, mask_to_dict
 from sdp_train.data import IMAGE_DATASETS, build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import block_map, model_class
-from sdp_train.parallel.blockmap import on_meta
+from sdp_train.parallel.blockmap import BlockMap, on_meta
 from sdp_train.parallel.dist import default_device, get_dist_info, print0, watch_waits
 from sdp_train.parallel.grads import local
 from sdp_train.parallel.rounds import Rounds
@@ -332,8 +332,9 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
 def coverage_to_restore(prep: Prepared) -> dict[str, Any] | None:
     """With ``restore_coverage``: what `masklab.survivors.restored_mask` designs the survivors' mask with
     (the start mask's least coverage, N-SDP's neuron groups per block, the run's seed, and at block level
-    a built-in family's elements per block, its parameters' and buffers', so that the survivors' bytes
-    stay balanced where blocks differ in size, as in a ResNet); else None."""
+    a built-in family's bytes per block, `holder_bytes`, so that the survivors' bytes stay balanced where
+    blocks differ in size, as in a ResNet; with ``restore_budgets`` the budgets and the bytes every worker
+    holds whatever its blocks); else None."""
     cfg = prep.config
     if not cfg.restore_coverage:
         return None
@@ -342,8 +343,28 @@ def coverage_to_restore(prep: Prepared) -> dict[str, Any] | None:
         groups = USER_NEURON_GROUPS if isinstance(prep.model_config, UserModel) else prep.model_config.neuron_groups
     elif not isinstance(prep.model_config, UserModel):
         bmap = block_map(prep.model_config)
-        sizes = [sum(math.prod(bmap.shapes[n]) for n, _ in block.tensors) for block in bmap.blocks["block"]]
-    return {"coverage": int(prep.mask.coverage.min()), "groups": groups, "seed": cfg.seed, "sizes": sizes}
+        sizes = [holder_bytes(bmap, [n for n, _ in block.tensors], cfg.mode) for block in bmap.blocks["block"]]
+    restore = {"coverage": int(prep.mask.coverage.min()), "groups": groups, "seed": cfg.seed, "sizes": sizes}
+    if cfg.restore_budgets is not None:  # block level, a built-in family (TrainConfig checks)
+        every_block = holder_bytes(bmap, list(bmap.shapes), "bsdp")  # a worker that holds every tensor whole
+        restore |= {"budgets": cfg.restore_budget_bytes, "fixed_bytes": every_block - sum(sizes)}
+    return restore
+
+
+ELEMENT_BYTES = 4  # float32: parameters, gradients and AdamW state stay float32 under bfloat16 autocast too
+PARAMETER_BYTES = 4 * ELEMENT_BYTES  # a parameter, its gradient and AdamW's two moments, per element
+
+
+def holder_bytes(bmap: BlockMap, names: Sequence[str], mode: str) -> int:
+    """The bytes of the tensors `names` of `bmap`'s model that a worker keeps only where it holds them in
+    `mode`: `PARAMETER_BYTES` per parameter element and `ELEMENT_BYTES` per buffer element; in Bb-SDP,
+    whose workers run every block, a parameter's gradient and AdamW state only. Activations and
+    communication buffers are not counted."""
+    if mode == "bbsdp":
+        return sum((PARAMETER_BYTES - ELEMENT_BYTES) * math.prod(bmap.shapes[n]) for n in names
+                   if n in bmap.parameter_names)
+    return sum((PARAMETER_BYTES if n in bmap.parameter_names else ELEMENT_BYTES) * math.prod(bmap.shapes[n])
+               for n in names)
 
 
 def report_change(change: MembershipChange, info, steps: int, *, applied: bool = False) -> None:
