@@ -23,6 +23,10 @@ over all of them each round, as in local SGD. Floating-point buffers (BatchNorm 
 averaged with their block. Gradient clipping is local (``torch.nn.utils.clip_grad_norm_`` on this
 worker's model is the right call here: no worker's gradient is averaged with another's).
 
+After a lost worker the survivors go on with `OverlapAveraging.for_survivors`; a worker that rejoins
+gets its copy and optimizer state from the holders (`OverlapAveraging.welcome`; `welcome_holdings`
+says who sends what).
+
 Not here: stepwise SDP, in which holders agree at every step (`sdp_train.parallel.wrapper`), and overlap
 averaging with forward masking, where a worker keeps a copy only of what it holds
 (``SubnetworkDataParallel(..., local_steps=H)``, which moves blocks at a mask change).
@@ -41,13 +45,14 @@ from torch import nn
 from masklab import Mask, Schedule
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.averaging import average_values
-from sdp_train.parallel.blockmap import WHOLE
+from sdp_train.parallel.blockmap import WHOLE, SliceSpec
 from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.export import save_safetensors
 from sdp_train.parallel.forwarding import ForwardWithModelSignature, signature_of
-from sdp_train.parallel.masking import describe
+from sdp_train.parallel.masking import ModelLayout, describe
 from sdp_train.parallel.parts import resolve_mask
 from sdp_train.parallel.rounds import Rounds
+from sdp_train.parallel.schedule import move_optimizer_state, send_parts
 from sdp_train.parallel.sync import _Bucket, holder_set_groups, plan_buckets, unpin_default_group
 from sdp_train.parallel.wire import ByteCount
 
@@ -176,10 +181,42 @@ class OverlapAveraging(nn.Module):
         `close` on this one first and `register_optimizer` on the new one."""
         if not self.mask.schedule.is_static:
             raise ConfigError("overlap averaging continues after a lost worker with a static mask only")
-        new = OverlapAveraging(self.module, mask=mask, blocks=list(self.layout.blocks), local_steps=self.local_steps,
-                               seed=self.seed, _start_equal=False)
-        new.load_schedule_state(self.schedule_state())
+        return self.joining(self.module, mask=mask, blocks=list(self.layout.blocks), local_steps=self.local_steps,
+                            seed=self.seed, steps=self.steps)
+
+    def for_joiners(self, mask: Mask) -> OverlapAveraging:
+        """This wrapper over a new world that workers join (the members' ranks first, the joiners' last;
+        `mask` their rows of a static mask): the same module, each member's own copy and the step count
+        kept, as `for_survivors`. Every rank then calls `welcome`."""
+        if not self.mask.schedule.is_static:
+            raise ConfigError("overlap averaging takes a worker back with a static mask only")
+        return self.joining(self.module, mask=mask, blocks=list(self.layout.blocks), local_steps=self.local_steps,
+                            seed=self.seed, steps=self.steps)
+
+    @classmethod
+    def joining(cls, module: nn.Module, *, mask: Mask, blocks: Sequence[str], local_steps: int, seed: int,
+                steps: int) -> OverlapAveraging:
+        """A wrapper that goes on from `steps` optimizer steps taken, in a world whose copies exist already
+        (a member's, a survivor's) or come afterwards (a joiner's, by `welcome`): nothing is broadcast when
+        it starts. Call `register_optimizer` on it."""
+        new = cls(module, mask=mask, blocks=blocks, local_steps=local_steps, seed=seed, _start_equal=False)
+        new.load_schedule_state({"steps": steps})
         return new
+
+    def welcome(self, optimizer: torch.optim.Optimizer, joiners: Sequence[int]) -> int:
+        """Give the ranks `joiners` their copy of the model and the optimizer state of what they hold, at a
+        round's boundary (right after an average, where every block's holders agree): every tensor, the
+        shared ones and the blocks a joiner does not hold included, from its lowest-ranked holder among the
+        members, bit for bit, and the `optimizer` state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``) of
+        each parameter a joiner holds likewise (`welcome_holdings`). A collective: every rank calls it, a
+        joiner after building this wrapper and its optimizer. Returns the buffer bytes broadcast."""
+        matrix = self.round_matrix(self.steps)
+        members, copies, held = welcome_holdings(self.layout, matrix, joiners)
+        tensors = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
+        moved = ByteCount()
+        send_parts(self.module, tensors, members, copies, [], self.rank, self._device, moved)
+        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, members, held, self.rank, moved)
+        return moved.buffer
 
     def step_done(self) -> None:
         """One optimizer step has been taken (the registered hook calls this; every rank must).
@@ -308,6 +345,32 @@ class OverlapAveraging(nn.Module):
             dist.barrier()
 
 
+def welcome_holdings(layout: ModelLayout, matrix: np.ndarray, joiners: Sequence[int]
+                     ) -> tuple[list[dict[str, SliceSpec]], list[dict[str, SliceSpec]], list[dict[str, SliceSpec]]]:
+    """What moves to the ranks `joiners` of an overlap-averaging world whose rows of the mask in force are
+    `matrix`, as per-rank holdings for `sdp_train.parallel.schedule`'s movers, which send each tensor a
+    rank newly holds from its lowest-ranked holder in the first: ``(members, copies, held)``.
+
+    `members`: what each rank sends from, a member's held tensors (blocks of its row and the shared
+    tensors), a joiner's nothing. `copies`: the values each rank ends with, a joiner's every tensor (its
+    copy of the whole model, the blocks it does not hold too: their holders' values are the freshest, and
+    a copy of a block its worker does not hold is only read in the forward), a member's its `members`
+    entry (nothing moves to a member). `held`: each rank's held tensors, whose optimizer state moves.
+
+    >>> import torch.nn as nn
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> layout = describe(model, ["0", "1"], "block")
+    >>> members, copies, held = welcome_holdings(layout, np.array([[1, 0], [0, 1], [1, 0]]), [2])
+    >>> sorted(copies[2]), sorted(held[2]), members[2]
+    (['0.bias', '0.weight', '1.bias', '1.weight'], ['0.bias', '0.weight'], {})
+    """
+    held = [layout.held(row) for row in np.asarray(matrix)]
+    members = [{} if r in joiners else part for r, part in enumerate(held)]
+    every = dict.fromkeys(layout.tensors, WHOLE)
+    copies = [every if r in joiners else part for r, part in enumerate(members)]
+    return members, copies, held
+
+
 class _Placeholder:
     """A bucket this rank does not hold: it only keeps the plan (and so the global order)."""
 
@@ -324,4 +387,4 @@ def _weak(ref: weakref.ref, method: str) -> Callable[..., None]:
     return hook
 
 
-__all__ = ["OverlapAveraging"]
+__all__ = ["OverlapAveraging", "welcome_holdings"]
