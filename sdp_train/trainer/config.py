@@ -32,7 +32,6 @@ WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_t
 # modes whose survivors can continue without rollback (static masks)
 SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")
 RESTORING_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose survivors can restore the designed coverage
-REJOINING_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose lost workers a replacement can take over (`max_rejoins`)
 
 
 @dataclass(kw_only=True)
@@ -177,17 +176,19 @@ class TrainConfig:
     and communication buffers are not counted: leave headroom). A loss after which no mask with the
     designed coverage fits the survivors' budgets stops the run, in one line naming them. None: no budget."""
     max_rejoins: int = 0
-    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``; a static mask or a schedule, and
-    in ``bsdp`` and ``nsdp`` local steps): start a replacement for a lost worker, up to this many times
-    in all, once the survivors have agreed on the loss. The replacement rejoins at the next step
-    boundary (with `local_steps` H, the next multiple of H, right after the holders' average; a model
-    of your own, ``FILE.py:FACTORY``, it builds from the factory and the library cuts, as at start): it
-    takes the lost worker's row of the mask (the run returns to the designed mask; under a schedule, to
-    the designed round's rows at the same step; with `restore_coverage` each member whose restored row
-    differs gains the blocks or neuron groups of its designed row, with their optimizer state, and
-    drops the others), receives its blocks (N-SDP: neuron groups; Bb-SDP: every block's values), the
-    shared parameters, buffers and optimizer state from their lowest-ranked holders and reads the lost
-    worker's data from the step it joins at; no checkpoint is loaded (`sdp_train.trainer.membership`)."""
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, a static mask or a schedule, and
+    in ``bsdp`` and ``nsdp`` local steps; mode ``overlap``, a static mask): start a replacement for a lost
+    worker, up to this many times in all, once the survivors have agreed on the loss. The replacement
+    rejoins at the next step boundary (with `local_steps` H, also in ``overlap``, the next multiple of H,
+    right after the holders' average; a model of your own, ``FILE.py:FACTORY``, it builds from the
+    factory and the library cuts, as at start): it takes the lost worker's row of the mask (the run
+    returns to the designed mask; under a schedule, to the designed round's rows at the same step; with
+    `restore_coverage` each member whose restored row differs gains the blocks or neuron groups of its
+    designed row, with their optimizer state, and drops the others), receives its blocks (N-SDP: neuron
+    groups; Bb-SDP: every block's values; ``overlap``: its copy of every block, those it does not hold
+    too), the shared parameters, buffers and optimizer state from their lowest-ranked holders and reads
+    the lost worker's data from the step it joins at; no checkpoint is loaded
+    (`sdp_train.trainer.membership`)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With
@@ -346,9 +347,6 @@ class TrainConfig:
                    f"{self.mode!r}: overlap averaging's survivors keep the lost worker's rows dropped")
         elif self.workers < 2:
             why = f"workers={self.workers}: a single worker has no survivor"
-        elif self.max_rejoins and self.mode not in REJOINING_MODES:
-            why = (f"mode {', '.join(REJOINING_MODES)} for max_rejoins={self.max_rejoins} (--max-rejoins), got mode "
-                   f"{self.mode!r}: overlap averaging's workers each keep a copy of their own")
         if why is not None:
             raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) needs {why}")
 

@@ -441,6 +441,18 @@ class OverlapSync(ModeSync):
             overlap.average()
         return OverlapSync(overlap, info)
 
+    def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> OverlapSync:
+        """The members' wrapper over the same copies and step count (`OverlapAveraging.for_joiners`), `mask`
+        the designed rows of `workers` (no restored coverage and no schedule here, so the members' rows
+        in force are their designed ones). The members admit only at a round's boundary, right after
+        the average, where every block's holders agree (`Survival.admit`)."""
+        return OverlapSync(self.overlap.for_joiners(mask), info)
+
+    def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
+        """Each joiner's copy of every tensor from its lowest-ranked holder among the members (the blocks it
+        does not hold too), and the AdamW state of what it holds likewise (`OverlapAveraging.welcome`)."""
+        self.moved_bytes = self.overlap.welcome(optimizer, joiners)
+
 
 def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: Rounds | None = None) -> ModeSync:
     """This rank's model, made and wrapped for ``prep.config.mode`` (`sdp_train.trainer.prepare.Prepared`).
@@ -496,7 +508,12 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: Roun
                         blocks=[(n, model.get_submodule(n)) for n in blocks])
         if cfg.compile is not None:
             compile_blocks(model, blocks, backend=compile_backend(cfg.compile))
-        overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps, seed=cfg.seed)
+        if joining is None:
+            overlap = OverlapAveraging(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps,
+                                       seed=cfg.seed)
+        else:  # at the members' step count, its copy from the holders afterwards (`ModeSync.welcome`)
+            overlap = OverlapAveraging.joining(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps,
+                                               seed=cfg.seed, steps=joining.steps)
         return OverlapSync(overlap, info)
     cut = Cut("backward" if cfg.mode == "bbsdp" else "forward", cfg.level)
     library_cut = user or (_moves_parts(cfg, designed) and not cut.keeps_whole_model)

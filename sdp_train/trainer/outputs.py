@@ -63,7 +63,7 @@ def mask_lines(mask: Mask, report: MaskReport) -> list[str]:
                  f"loss{'es' * (f != 1)} (min coverage - 1); fatal: {report.fatal_sets_text}; a lost worker stops the "
                  "run, or with --max-restarts restarts it from the last checkpoint, or with --on-worker-loss continue "
                  "(B-SDP, N-SDP, Bb-SDP, overlap averaging) the survivors go on without rollback, with "
-                 "--restore-coverage on a mask redesigned for them, with --max-rejoins (B-SDP, N-SDP, Bb-SDP) until a replacement "
+                 "--restore-coverage on a mask redesigned for them, with --max-rejoins until a replacement "
                  "takes the lost row back (RELIABILITY.md)")
     lines.append(f"  certificate (properties of the mask, not guarantees for this run: no theorem covers AdamW, warm-up, "
                  f"cosine decay or clipping): masking error {report.masking_error:.4g}, variance inflation "

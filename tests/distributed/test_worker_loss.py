@@ -24,7 +24,10 @@ up to step STEP and workers 1 and 2 from step STEP + 1 on, with their rows of th
 N-SDP's launch goes on (``--max-rejoins 1``, ``SDP_TEST_JOIN_AT_STEP=JOIN_STEP``): worker 0's replacement
 rejoins at JOIN_STEP, receives its neuron groups under the survivors' restored rows, and every worker then
 goes back to its designed row (`check_rejoined`, shared with tests/distributed/test_worker_loss_rejoin.py:
-the reference's members are workers 0-2 under the designed rows again from JOIN_STEP on).
+the reference's members are workers 0-2 under the designed rows again from JOIN_STEP on). So does overlap
+averaging's (tests/distributed/test_worker_loss_applied.py), without a restored mask: the replacement
+receives its copy of every tensor (the blocks it does not hold too) and the AdamW state of what it holds
+from their lowest-ranked holders, as `_overlap_reference` rebuilds worker 0 at JOIN_STEP.
 """
 
 from __future__ import annotations
@@ -52,8 +55,11 @@ LEVEL = {"bsdp": "block", "nsdp": "neuron", "bbsdp": "block", "overlap": "block"
 CHANGE_STEP = {"bsdp": KILL_STEP + 1, "nsdp": KILL_STEP + 1, "bbsdp": KILL_STEP, "overlap": KILL_STEP}
 RESTORES = ("bsdp", "nsdp", "bbsdp")  # launched with --restore-coverage; overlap averaging drops the lost row
 JOIN_STEP = KILL_STEP + 2  # where worker 0's replacement rejoins (`SDP_TEST_JOIN_AT_STEP`), after the rerun step
-REJOINS = ("nsdp",)  # launched with --restore-coverage --max-rejoins 1 too (`check_rejoined`)
-RESTORE_AND_REJOIN = ("--restore-coverage", "--max-rejoins", "1")
+REJOIN = ("--max-rejoins", "1")
+RESTORE_AND_REJOIN = ("--restore-coverage", *REJOIN)
+# launched with a replacement for worker 0 that rejoins (`check_rejoined`): N-SDP after --restore-coverage,
+# overlap averaging (which cannot restore) with its survivors' rows as they are
+REJOINS = {"nsdp": RESTORE_AND_REJOIN, "overlap": REJOIN}
 
 
 @pytest.fixture(scope="module", params=["bsdp", "nsdp"])  # bbsdp, overlap: test_worker_loss_applied.py
@@ -64,7 +70,7 @@ def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Pa
 def launch(mode: str, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
     """`run_mode`, for `REJOINS` with a replacement for worker 0 that rejoins at JOIN_STEP."""
     if mode in REJOINS:
-        return run_mode(mode, tmp_path_factory, RESTORE_AND_REJOIN, {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP)})
+        return run_mode(mode, tmp_path_factory, REJOINS[mode], {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP)})
     return run_mode(mode, tmp_path_factory)
 
 
@@ -139,7 +145,7 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, *extra, "--out", "unused"]))
     prep = prepare(cfg)
     if mode == "overlap":
-        return _overlap_reference(cfg, prep)
+        return _overlap_reference(cfg, prep, rejoin=cfg.max_rejoins > 0)
     model, _, subnetwork = from_sdp_train(prep.model_config, LEVEL[mode], seed=cfg.seed)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -171,10 +177,13 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     return model.state_dict(), losses
 
 
-def _overlap_reference(cfg, prep) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _overlap_reference(cfg, prep, *, rejoin: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Overlap averaging on one process: a copy and an AdamW per worker over its held blocks and the
     shared tensors, each clipped by its own norm; after every step each tensor is replaced by its
-    mean over its holders among the survivors of that step (the lost worker took no step 2)."""
+    mean over its holders among the survivors of that step (the lost worker took no step 2). With
+    `rejoin`, worker 0 is back from JOIN_STEP on, in the new world's rank order 1, 2, 0: its copy of
+    every tensor (the blocks it does not hold too) and the AdamW state of what it holds are those of
+    the tensor's lowest-ranked holder among workers 1 and 2, and it reads its batch of JOIN_STEP."""
     import copy
 
     from sdp_train.data import build_batches
@@ -200,12 +209,17 @@ def _overlap_reference(cfg, prep) -> tuple[dict[str, torch.Tensor], list[float]]
         copies.append(model)
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
     losses = []
+    survivors = [k for k in range(3) if k != KILL_RANK]
     for step in range(STEPS):
-        members = [0, 1, 2] if step < KILL_STEP else [k for k in range(3) if k != KILL_RANK]
+        if rejoin and step == JOIN_STEP:
+            _welcome(copies, opts, KILL_RANK, survivors, matrix, block)
+        members = ([0, 1, 2] if step < KILL_STEP or (rejoin and step >= JOIN_STEP)
+                   else survivors)
         stepping = [0, 1, 2] if step != KILL_STEP else members  # at KILL_STEP rank 0 computes its loss, then dies
         values = []
+        drawn = [next(b) for b in batches]  # a worker's stream moves with the steps: a joiner reads its step's
         for k in (range(3) if step <= KILL_STEP else members):
-            x, y = next(batches[k])
+            x, y = drawn[k]
             loss = loss_fn(copies[k](x), y)
             values.append(loss.item())
             if k in stepping:
@@ -223,12 +237,28 @@ def _overlap_reference(cfg, prep) -> tuple[dict[str, torch.Tensor], list[float]]
                 mean = sum(states[k][name] for k in holders) / len(holders)
                 for k in holders:
                     states[k][name].copy_(mean)
-    survivors = [k for k in range(3) if k != KILL_RANK]
     final = {}
     for name, value in copies[survivors[0]].state_dict().items():
-        holders = [k for k in survivors if block(name) is None or matrix[k, block(name)]]
+        holders = [k for k in (members if rejoin else survivors) if block(name) is None or matrix[k, block(name)]]
         final[name] = copies[holders[0]].state_dict()[name]
     return final, losses
+
+
+@torch.no_grad()
+def _welcome(copies: list, opts: list, joiner: int, members: list[int], matrix: np.ndarray, block) -> None:
+    """The joiner's copy of every tensor from the lowest-ranked member holding it (`members` in rank order),
+    and each AdamW state of a parameter it holds likewise (`OverlapAveraging.welcome`)."""
+    def source(name: str) -> int:
+        return next(k for k in members if block(name) is None or matrix[k, block(name)])
+
+    states = [dict(m.state_dict(keep_vars=True)) for m in copies]
+    params = [dict(m.named_parameters()) for m in copies]
+    for name, value in states[joiner].items():
+        value.copy_(states[source(name)][name])
+    for name, param in params[joiner].items():
+        if param.requires_grad:
+            held = params[source(name)][name]
+            opts[joiner].state[param] = {key: v.clone() for key, v in opts[source(name)].state[held].items()}
 
 
 def _backward_masked_update(model, matrix, members: list[int], batches: list, loss) -> dict[str, torch.Tensor]:
@@ -279,7 +309,7 @@ def common_part(specs: list[dict], ranks: list[dict], name: str) -> tuple[torch.
 @pytest.mark.slow
 def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_switches_to_the_survivors_mask(run):
     if run[0] in REJOINS:  # and, once the replacement rejoins, to the designed rows
-        check_rejoined(*run, restored=True)
+        check_rejoined(*run, restored=run[0] in RESTORES)
     else:
         check_survivors(*run)
 
@@ -372,8 +402,11 @@ def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, r
     specs = held_parts(mode, mask.matrix)
     for name in set().union(*ranks):
         holders = [r for r in range(3) if name in ranks[r]]
-        if LEVEL[mode] == "block" and mode != "bbsdp":  # forward masking keeps the held blocks only
-            block = int(name.split(".")[1]) if name.startswith("layers.") else None
+        block = int(name.split(".")[1]) if name.startswith("layers.") else None
+        if mode == "overlap":  # every rank keeps a copy of every tensor, of which the holders agree
+            assert holders == [0, 1, 2], name
+            holders = [r for r in range(3) if block is None or mask.matrix[r, block]]
+        elif LEVEL[mode] == "block" and mode != "bbsdp":  # forward masking keeps the held blocks only
             assert holders == [r for r in range(3) if block is None or mask.matrix[r, block]], name
         for r in holders[1:]:
             if mode == "bbsdp":
@@ -382,11 +415,11 @@ def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, r
                 a, b = common_part([specs[holders[0]], specs[r]], [ranks[holders[0]], ranks[r]], name)
                 assert torch.equal(a, b), (name, r)
 
-    expected, losses = reference(mode, RESTORE_AND_REJOIN if restored else ("--max-rejoins", "1"),
+    expected, losses = reference(mode, RESTORE_AND_REJOIN if restored else REJOIN,
                                  members_of=lambda prep, step: rejoin_rows(mode, prep, step, restored=restored))
     model = load_file(out / "model.safetensors")
     assert set(model) == set(expected)
-    atol = 5e-5 if mode == "bbsdp" else 1e-5  # Bb-SDP: as `check_survivors`
+    atol = 5e-5 if mode in ("bbsdp", "overlap") else 1e-5  # as `check_survivors`
     for name, value in expected.items():
         torch.testing.assert_close(model[name], value, rtol=1e-4, atol=atol, msg=name)
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)

@@ -1,6 +1,7 @@
 """Losing a worker in Bb-SDP (with ``--restore-coverage``) and overlap averaging (``--on-worker-loss
 continue``), whose survivors fail after applying the step (in the broadcast or the average of the new
-values) and go on with the next.
+values) and go on with the next; in overlap averaging worker 0's replacement then rejoins
+(``--max-rejoins 1``, `check_rejoined`).
 The runs and their checks are tests/distributed/test_worker_loss.py's (module doc there); a module of
 their own so that pytest-xdist runs them beside B-SDP's and N-SDP's."""
 
@@ -11,14 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_worker_loss import check_survivors, run_mode
+from tests.distributed.test_worker_loss import REJOINS, check_rejoined, check_survivors, launch
 
 
 @pytest.fixture(scope="module", params=["bbsdp", "overlap"])
 def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
-    return run_mode(request.param, tmp_path_factory)
+    return launch(request.param, tmp_path_factory)
 
 
 @pytest.mark.slow
 def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_switches_to_the_survivors_mask(run):
-    check_survivors(*run)
+    if run[0] in REJOINS:  # overlap averaging: and, once the replacement rejoins, to the designed rows
+        check_rejoined(*run, restored=False)
+    else:
+        check_survivors(*run)
