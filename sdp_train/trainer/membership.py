@@ -15,14 +15,15 @@ lost while the new values were sent or averaged). Why the store and not torchft:
 
 With ``--max-rejoins N`` the launcher starts a replacement for a lost worker (the same worker number)
 once the survivors have agreed on the loss. The replacement announces itself in the store
-(`joining_key`) and waits; at every step boundary while a worker is missing (with local steps, every
-round's), each member reads the store once (`Survival.admit`: the first member there decides, by
-compare-and-set, which waiting workers join at that boundary, so every member admits the same ones at
-the same step; no device is synchronised), and the members and joiners then form a new world (the
-members' ranks first, the joiners' last, so that every block's lowest-ranked holder is a member), give
-each joiner its blocks, the shared tensors and their optimizer state (`ModeSync.welcome`) and go back
-to the designed mask (under a schedule, the designed round's rows at the same position; members whose
-rows were restored for the survivors gain and drop parts: `Run.welcome`).
+(`joining_key`) and waits; at every step boundary while a worker is missing (with local steps, and in
+overlap averaging, every round's), each member reads the store once (`Survival.admit`: the first member
+there decides, by compare-and-set, which waiting workers join at that boundary, so every member admits
+the same ones at the same step; no device is synchronised), and the members and joiners then form a new
+world (the members' ranks first, the joiners' last, so that every block's lowest-ranked holder is a
+member), give each joiner its blocks (overlap averaging: its copy of every block), the shared tensors
+and their optimizer state (`ModeSync.welcome`) and go back to the designed mask (under a schedule, the
+designed round's rows at the same position; members whose rows were restored for the survivors gain and
+drop parts: `Run.welcome`).
 
 Not here: what a mode rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`, `for_joiners`), the
 loop that reruns the step or starts a joiner at its step (`sdp_train.trainer.train`).

@@ -1,6 +1,7 @@
 """What a worker that rejoins an overlap-averaging run receives (`welcome_holdings`, ``sdp train --mode overlap
 --max-rejoins``), planned in one process: the movers send each tensor a rank newly holds from its
-lowest-ranked holder (`sdp_train.parallel.schedule.plan_moves`). The launch: tests/distributed/test_worker_loss_applied.py."""
+lowest-ranked holder (`sdp_train.parallel.schedule.plan_moves`). The launch:
+tests/distributed/test_worker_loss_applied.py."""
 
 from __future__ import annotations
 
