@@ -5,7 +5,8 @@
 when a round that ended is followed by one with another mask (a change is *due*); it saves and
 restores that position. After workers are lost, `Rounds.for_survivors` keeps the position with
 every round's mask restricted to the survivors' rows; when workers join, `Rounds.for_joiners` keeps
-it with every round the designed round's rows of the new world's workers. It moves nothing: the
+it with every round the designed round's rows of the new world's workers; `Rounds.over` keeps it over
+another static mask (survivors that restore coverage, joiners welcomed under the members' rows). It moves nothing: the
 wrapper that owns it makes the change (`sdp_train.parallel.schedule` moves blocks and optimizer
 state). Reasoning: docs/design.md §5.
 """
@@ -73,6 +74,22 @@ class Rounds:
         joined.steps = self.steps if steps is None else steps
         joined.matrix, joined.mask_step = joined.round_matrix(joined.steps), joined.steps
         return joined
+
+    def over(self, mask: Mask) -> Rounds:
+        """This position (the steps taken) over another static `mask`, rows in rank order: survivors that
+        move to a mask restoring coverage, members that welcome joiners under their rows in force. A
+        static mask's rounds are all `mask` itself, so the state is in it and nothing is due.
+
+        >>> rounds = Rounds(Mask([[1, 0], [0, 1]]), 0, counts=True)
+        >>> rounds.steps = 3
+        >>> moved = rounds.over(Mask([[1, 1], [1, 1]]))
+        >>> moved.steps, moved.matrix.tolist(), moved.due is None
+        (3, [[1, 1], [1, 1]], True)
+        """
+        assert mask.schedule.is_static and self.mask.schedule.is_static, "a schedule's rounds go on: for_survivors"
+        moved = Rounds(mask, self.seed, counts=self.counts)
+        moved.steps = self.steps
+        return moved
 
     def to_train(self, steps: int) -> list[tuple[int, np.ndarray]]:
         """``(step, matrix)``: the mask this worker's state is in, at the next step, then the mask of the

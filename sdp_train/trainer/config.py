@@ -163,7 +163,10 @@ class TrainConfig:
     c_j, at most the survivors' number; `masklab.survivors.restored_mask`, which balances the survivors'
     bytes where a built-in family's blocks differ in size), its rows matched to the survivors so the
     fewest block bytes move, and move each block a survivor newly holds, with its optimizer
-    state, from its lowest-ranked surviving holder. False: the lost rows are dropped and a block keeps
+    state, from its lowest-ranked surviving holder. With `local_steps` (``bsdp``, ``nsdp``) the move
+    comes at a round's boundary, right after the holders' average: at once after a loss in the
+    average, else at the end of the round the loss interrupted, the survivors training it under their
+    own rows. False: the lost rows are dropped and a block keeps
     its other holders only (coverage falls). A replacement that rejoins (`max_rejoins`) gives the
     run its designed mask back."""
     restore_budgets: str | None = None
@@ -333,9 +336,6 @@ class TrainConfig:
             why = ("a mask without fsdp (--fsdp): FSDP shards each block's parameters and optimizer state over its "
                    "holders, and the embedding and head over every worker, so a lost worker takes the only copy of "
                    "its shards; with fsdp a loss is survived by a checkpoint restart (--max-restarts)")
-        elif self.restore_coverage and self.local_steps != 1:
-            why = (f"averaging every step with restore_coverage (--restore-coverage), got local_steps={self.local_steps} "
-                   "(--local-steps): a survivor's copy of a block it does not hold would come from mid-round")
         elif self.schedule not in (None, "static") and (self.mode == "overlap" or self.restore_coverage):
             why = (f"a static mask in mode 'overlap' and with restore_coverage (--restore-coverage), got "
                    f"schedule={self.schedule!r} (--schedule) in mode {self.mode!r}"

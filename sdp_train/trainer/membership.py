@@ -9,7 +9,8 @@ refuses a loss that leaves a block without holder (`decide`: in the mask in forc
 schedule, in every round still to train), re-forms the world over a new store prefix with the
 survivors renumbered in the old order, and has the run rebuild its holder groups and sync for the
 survivors' mask (`masklab.failures.survivors_mask`, or with ``--restore-coverage``
-`masklab.survivors.restored_mask`, whose new holders first receive their blocks). The run then reruns
+`masklab.survivors.restored_mask`, whose new holders first receive their blocks; with local steps at a
+round's boundary, right after the holders' average: `restore_step`, `Survival.restore_due`). The run then reruns
 the interrupted step on its batch, unless every survivor had applied it (Bb-SDP and overlap averaging,
 lost while the new values were sent or averaged). Why the store and not torchft: docs/design.md §7.
 
@@ -106,6 +107,10 @@ class MembershipChange:
     joined: tuple[int, ...] = ()
     """Workers that joined at `step` (replacements of lost ones: `lost` is then empty); `mask` is the
     designed mask's rows of `workers` (under a schedule, of the round in force at `step`)."""
+    restore_at: int | None = None
+    """With local steps, a loss inside a round whose survivors restore the designed coverage: the step at
+    whose start they move to the restored mask (the round's boundary, after its average; `mask` is the
+    survivors' rows until then, and that move is a change of its own, `restored`, neither lost nor joined)."""
     welcome_mask: Mask | None = None
     """Workers that joined: the mask they receive their parts under, the members' rows in force (the
     survivors' restored rows after ``--restore-coverage``) then the joiners' designed rows; every worker
@@ -114,7 +119,7 @@ class MembershipChange:
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "lost": list(self.lost), "joined": list(self.joined), "workers": list(self.workers),
                 "recovery_s": self.recovery_s, "coverage_restored": self.restored, "moved_bytes": self.moved_bytes,
-                "mask": mask_to_dict(self.mask)}
+                "restore_at": self.restore_at, "mask": mask_to_dict(self.mask)}
 
 
 def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, step: int,
@@ -224,6 +229,8 @@ class Survival:
         self.store, self.worker, self.workers, self.mask = store, worker, tuple(workers), mask
         self.restore = None if restore is None else dict(restore)
         self.designed, self.seed = designed, seed
+        self.pending_restore: Mask | None = None
+        """With local steps: the restored mask the survivors of a loss inside a round move to at its boundary."""
         self.generation = 0
         self.changes: list[MembershipChange] = []
 
@@ -387,6 +394,7 @@ class Survival:
                 raise WorkerLossError(str(exc), report=self.worker == min(joined)) from error
             if change is None:
                 raise error
+            dropped = change.mask
             change = self.restored(change, step, report=self.worker == min(joined))
             info = DistInfo(change.workers.index(self.worker), len(change.workers), 0)
             if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
@@ -396,14 +404,72 @@ class Survival:
             except RuntimeError:  # DistError and timeouts included: another worker was lost meanwhile; the
                 continue  # next agreement, over the same workers, leaves it out too
             break
-        self.workers, self.mask = change.workers, change.mask
         if info.is_main:
             self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
-        run.continue_with(change.mask, change.rows, info)
+        change = self._go_on(run, change, dropped, info)
         change = dataclasses.replace(change, recovery_s=time.perf_counter() - began,
                                      moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
+
+    def _go_on(self, run, change: MembershipChange, dropped: Mask, info: DistInfo) -> MembershipChange:
+        """Rebuild `run`'s sync for the survivors of `change` in their new world (`info`): under `change.mask`,
+        except that with local steps a mask restoring coverage waits for a round's boundary, where every
+        holder of a block has the same values. The survivors first go on under their own rows `dropped`
+        (the round's average taken again when the last step ended it), then move to the restored mask at
+        once on a boundary, else at the next one (`pending_restore`, `restore_due`). Returns `change` as
+        recorded: with `restore_at` and the survivors' rows where the move waits."""
+        self.pending_restore = None  # a later loss designs from the rows in force
+        local_steps = run.cfg.local_steps
+        if change.restored and local_steps > 1:
+            run.continue_with(dropped, change.rows, info)
+            at = restore_step(run.steps_applied, local_steps)
+            if at > run.steps_applied:
+                self.pending_restore = change.mask
+                change = dataclasses.replace(change, mask=dropped, restored=False, restore_at=at)
+            else:
+                run.sync.close()
+                run.continue_with(change.mask, range(len(change.workers)), info)
+        else:
+            run.continue_with(change.mask, change.rows, info)
+        self.workers, self.mask = change.workers, change.mask
+        return change
+
+    def restore_due(self, run, step: int) -> MembershipChange | None:
+        """At the boundary before `step` (a step follows; every member calls it): with local steps, move to
+        the mask that restores the designed coverage that a loss inside the last round left due
+        (`pending_restore`), now that the round's average made every holder's copy the same; each
+        survivor gains what its restored row gives it, with the AdamW state, from the lowest-ranked
+        holder (`Run.continue_with` with every worker kept: `MaskChanges.hand_over`). None when nothing
+        is due here."""
+        if self.pending_restore is None or step % run.cfg.local_steps:
+            return None
+        began = time.perf_counter()
+        mask, self.pending_restore = self.pending_restore, None
+        try:
+            run.sync.close()
+            run.continue_with(mask, range(len(self.workers)), run.info)
+        except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
+            raise WorkerLossError(f"step {step}: restoring the designed coverage failed ({type(exc).__name__}); a "
+                                  "loss while blocks move to restore coverage is not recovered: restart from a "
+                                  "checkpoint (--resume)", report=run.info.is_main) from exc
+        self.mask = mask
+        change = MembershipChange(step, (), self.workers, tuple(range(len(self.workers))), mask,
+                                  recovery_s=time.perf_counter() - began, restored=True,
+                                  moved_bytes=run.sync.moved_bytes)
+        self.changes.append(change)
+        return change
+
+
+def restore_step(steps_applied: int, local_steps: int) -> int:
+    """The step at whose start survivors that applied `steps_applied` steps move to a mask restoring the
+    designed coverage: at once on a round's boundary (every `local_steps`-th step, right after the
+    holders' average, where every holder of a block has the same values), else at the next one.
+
+    >>> restore_step(3, 3), restore_step(4, 3), restore_step(5, 1)
+    (3, 6, 5)
+    """
+    return -(-steps_applied // local_steps) * local_steps
 
 
 def _welcome_mask(designed: Mask, rows: Sequence[Sequence[int]], joined: Sequence[int], step: int, seed: int

@@ -313,10 +313,12 @@ class SubnetworkSync(ModeSync):
         the next step begins. When `mask` restores the designed coverage (static masks), what a
         survivor newly holds first comes from its lowest-ranked surviving holder (blocks or neuron
         groups, their optimizer state; `MaskChanges.hand_over`). With local steps each survivor keeps its
-        own copy and the step count; when the last step taken ended a round, its average is taken again
-        among the survivors, as overlap averaging's survivors do (a loss during the average leaves some
-        blocks averaged with the lost copy and others not; averaging again what the survivors agree on
-        changes nothing). Under backward masking (Bb-SDP) the new
+        own copy and the step count; when the last step taken ended a round and workers were lost, its
+        average is taken again among the survivors, as overlap averaging's survivors do (a loss during
+        the average leaves some blocks averaged with the lost copy and others not; averaging again what
+        the survivors agree on changes nothing). A mask that restores coverage comes only at a round's
+        boundary, with every worker kept (`Survival`: holders agree there), and the position goes on
+        over it (`Rounds.over`). Under backward masking (Bb-SDP) the new
         wrapper then sends each block's values from its lowest-ranked surviving holder to every
         survivor: a loss during the broadcast that follows the optimizer step leaves some non-holders
         with the new values and others with the old (docs/design.md §7)."""
@@ -331,6 +333,7 @@ class SubnetworkSync(ModeSync):
             old.changes.undo_gains(old.rounds.matrix)
             mask = old.mask
         elif not np.array_equal(mask.matrix, kept):  # coverage restored: blocks move to their new holders
+            rounds = old.rounds.over(mask) if old.rounds.counts else None  # local steps: the same steps taken
             new_held = [old.layout.held(row) for row in mask.matrix]
             changes = MaskChanges(old.module, old.layout, info.rank, info.world_size, old.device, cut=old.cut,
                                   activation_checkpointing=old.activation_checkpointing, watch_clipping=False)
@@ -344,7 +347,7 @@ class SubnetworkSync(ModeSync):
             values_agree=not old.cut.keeps_whole_model, seed=old.seed, local_steps=old.local_steps, rounds=rounds)
         sdp.changes.bytes += old.changes.bytes  # what the schedule moved so far (`mask_change_bytes`)
         _checkpointing_goes_on(sdp, old)
-        if old.local_steps > 1 and sdp.steps and sdp.steps % old.local_steps == 0:
+        if old.local_steps > 1 and len(rows) < old.world_size and sdp.steps and sdp.steps % old.local_steps == 0:
             sdp.average()  # the round's average, which the loss may have interrupted, among the survivors
         survivors = SubnetworkSync(sdp, sdp.module, info, fsdp=False)
         survivors.moved_bytes = moved
@@ -352,17 +355,20 @@ class SubnetworkSync(ModeSync):
 
     def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> SubnetworkSync:
         """Every member keeps its blocks or neuron groups (`mask` has its rows in force), so only the wrapper
-        is new, over `mask`'s rows in the new world's order. Under a schedule or with local steps (no
-        restored coverage: the members' rows in force are the designed ones) it goes on from the same
+        is new, over `mask`'s rows in the new world's order. Under a schedule it goes on from the same
         position (`Rounds.for_joiners`: the steps taken, every round from the one in force the designed
-        round's rows of `workers`); the members made a change that was due first (`Survival.admit`), and
-        with local steps they admit only right after an average, where every holder has the same values."""
+        round's rows of `workers`; the members made a change that was due first, `Survival.admit`); with
+        local steps from the same steps taken over `mask` (`Rounds.over`: the members' rows in force may
+        be restored ones), and the members admit only right after an average, where every holder has the
+        same values."""
         old = self.sdp
         if self._fsdp is not None:
             return super().for_joiners(mask, info, workers)
-        rounds = old.rounds.for_joiners(workers) if old.rounds.counts else None
+        rounds = None
         if not old.mask.schedule.is_static:
-            mask = old.mask
+            rounds, mask = old.rounds.for_joiners(workers), old.mask
+        elif old.rounds.counts:  # local steps: the members' rows in force (restored ones too), the same steps taken
+            rounds = old.rounds.over(mask)
         sdp = SubnetworkDataParallel.from_subnetwork(
             old.module, layout=old.layout, mask=mask,
             held_by_rank=[old.layout.held(row) for row in (mask.matrix if rounds is None else rounds.matrix)],
@@ -546,7 +552,7 @@ def _joined_position(mask: Mask, joining: Rounds | None, local_steps: int) -> tu
     steps taken. Else `mask` and None: the wrapper starts its own."""
     if joining is None or (joining.mask.schedule.is_static and local_steps == 1):
         return mask, None
-    return (mask if joining.mask.schedule.is_static else joining.mask), joining
+    return (mask, joining.over(mask)) if joining.mask.schedule.is_static else (joining.mask, joining)
 
 
 def _checkpointing_goes_on(sdp: SubnetworkDataParallel, old: SubnetworkDataParallel) -> None:

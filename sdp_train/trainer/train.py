@@ -20,10 +20,11 @@ changes moved (rank 0's; not in ``comm_bytes``);
 with ``--on-worker-loss continue`` ``membership_changes``: per loss of workers, the step the
 survivors reran, the workers lost and those left (workers of the original run), the recovery's
 seconds, the survivors' mask, whether it restores the designed coverage (``restore_coverage``) and
-the buffer bytes rank 0 moved for it, and per rejoin (``max_rejoins``) the step, the workers that
-``joined`` and all workers in rank order, the designed mask's rows in that order (under a schedule, of
-the round in force), the seconds and the bytes rank 0 sent (that step's metrics line has ``membership``;
-`sdp_train.trainer.membership`);
+the buffer bytes rank 0 moved for it (with local steps, a loss inside a round has ``restore_at``, the
+step whose start makes the move, recorded then as a change of its own with no worker lost), and per
+rejoin (``max_rejoins``) the step, the workers that ``joined`` and all workers in rank order, the
+designed mask's rows in that order (under a schedule, of the round in force), the seconds and the
+bytes rank 0 sent (that step's metrics line has ``membership``; `sdp_train.trainer.membership`);
 ``comm_bytes_per_step`` (buffer bytes) and ``wire_bytes_per_step`` (bytes sent under
 ``wire_model``), medians per rank (with ``local_steps`` > 1, which sends once every
 ``local_steps`` steps, means over every step); ``model_file``: the
@@ -225,10 +226,11 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             inputs, targets = (t.to(device) for t in next(batches))
             change = None
             if survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
-                change = survival.admit(run, step, device)
-                if change is not None:
-                    info = run.info
-                    report_change(change, info, cfg.steps)
+                # at a boundary: a restore of coverage that a loss inside a round left due, then joiners
+                for made in (survival.restore_due(run, step), survival.admit(run, step, device)):
+                    if made is not None:
+                        change, info = made, run.info
+                        report_change(change, info, cfg.steps)
             while True:  # once, unless workers are lost during the step (`survival`)
                 bytes_before, wire_before = run.comm_bytes, run.wire_bytes
                 measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
@@ -382,12 +384,20 @@ def report_change(change: MembershipChange, info, steps: int, *, applied: bool =
               "train on under the designed mask (its rows in that order):", flush=True)
         print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
         return
+    if not change.lost:  # with local steps, the restore that a loss inside a round left due
+        print(f"sdp train: step {change.step + 1}/{steps}: workers {', '.join(map(str, change.workers))} restore the "
+              f"designed coverage at the round's boundary ({change.recovery_s:.2f} s, {change.moved_bytes / 1e6:.3f} "
+              "MB moved by this rank):", flush=True)
+        print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
+        return
     lost = ", ".join(map(str, change.lost))
+    later = ("" if change.restore_at is None else
+             f", until the round's boundary before step {change.restore_at + 1} restores the designed coverage")
     print(f"sdp train: step {change.step + 1}/{steps}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
           f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), "
           + ("having applied this step, from the next step" if applied else "rerunning this step")
           + (f" under a mask that restores the designed coverage ({change.moved_bytes / 1e6:.3f} MB moved by "
-             "this rank):" if change.restored else " under the survivors' mask:"), flush=True)
+             "this rank):" if change.restored else f" under the survivors' mask{later}:"), flush=True)
     print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
 
 

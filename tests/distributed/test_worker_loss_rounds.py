@@ -1,7 +1,7 @@
 """Losing a worker and taking it back where training goes in rounds: a mask schedule (``sdp train --mode
 bsdp --schedule permute --every 3 --on-worker-loss continue --max-rejoins 1``, 12 steps) and local steps
-(``--local-steps 3``, 6 steps), each on 3 gloo ranks with rank 0 SIGKILLed after step 2's collectives,
-before its optimizer step, and its replacement admitted at a step the test fixes
+(``--local-steps 3 --restore-coverage``, 9 steps), each on 3 gloo ranks with rank 0 SIGKILLed after step
+2's collectives, before its optimizer step, and its replacement admitted at a step the test fixes
 (``SDP_TEST_JOIN_AT_STEP``: the members wait there for it; a replacement's start takes seconds). Step 2
 ends the first round in both.
 
@@ -22,12 +22,16 @@ take their designed rows of each round (workers 0-2 up to step 2, 1-2 at step 3,
 
 Local steps: each worker trains its own subnetwork 3 steps, then every block becomes its holders'
 average; the survivors fail in that average after their optimizer step 2, agree on 3 steps applied,
-keep their own copies and the step count, and take the average again among themselves. The
-replacement may join only at a round's boundary, right after the average (holders' copies differ
-inside a round): at step 3 it takes each tensor it holds, with its AdamW state, from its lowest-ranked
-holder (worker 1, else 2) and the step count. The final model and every step's loss equal a reference
-with a subnetwork and an AdamW per worker, each clipped by its own norm, averaged over the living
-holders every 3 steps, worker 0 rebuilt at step 3 from the holders' values and AdamW state. A module of
+keep their own copies and the step count, and take the average again among themselves; right after
+it, a round's boundary, they move to the mask that restores the designed coverage (both hold every
+block, each gaining the ones it lacked with their AdamW state from the other) and train round 1
+under it. The replacement may join only at a round's boundary, right after the average (holders'
+copies differ inside a round): at step 6 it takes each tensor it holds, with its AdamW state, from
+its lowest-ranked holder (worker 1, else 2) and the step count, and the survivors go back to their
+designed rows. The final model and every step's loss equal a reference with a subnetwork and an AdamW
+per worker, each clipped by its own norm, averaged over the living holders every 3 steps, the
+survivors regrouped at step 3 and worker 0 rebuilt at step 6 from the holders' values and AdamW
+state. A module of
 its own, so that pytest-xdist runs these launches beside the others.
 """
 
@@ -41,15 +45,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed.test_worker_loss import KILL_RANK, KILL_STEP, STEPS, prepared, reference, run_mode
+from tests.distributed.test_worker_loss import KILL_RANK, KILL_STEP, prepared, reference, run_mode
 
 REJOIN = ("--max-rejoins", "1")
 SCHEDULE_STEPS = 12  # rounds of 3 steps: changes at steps 3, 6 and 9
 SCHEDULE = ("--schedule", "permute", "--every", "3", "--steps", str(SCHEDULE_STEPS), *REJOIN)
 H = 3
-LOCAL_STEPS = ("--local-steps", str(H), *REJOIN)
-# the schedule's: inside round 1, after the survivors trained step 3; local steps': the next round's boundary
-JOIN_STEP = {"scheduled": KILL_STEP + 2, "local": H}
+LOCAL_RUN_STEPS = 3 * H  # the survivors train round 1 under their restored rows; worker 0 rejoins for round 2
+LOCAL_STEPS = ("--local-steps", str(H), "--steps", str(LOCAL_RUN_STEPS), "--restore-coverage", *REJOIN)
+# the schedule's: inside round 1, after the survivors trained step 3; local steps': round 2's boundary
+JOIN_STEP = {"scheduled": KILL_STEP + 2, "local": 2 * H}
 WORKERS = [1, 2, KILL_RANK]  # the world after the rejoin, in rank order
 
 
@@ -137,48 +142,65 @@ def test_survivors_lost_in_a_mask_change_make_it_again_and_a_rejoin_in_a_later_r
 
 
 @pytest.mark.slow
-def test_survivors_lost_in_a_local_steps_average_take_it_again_and_a_rejoin_at_the_next_round_ends_as_the_reference(
+def test_survivors_lost_in_a_local_steps_average_take_it_again_restore_coverage_and_a_rejoin_ends_as_the_reference(
         local):
     _, proc, out = local
     prep = prepared("bsdp", LOCAL_STEPS)
-    check_changes(proc, out, JOIN_STEP["local"], STEPS, prep.mask.matrix[WORKERS])
-    check_holders(out, STEPS, prep.mask.matrix[WORKERS])  # the run ends on an average: holders agree
+    restored = restore_rows(prep)
+    assert not (restored == prep.mask.matrix[WORKERS[:-1]]).all()  # the survivors gain blocks at step 3
+    check_changes(proc, out, JOIN_STEP["local"], LOCAL_RUN_STEPS, prep.mask.matrix[WORKERS])
+    lost = json.loads((out / "summary.json").read_text())["membership_changes"][0]
+    from masklab.io import mask_from_dict
+
+    assert lost["coverage_restored"] and lost["moved_bytes"] > 0 and lost["restore_at"] is None
+    assert mask_from_dict(lost["mask"]).matrix.tolist() == restored.tolist()  # at once: the loss ended a round
+    check_holders(out, LOCAL_RUN_STEPS, prep.mask.matrix[WORKERS])  # the run ends on an average: holders agree
     expected, losses = local_steps_reference(prep)
     check_model(out, expected, atol=5e-5)  # AdamW's steps of about lr turn the sums' rounding into ~1e-5
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
 
 
-def local_steps_reference(prep) -> tuple[dict[str, torch.Tensor], list[float]]:
+def restore_rows(prep) -> np.ndarray:
+    """The survivors' restored rows after losing KILL_RANK, as every survivor designs them."""
+    from masklab.survivors import restored_mask
+    from sdp_train.trainer.train import coverage_to_restore
+
+    return restored_mask(prep.mask, [KILL_RANK], **coverage_to_restore(prep)).matrix.astype(bool)
+
+
+def local_steps_reference(prep, *, kill_step: int = KILL_STEP, join_step: int = JOIN_STEP["local"],
+                          steps: int = LOCAL_RUN_STEPS) -> tuple[dict[str, torch.Tensor], list[float]]:
     """B-SDP with local steps on one process: each worker's subnetwork (built from the run's seed) and
     AdamW, each step clipped by its own norm; after every H-th step each tensor becomes its mean over
-    the holders alive then (the lost worker computed its step-2 loss and took no step 2). At the join
-    step worker 0 is built again and takes every tensor it holds, and its AdamW state, from its
-    lowest-ranked holder in the new world (worker 1, else worker 2)."""
+    the holders alive then (the lost worker computed its `kill_step` loss and took no step there; the
+    survivors rerun a step they had not applied). With ``--restore-coverage`` (the config's), at the
+    first round's boundary from the loss on (`restore_step`) each survivor takes its restored row,
+    every tensor it newly holds and its AdamW state from the lowest-ranked survivor holding it. At
+    `join_step` worker 0 is built again and takes every tensor it holds, and its AdamW state, from its
+    lowest-ranked holder in the new world (worker 1, else worker 2), and the survivors go back to their
+    designed rows (dropping what they gained)."""
     from sdp_train.data import build_batches
-    from sdp_train.models.subnet import build_worker_model
+    from sdp_train.trainer.membership import restore_step
     from sdp_train.trainer.run import loss_fn, lr_at
 
     cfg = prep.config
     rows = prep.mask.matrix.astype(bool)
-
-    def worker(k: int):
-        model = build_worker_model(prep.model_config, rows[k], "block", seed=cfg.seed)
-        opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
-                                  "weight_decay": cfg.weight_decay},
-                                 {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                                lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-        return model, opt
-
-    models, opts = map(list, zip(*(worker(k) for k in range(3))))
+    survivors = WORKERS[:-1]
+    models, opts = map(list, zip(*(_worker(prep, rows[k]) for k in range(3))))
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
+    # the survivors apply `kill_step` (the lost worker dies after its statistics' all-reduce) and fail in the
+    # average that ends it, or in the next step's all-reduce, which they rerun
+    restore_at = restore_step(kill_step + 1, H) if cfg.restore_coverage else None
     losses = []
-    for step in range(STEPS):
-        if step == JOIN_STEP["local"]:
-            models[KILL_RANK], opts[KILL_RANK] = worker(KILL_RANK)
-            _take_from_holders(models, opts, KILL_RANK, WORKERS[:-1])
-        members = [1, 2] if KILL_STEP < step < JOIN_STEP["local"] else [0, 1, 2]
-        alive = [k for k in members if step != KILL_STEP or k != KILL_RANK]
+    for step in range(steps):
+        if step == restore_at:
+            _regroup(prep, models, opts, dict(zip(survivors, restore_rows(prep))), survivors)
+        if step == join_step:
+            models[KILL_RANK] = None
+            _regroup(prep, models, opts, {k: rows[k] for k in WORKERS}, survivors)
+        members = survivors if kill_step < step < join_step else [0, 1, 2]
+        alive = [k for k in members if step != kill_step or k != KILL_RANK]
         drawn = [next(b) for b in batches]  # every worker's stream moves with the steps, a member's or not
         values = []
         for k in members:
@@ -207,14 +229,35 @@ def local_steps_reference(prep) -> tuple[dict[str, torch.Tensor], list[float]]:
     return final, losses
 
 
+def _worker(prep, row: np.ndarray):
+    """A worker's subnetwork of `row`, built from the run's seed, and its AdamW, as the run's."""
+    from sdp_train.models.subnet import build_worker_model
+
+    cfg = prep.config
+    model = build_worker_model(prep.model_config, row, "block", seed=cfg.seed)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
+                              "weight_decay": cfg.weight_decay},
+                             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    return model, opt
+
+
 @torch.no_grad()
-def _take_from_holders(models: list, opts: list, joiner: int, members: list[int]) -> None:
-    """`joiner`'s tensors and their AdamW state, each from the first of `members` that holds it."""
-    states = [m.state_dict() for m in models]
-    params = [dict(m.named_parameters()) for m in models]
-    for name, tensor in states[joiner].items():
-        src = next(k for k in members if name in states[k])
-        tensor.copy_(states[src][name])
-        if name in params[joiner]:
-            held = opts[src].state[params[src][name]]
-            opts[joiner].state[params[joiner][name]] = {key: value.clone() for key, value in held.items()}
+def _regroup(prep, models: list, opts: list, new_rows: dict, members: list[int]) -> None:
+    """Each worker of `new_rows` rebuilt with its new row: every tensor it held before keeps its values and
+    AdamW state, every other from the first of `members` that held it (a worker whose model is None held
+    nothing: a joiner)."""
+    states = [None if m is None else m.state_dict() for m in models]  # before any worker is rebuilt
+    params = [None if m is None else dict(m.named_parameters()) for m in models]
+    adamw = list(opts)
+    for k, row in new_rows.items():
+        model, opt = _worker(prep, np.asarray(row, dtype=bool))
+        mine = dict(model.named_parameters())
+        for name, tensor in model.state_dict().items():
+            src = k if states[k] is not None and name in states[k] else next(j for j in members if name in states[j])
+            tensor.copy_(states[src][name])
+            if name in mine:
+                held = adamw[src].state[params[src][name]]
+                assert held, name  # every parameter held has taken a step
+                opt.state[mine[name]] = {key: value.clone() for key, value in held.items()}
+        models[k], opts[k] = model, opt

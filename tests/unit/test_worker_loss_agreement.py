@@ -111,7 +111,6 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"schedule": "permute", "mode": "overlap"}, "a static mask in mode 'overlap'"),
     ({"schedule": "cyclic", "restore_coverage": True}, "got schedule='cyclic' (--schedule) in mode 'bsdp' with "),
     ({"fsdp": True}, "a mask without fsdp (--fsdp): FSDP shards each block"),
-    ({"local_steps": 2, "restore_coverage": True}, "got local_steps=2 (--local-steps)"),
     ({"max_restarts": 1}, "max_restarts=1"),
     ({"workers": 1}, "workers=1"),
     ({"on_worker_loss": "rejoin"}, "not one of ('stop', 'continue')"),
@@ -168,6 +167,13 @@ def test_b_sdp_n_sdp_and_bb_sdp_may_take_lost_workers_back_after_restoring_the_c
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
 def test_b_sdp_n_sdp_and_bb_sdp_may_restore_the_designed_coverage(mode):
     assert TrainConfig(mode=mode, workers=4, on_worker_loss="continue", restore_coverage=True).restore_coverage
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
+def test_b_sdp_and_n_sdp_with_local_steps_may_restore_the_designed_coverage_and_take_lost_workers_back(mode):
+    cfg = TrainConfig(mode=mode, workers=4, on_worker_loss="continue", restore_coverage=True, local_steps=3,
+                      max_rejoins=1)
+    assert cfg.restore_coverage and cfg.local_steps == 3
 
 
 def test_the_keeping_launcher_reports_the_lowest_ranks_input_error_line_and_nothing_else(tmp_path, monkeypatch):
@@ -361,3 +367,62 @@ def test_the_launcher_replaces_a_lost_rank_once_the_survivors_left_it_out_and_at
     procs[1].returncode = procs[2].returncode = 0
     waiting.join(timeout=10)
     assert codes == [[-9, 0, 0]] and len(started) == 1
+
+
+class _Sync:
+    moved_bytes = 0
+
+    def close(self) -> None:
+        pass
+
+
+class _Run:
+    """What `Survival` asks of a run when survivors go on: its position and the masks it goes on under."""
+
+    def __init__(self, applied: int, local_steps: int) -> None:
+        from types import SimpleNamespace
+
+        from sdp_train.parallel.dist import DistInfo
+
+        self.cfg, self.steps_applied, self.info = SimpleNamespace(local_steps=local_steps), applied, DistInfo(0, 2, 0)
+        self.sync, self.went_on = _Sync(), []
+
+    def continue_with(self, mask, rows, info) -> None:
+        self.went_on.append((mask.matrix.tolist(), list(rows)))
+        self.sync = _Sync()
+
+
+@settings(deadline=None, max_examples=60)
+@given(applied=st.integers(0, 13), local_steps=st.integers(1, 4))
+def test_survivors_restore_coverage_at_once_on_a_round_boundary_and_else_at_the_next_one_after_its_average(
+        applied, local_steps):
+    """With local steps, holders agree only right after a round's average: the survivors go on under their own
+    rows (the interrupted average taken again there) and move to the restored mask at the first boundary
+    from the steps they applied on, at the start of that step, before any step of the next round."""
+    from sdp_train.trainer.membership import Survival, restore_step
+
+    survival = Survival(None, 1, [0, 1, 2], MASK, restore={"coverage": 2, "groups": None, "seed": 0, "sizes": None})
+    change = decide(MASK, [0, 1, 2], {1: applied, 2: applied}, step=applied)
+    dropped = change.mask
+    change = survival.restored(change, applied, report=True)
+    restored = change.mask.matrix.tolist()
+    assert change.restored and (change.mask.coverage == 2).all()
+    run = _Run(applied, local_steps)
+    recorded = survival._go_on(run, change, dropped, run.info)
+    at = restore_step(applied, local_steps)
+    assert at % local_steps == 0 and applied <= at < applied + local_steps
+    if local_steps == 1:
+        assert run.went_on == [(restored, [1, 2])] and recorded.restored
+    elif at == applied:  # on a boundary: their own rows first (the average again), then the restored mask
+        assert run.went_on == [(dropped.matrix.tolist(), [1, 2]), (restored, [0, 1])] and recorded.restored
+    else:
+        assert run.went_on == [(dropped.matrix.tolist(), [1, 2])]
+        assert (recorded.restored, recorded.restore_at, recorded.mask.matrix.tolist()) == (
+            False, at, dropped.matrix.tolist())
+        assert survival.mask.matrix.tolist() == dropped.matrix.tolist()  # a later loss designs from these rows
+        for step in range(applied, at):
+            assert survival.restore_due(run, step) is None
+        made = survival.restore_due(run, at)
+        assert (made.step, made.lost, made.joined, made.restored) == (at, (), (), True)
+        assert run.went_on[1:] == [(restored, [0, 1])] and survival.mask.matrix.tolist() == restored
+    assert survival.pending_restore is None and survival.restore_due(run, at + local_steps) is None
