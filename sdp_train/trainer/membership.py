@@ -206,6 +206,34 @@ def agree(store: dist.Store, generation: int, worker: int, workers: Sequence[int
     return {int(w): int(s) for w, s in json.loads(decided)}
 
 
+class WorldNotFormed(RuntimeError):
+    """A worker of a world being formed exited, or did not come in time, before the forming (`gather`)."""
+
+
+def gather(store: dist.Store, generation: int, worker: int, workers: Sequence[int], *, timeout: timedelta) -> None:
+    """Wait until every worker of `workers` has come to form the world of `generation` (this one included).
+
+    Raises `WorldNotFormed` as soon as one that has not come has an exit mark from the launcher
+    (`exited_key`), or after `timeout`: without this a survivor waits the whole collective timeout in the
+    process group's rendezvous for a worker that died during the recovery (600 s by default). A worker
+    that dies after it came still fails the rendezvous by its timeout.
+    """
+    prefix = f"sdp/form{generation}/"
+    store.set(f"{prefix}came{worker}", "1")
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        absent = [w for w in workers if not store.check([f"{prefix}came{w}"])]
+        if not absent:
+            return
+        gone = [w for w in absent if store.check([exited_key(w)])]
+        if gone:
+            raise WorldNotFormed(f"worker(s) {gone} exited before the world of generation {generation} formed")
+        if time.monotonic() >= deadline:
+            raise WorldNotFormed(f"worker(s) {absent} did not come to form the world of generation {generation} "
+                               f"within {timeout.total_seconds():g} s")
+        time.sleep(0.02)
+
+
 def joiners_at(store: dist.Store, step: int, missing: Sequence[int]) -> list[int]:
     """The workers of `missing` that join at the boundary before `step`, the same for every member that
     asks: the first to ask writes those whose replacement waits (`joining_key`) with a compare-and-set
@@ -267,7 +295,7 @@ class Survival:
                        seed=seed)
         survival.generation = admitted["generation"]
         info = DistInfo(workers.index(worker), len(workers), 0)
-        survival._form_world(info, device)
+        survival._form_world(info, device, workers)
         joined = workers[admitted["members"]:]
         change = MembershipChange(step, (), workers, tuple(range(admitted["members"])), survival.mask, joined=joined,
                                   welcome_mask=_welcome_mask(designed, admitted["rows"], joined, step, seed))
@@ -324,7 +352,7 @@ class Survival:
             run.sync.close()  # its hooks hold the groups
             destroy_distributed()
             self.generation += 1
-            self._form_world(info, device)
+            self._form_world(info, device, workers)
             run.admit(mask, workers, range(len(self.workers), len(workers)), info, welcome_mask=welcome)
         except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
             raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}); a loss "
@@ -339,8 +367,10 @@ class Survival:
         self.changes.append(change)
         return change
 
-    def _form_world(self, info: DistInfo, device: torch.device) -> None:
-        """The default group of this membership (generation), every member and joiner in it."""
+    def _form_world(self, info: DistInfo, device: torch.device, workers: Sequence[int]) -> None:
+        """The default group of this membership (generation) over `workers`, in rank order, every member and
+        joiner in it; fails at once (`gather`) when one of them has exited before coming."""
+        gather(self.store, self.generation, self.worker, workers, timeout=collective_timeout())
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout(),
                                 store=dist.PrefixStore(f"attempt{restart_attempt()}/members{self.generation}",
                                                        self.store),
@@ -400,7 +430,7 @@ class Survival:
             if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
-                self._form_world(info, device)
+                self._form_world(info, device, change.workers)
             except RuntimeError:  # DistError and timeouts included: another worker was lost meanwhile; the
                 continue  # next agreement, over the same workers, leaves it out too
             break
