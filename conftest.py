@@ -12,6 +12,12 @@ import os
 
 import torch
 
+# Its docstring's examples are comments (nothing to run: SDPTrainer needs torchrun), and importing it
+# imports transformers' Trainer and accelerate, 5-10 s in each pytest-xdist worker's collection; its
+# tests import it (tests/unit/test_hf_trainer_surface.py, tests/distributed/test_hf_trainer.py), and
+# test_hf_trainer_surface checks that no example there runs anything.
+collect_ignore = ["sdp_train/integrations/hf.py"]
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
