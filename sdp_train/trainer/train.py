@@ -226,11 +226,14 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             inputs, targets = (t.to(device) for t in next(batches))
             change = None
             if survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
-                # at a boundary: a restore of coverage that a loss inside a round left due, then joiners
-                for made in (survival.restore_due(run, step), survival.admit(run, step, device)):
-                    if made is not None:
-                        change, info = made, run.info
-                        report_change(change, info, cfg.steps)
+                restored = survival.restore_due(run, step)  # a restore a loss inside a round left due
+                if restored is not None:
+                    report_change(restored, run.info, cfg.steps)
+                joined = survival.admit(run, step, device)  # then joiners, under the rows in force
+                if joined is not None:
+                    info = run.info
+                    report_change(joined, info, cfg.steps)
+                change = joined or restored  # the step's metrics line has the last
             while True:  # once, unless workers are lost during the step (`survival`)
                 bytes_before, wire_before = run.comm_bytes, run.wire_bytes
                 measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
