@@ -216,7 +216,9 @@ def gather(store: dist.Store, generation: int, worker: int, workers: Sequence[in
     Raises `WorldNotFormed` as soon as one that has not come has an exit mark from the launcher
     (`exited_key`), or after `timeout`: without this a survivor waits the whole collective timeout in the
     process group's rendezvous for a worker that died during the recovery (600 s by default). A worker
-    that dies after it came still fails the rendezvous by its timeout.
+    that dies after it came still fails the rendezvous by its timeout. Likewise as soon as one of them
+    has begun the next generation's agreement (`agree`): it gave this world up (its own forming failed,
+    or a member's admission of a joiner), and while one has not come none has formed it.
     """
     prefix = f"sdp/form{generation}/"
     store.set(f"{prefix}came{worker}", "1")
@@ -228,6 +230,9 @@ def gather(store: dist.Store, generation: int, worker: int, workers: Sequence[in
         gone = [w for w in absent if store.check([exited_key(w)])]
         if gone:
             raise WorldNotFormed(f"worker(s) {gone} exited before the world of generation {generation} formed")
+        left = [w for w in workers if w != worker and store.check([f"sdp/loss{generation + 1}/joined{w}"])]
+        if left:
+            raise WorldNotFormed(f"worker(s) {left} gave up the world of generation {generation} before it formed")
         if time.monotonic() >= deadline:
             raise WorldNotFormed(f"worker(s) {absent} did not come to form the world of generation {generation} "
                                f"within {timeout.total_seconds():g} s")

@@ -1,5 +1,6 @@
 """Forming the world of a new membership (`sdp_train.trainer.membership.gather`): a worker that died during
-the recovery fails the forming as soon as the launcher marks its exit, not after the collective timeout.
+the recovery fails the forming as soon as the launcher marks its exit, and one that gave the world up (it
+began the next agreement) as soon as it did, not after the collective timeout.
 The launch: tests/distributed/test_worker_loss_recovery.py."""
 
 from __future__ import annotations
@@ -55,3 +56,27 @@ def test_a_generation_sees_only_its_own_arrivals():
     store.set("sdp/form1/came1", "1")  # worker 1 came to generation 1's world, not to generation 2's
     with pytest.raises(WorldNotFormed, match="did not come"):
         gather(store, 2, 0, [0, 1], timeout=timedelta(seconds=0.1))
+
+
+@settings(deadline=None, max_examples=30)
+@given(k=st.integers(2, 5), generation=st.integers(1, 4), data=st.data())
+def test_forming_fails_at_once_naming_a_worker_that_began_the_next_agreement(k, generation, data):
+    """A worker that gave the world up (it agrees again, a generation later: its own forming failed, or a
+    member's admission of a joiner) fails the forming of every other one that waits for an absent worker;
+    an earlier agreement (its own generation's, which led to this world) does not."""
+    store = dist.HashStore()
+    left = data.draw(st.lists(st.integers(1, k - 1), min_size=1, unique=True), label="left")
+    for w in left:
+        store.set(f"sdp/loss{generation}/joined{w}", "4")  # the agreement that formed this world
+    absent = data.draw(st.integers(1, k - 1), label="absent")
+    with pytest.raises(WorldNotFormed, match="did not come"):
+        gather(store, generation, 0, range(k), timeout=timedelta(seconds=0.05))
+    for w in left:
+        store.set(f"sdp/loss{generation + 1}/joined{w}", "4")
+        if w != absent:
+            store.set(f"sdp/form{generation}/came{w}", "1")  # it came, then gave up
+    began = time.monotonic()
+    message = f"worker(s) {sorted(left)} gave up the world of generation {generation} before it formed"
+    with pytest.raises(WorldNotFormed, match=f"^{re.escape(message)}$"):
+        gather(store, generation, 0, range(k), timeout=LONG)
+    assert time.monotonic() - began < LONG.total_seconds() / 2
