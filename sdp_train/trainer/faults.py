@@ -8,7 +8,10 @@ after the survivors' decision and before their new world forms; ``SDP_TEST_JOIN_
 the members of a run that misses a worker (``--max-rejoins``) admit replacements at step S's
 boundary only (with ``--local-steps H``, a multiple of H: members admit nowhere else), waiting there
 until every missing worker's replacement waits to join, so that a test knows the step (a
-replacement's start takes seconds). All act on the first attempt of a
+replacement's start takes seconds); ``S,T,...`` admits at each of those steps (a second replacement,
+after the first was lost while it joined); ``SDP_TEST_KILL_JOINER=S`` makes the replacement admitted at
+step S SIGKILL itself once its new world has formed, before its parts come (the members are then
+sending them). All act on the first attempt of a
 job only: a restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
 the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
 lists the tests that use them.
@@ -26,6 +29,7 @@ NAN_VARIABLE = "SDP_TEST_INJECT_NAN"
 KILL_VARIABLE = "SDP_TEST_KILL_AT_STEP"
 RECOVERY_KILL_VARIABLE = "SDP_TEST_KILL_IN_RECOVERY"
 JOIN_VARIABLE = "SDP_TEST_JOIN_AT_STEP"
+JOINER_KILL_VARIABLE = "SDP_TEST_KILL_JOINER"
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,8 @@ class InjectedFaults:
     nan_at: tuple[int, int] | None = None
     kill_at: tuple[int, int] | None = None
     kill_in_recovery: int | None = None
-    join_at: int | None = None
+    join_at: tuple[int, ...] | None = None
+    kill_joiner: int | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -56,12 +61,17 @@ class InjectedFaults:
         if (restart_attempt() if attempt is None else attempt) != 0:
             return cls()
         worker, join = environ.get(RECOVERY_KILL_VARIABLE), environ.get(JOIN_VARIABLE)
-        for variable, value, what in ((RECOVERY_KILL_VARIABLE, worker, "a worker number"),
-                                      (JOIN_VARIABLE, join, "a step")):
-            if value is not None and not (value.isascii() and value.isdigit()):
-                raise ValueError(f"{variable}={value!r} must be {what}, an integer >= 0")
+        joiner = environ.get(JOINER_KILL_VARIABLE)
+        for variable, value, what in ((RECOVERY_KILL_VARIABLE, worker, "a worker number, an integer >= 0"),
+                                      (JOIN_VARIABLE, join, "steps (integers >= 0) separated by commas"),
+                                      (JOINER_KILL_VARIABLE, joiner, "a step, an integer >= 0")):
+            parts = [] if value is None else value.split(",") if variable == JOIN_VARIABLE else [value]
+            if not all(v.isascii() and v.isdigit() for v in parts):
+                raise ValueError(f"{variable}={value!r} must be {what}")
         return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE),
-                   None if worker is None else int(worker), None if join is None else int(join))
+                   None if worker is None else int(worker),
+                   None if join is None else tuple(int(s) for s in join.split(",")),
+                   None if joiner is None else int(joiner))
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""

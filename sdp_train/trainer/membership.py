@@ -37,7 +37,8 @@ import json
 import os
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -247,6 +248,20 @@ def joiners_at(store: dist.Store, step: int, missing: Sequence[int]) -> list[int
     return json.loads(store.compare_set(f"sdp/admit/{step}", "", json.dumps(waiting)))
 
 
+@contextmanager
+def joining_fails(worker: int, step: int) -> Iterator[None]:
+    """Where a replacement for worker `worker`, admitted at `step`, forms its world and receives its parts: a
+    failure there (the members gave up its admission, or one of them was lost) stops it in one line,
+    `WorkerLossError`; the members go on without it where they can (`Survival.admit`)."""
+    try:
+        yield
+    except RuntimeError as exc:  # DistError, WorldNotFormed and a failed collective included
+        if isinstance(exc, WorkerLossError):
+            raise
+        raise WorkerLossError(f"worker {worker}: its admission at step {step} failed ({type(exc).__name__}); it "
+                              "stops") from exc
+
+
 class Survival:
     """This rank's side of ``--on-worker-loss continue``: its worker number in the original run, the
     workers of the current world (rank order), the mask in force and the changes so far.
@@ -300,7 +315,8 @@ class Survival:
                        seed=seed)
         survival.generation = admitted["generation"]
         info = DistInfo(workers.index(worker), len(workers), 0)
-        survival._form_world(info, device, workers)
+        with joining_fails(worker, step):
+            survival._form_world(info, device, workers)
         joined = workers[admitted["members"]:]
         change = MembershipChange(step, (), workers, tuple(range(admitted["members"])), survival.mask, joined=joined,
                                   welcome_mask=_welcome_mask(designed, admitted["rows"], joined, step, seed))
@@ -327,12 +343,15 @@ class Survival:
         gain and drop parts). Under a schedule the designed round's rows, at the same position, after
         the members made a change a loss left due. With local steps only at a round's boundary, right
         after the holders' average: inside a round their copies differ (every member skips the others
-        alike, reading nothing)."""
+        alike, reading nothing). When the admission fails and the members' state is still what it was
+        (`members_state_kept`: a static mask, and the failure came before the new world formed or while the
+        members only sent the joiners' parts) they go on without the joiners (`_without_joiners`; None, or
+        the change when a member was lost meanwhile); else every member stops, `WorkerLossError`."""
         if self.designed is None or len(self.workers) == self.designed.workers or step % run.cfg.local_steps:
             return None
         missing = [w for w in range(self.designed.workers) if w not in self.workers]
-        if run.faults.join_at is not None:  # tests only: admit at that step, once the replacements wait
-            if step != run.faults.join_at:
+        if run.faults.join_at is not None:  # tests only: admit at those steps, once the replacements wait
+            if step not in run.faults.join_at:
                 return None
             self.store.wait([joining_key(w) for w in missing], collective_timeout())
         joined = joiners_at(self.store, step, missing)
@@ -346,29 +365,60 @@ class Survival:
         rows = (self.mask.matrix if self.designed.schedule.is_static else mask.matrix[:len(self.workers)]).tolist()
         welcome = _welcome_mask(self.designed, rows, joined, step, self.seed)
         info = DistInfo(self.workers.index(self.worker), len(workers), 0)
-        if info.is_main:
+        if info.is_main:  # the joiners are members for the launcher first: one lost from here on is not replaced
+            self.store.set(MEMBERS_KEY, ",".join(map(str, workers)))  # until the members go on without it
             for w in joined:
                 self.store.delete_key(joining_key(w))
                 self.store.set(admission_key(w), json.dumps({"step": step, "generation": self.generation + 1,
                                                              "workers": workers, "members": len(self.workers),
                                                              "rows": rows}))
+        welcoming = False
         try:
             run.enter_next_round()  # a change a loss left due, among the members: their rows become the designed
             run.sync.close()  # its hooks hold the groups
             destroy_distributed()
             self.generation += 1
             self._form_world(info, device, workers)
+            welcoming = True
             run.admit(mask, workers, range(len(self.workers), len(workers)), info, welcome_mask=welcome)
         except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
-            raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}); a loss "
-                                  "while workers join is not recovered: restart from a checkpoint (--resume)",
-                                  report=info.is_main) from exc
+            kept = members_state_kept(mask, welcome, len(self.workers), scheduled=not self.designed.schedule.is_static,
+                                      welcoming=welcoming)
+            if kept is not None:
+                raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}) "
+                                      f"{kept}: restart from a checkpoint (--resume)", report=info.is_main) from exc
+            return self._without_joiners(run, step, joined, exc, device, began)
         change = MembershipChange(step, (), workers, tuple(range(len(self.workers))), mask,
                                   recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes,
                                   joined=tuple(joined), welcome_mask=welcome)
         self.workers, self.mask = workers, mask
+        self.changes.append(change)
+        return change
+
+    def _without_joiners(self, run, step: int, joined: Sequence[int], error: BaseException, device: torch.device,
+                         began: float) -> MembershipChange | None:
+        """After admitting `joined` at the boundary before `step` failed (`error`) while the members' state was
+        still theirs (`members_state_kept`): the members agree among themselves (a new generation, as after a
+        loss: one that died meanwhile is lost, fatal or not), form their world again and go on from `step`
+        with the rows they had, without the joiners, whose admission the new rank 0 takes back (the launcher
+        may then start another replacement). Returns the change when a member was lost, else None. A static
+        mask only: the members' rows in force are what a loss is checked against."""
+        run.sync.close()  # the new world's, where it was built
+        change, dropped, info = self._agree_and_form(run, step, error, device, None, keep_all=True)
         if info.is_main:
-            self.store.set(MEMBERS_KEY, ",".join(map(str, workers)))
+            for w in joined:  # a replacement started from now on waits for an admission of its own
+                self.store.delete_key(admission_key(w))
+            self.store.set(MEMBERS_KEY, ",".join(map(str, self.workers if change is None else change.workers)))
+        if change is None:
+            run.continue_with(self.mask, range(len(self.workers)), info)
+            if info.is_main:
+                print(f"sdp train: step {step + 1}/{run.cfg.steps}: worker(s) {list(joined)} lost while joining "
+                      f"({type(error).__name__}); workers {', '.join(map(str, self.workers))} go on from this step "
+                      f"without {'them' if len(joined) > 1 else 'it'} ({time.perf_counter() - began:.2f} s)",
+                      flush=True)
+            return None
+        change = self._go_on(run, change, dropped, info)
+        change = dataclasses.replace(change, recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
 
@@ -415,6 +465,22 @@ class Survival:
         began = time.perf_counter()
         rounds = run.sync.rounds_to_train(run.cfg.steps)
         run.sync.close()  # its hooks hold the groups
+        change, dropped, info = self._agree_and_form(run, step, error, device, rounds)
+        if info.is_main:
+            self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
+        change = self._go_on(run, change, dropped, info)
+        change = dataclasses.replace(change, recovery_s=time.perf_counter() - began,
+                                     moved_bytes=run.sync.moved_bytes)
+        self.changes.append(change)
+        return change
+
+    def _agree_and_form(self, run, step: int, error: BaseException, device: torch.device, rounds, *,
+                        keep_all: bool = False) -> tuple[MembershipChange | None, Mask | None, DistInfo]:
+        """The live workers of this world agree (`agree`, `decide`: `rounds` as `run.sync.rounds_to_train` gave
+        them) and form their new world, again with those still alive when one is lost meanwhile. Returns the
+        change (and the survivors' own rows, `dropped`, before any restore) and this rank's place in the world.
+        With no worker lost `error` is raised again, unless `keep_all` (the change is then None and the same
+        workers formed their world again)."""
         while True:
             destroy_distributed()  # closes this rank's connections: a peer waiting on one of them fails now
             self.generation += 1
@@ -427,25 +493,20 @@ class Survival:
                 change = decide(self.mask, self.workers, joined, step=step, rounds=rounds)
             except WorkerLossError as exc:
                 raise WorkerLossError(str(exc), report=self.worker == min(joined)) from error
-            if change is None:
+            if change is None and not keep_all:
                 raise error
-            dropped = change.mask
-            change = self.restored(change, step, report=self.worker == min(joined))
-            info = DistInfo(change.workers.index(self.worker), len(change.workers), 0)
+            dropped = None if change is None else change.mask
+            if change is not None:
+                change = self.restored(change, step, report=self.worker == min(joined))
+            workers = self.workers if change is None else change.workers
+            info = DistInfo(workers.index(self.worker), len(workers), 0)
             if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
-                self._form_world(info, device, change.workers)
+                self._form_world(info, device, workers)
             except RuntimeError:  # DistError and timeouts included: another worker was lost meanwhile; the
                 continue  # next agreement, over the same workers, leaves it out too
-            break
-        if info.is_main:
-            self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
-        change = self._go_on(run, change, dropped, info)
-        change = dataclasses.replace(change, recovery_s=time.perf_counter() - began,
-                                     moved_bytes=run.sync.moved_bytes)
-        self.changes.append(change)
-        return change
+            return change, dropped, info
 
     def _go_on(self, run, change: MembershipChange, dropped: Mask, info: DistInfo) -> MembershipChange:
         """Rebuild `run`'s sync for the survivors of `change` in their new world (`info`): under `change.mask`,
@@ -494,6 +555,39 @@ class Survival:
                                   moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
+
+
+def members_state_kept(mask: Mask, welcome: Mask, members: int, *, scheduled: bool, welcoming: bool) -> str | None:
+    """Why the members of an admission that failed must stop (the words that say so), or None when their
+    values, buffers and optimizer state are still those they had before it, so that they go on without
+    the joiners (`Survival.admit`). `mask`: the designed rows of the new world's workers, the `members`
+    members first; `welcome`: the admission's welcome mask (the members' rows in force first);
+    `scheduled`: the run's mask is a schedule; `welcoming`: the failure came once the new world had
+    formed, while the joiners were given their parts (`Run.admit`), else before.
+
+    Before the world forms nothing of a member's has changed, but under a schedule, where the members first
+    make a change of round that a loss left due (`Run.enter_next_round`). While the joiners receive their
+    parts a member only sends (`send_parts`, `move_optimizer_state`: what a member held before, it holds
+    after), unless its rows in force are not its designed ones (restored for the survivors of a loss): it
+    then goes on to gain and drop parts (`Run.welcome`).
+
+    >>> designed = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
+    >>> mask = Mask(designed.matrix[[1, 2, 0]])  # workers 1 and 2 admit worker 0
+    >>> members_state_kept(mask, mask, 2, scheduled=False, welcoming=True) is None
+    True
+    >>> restored = Mask([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    >>> members_state_kept(mask, restored, 2, scheduled=False, welcoming=False) is None
+    True
+    >>> members_state_kept(mask, restored, 2, scheduled=False, welcoming=True).split(";")[0]
+    'while the members went from their restored rows to their designed ones'
+    """
+    if scheduled:
+        return ("under a schedule, where the members first made a change of round; a loss while workers join "
+                "under a schedule is not recovered")
+    if welcoming and not np.array_equal(welcome.matrix[:members], mask.matrix[:members]):
+        return ("while the members went from their restored rows to their designed ones; a loss while members "
+                "gain and drop parts is not recovered")
+    return None
 
 
 def restore_step(steps_applied: int, local_steps: int) -> int:

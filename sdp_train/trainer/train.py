@@ -51,6 +51,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -81,7 +82,7 @@ from sdp_train.trainer.checkpoint import (
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import LAUNCHER_ENV, destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
-from sdp_train.trainer.membership import JOIN_ENV, MembershipChange, Survival, WorkerLossError
+from sdp_train.trainer.membership import JOIN_ENV, MembershipChange, Survival, WorkerLossError, joining_fails
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
@@ -166,13 +167,17 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     if admitted is not None:  # the lost worker's data shard of the first world; built under the members' rows
         shard = (survival.worker, cfg.workers)
         position = Rounds(prep.mask, cfg.seed, counts=True).for_joiners(admitted.workers, steps=admitted.step)
-        run = Run(dataclasses.replace(prep, mask=admitted.welcome_mask), info, device, joining=position)
+        with joining_fails(survival.worker, admitted.step):
+            run = Run(dataclasses.replace(prep, mask=admitted.welcome_mask), info, device, joining=position)
         prep = dataclasses.replace(prep, mask=admitted.mask)  # the designed rows in rank order, from `welcome` on
     else:
         run = Run(prep, info, device)
     batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=shard[0], world_size=shard[1])
     if admitted is not None:  # the step, the learning rate's schedule and the data go on from the members'
-        run.welcome(range(len(admitted.rows), len(admitted.workers)), admitted.mask)
+        if run.faults.kill_joiner == admitted.step:  # tests only: lost while the members send its parts
+            os.kill(os.getpid(), signal.SIGKILL)
+        with joining_fails(survival.worker, admitted.step):
+            run.welcome(range(len(admitted.rows), len(admitted.workers)), admitted.mask)
         run.steps_applied = admitted.step
         batches.load_state_dict({**batches.state_dict(), "step": admitted.step})
         start = admitted.step
@@ -229,9 +234,12 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                 restored = survival.restore_due(run, step)  # a restore a loss inside a round left due
                 if restored is not None:
                     report_change(restored, run.info, cfg.steps)
-                joined = survival.admit(run, step, device)  # then joiners, under the rows in force
+                joined = survival.admit(run, step, device)  # then joiners (a failed admission: a member lost)
                 if joined is not None:
                     info = run.info
+                    if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
+                        metrics_file, history = open_metrics(out, start)
+                        metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
                     report_change(joined, info, cfg.steps)
                 change = joined or restored  # the step's metrics line has the last
             while True:  # once, unless workers are lost during the step (`survival`)

@@ -101,11 +101,12 @@ def members_rows(mode: str, prep, step: int) -> tuple[list[int], np.ndarray]:
     return members, matrix
 
 
-def rejoin_rows(mode: str, prep, step: int, *, restored: bool) -> tuple[list[int], np.ndarray]:
-    """`members_rows` of a run whose replacement for KILL_RANK rejoins at JOIN_STEP: every worker's designed
-    row before the loss and from JOIN_STEP on (the joiner's too, whatever the rank order), between them
+def rejoin_rows(mode: str, prep, step: int, *, restored: bool, join_step: int = JOIN_STEP
+                ) -> tuple[list[int], np.ndarray]:
+    """`members_rows` of a run whose replacement for KILL_RANK rejoins at `join_step`: every worker's designed
+    row before the loss and from `join_step` on (the joiner's too, whatever the rank order), between them
     the survivors' rows (`restored`: the mask designed for them, `survivors_rows`)."""
-    if not KILL_STEP < step < JOIN_STEP:
+    if not KILL_STEP < step < join_step:
         return [0, 1, 2], prep.mask.matrix.astype(bool)
     members = [k for k in range(3) if k != KILL_RANK]
     matrix = np.zeros_like(prep.mask.matrix, dtype=bool)
@@ -366,9 +367,10 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
 
 
-def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, restored: bool) -> None:
-    """What a run whose replacement for KILL_RANK rejoins at JOIN_STEP must show: exit 0 (`run_mode`); the
-    loss at CHANGE_STEP (`restored`: under the mask designed for the survivors) and the rejoin at JOIN_STEP
+def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, restored: bool,
+                   join_step: int = JOIN_STEP) -> None:
+    """What a run whose replacement for KILL_RANK rejoins at `join_step` must show: exit 0 (`run_mode`); the
+    loss at CHANGE_STEP (`restored`: under the mask designed for the survivors) and the rejoin at `join_step`
     in summary.json and on their metrics lines, every step's line once; workers 1, 2 and 0 in rank order
     under the designed mask's rows in that order; every holder of every tensor (N-SDP: every row or
     column; Bb-SDP: every tensor) bit-identical at the end (each rank's file of the final checkpoint);
@@ -385,13 +387,14 @@ def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, r
     assert lost["coverage_restored"] == restored
     assert mask_from_dict(lost["mask"]).matrix.tolist() == rejoin_rows(mode, prep, KILL_STEP + 1, restored=restored
                                                                        )[1][[1, 2]].astype(int).tolist()
-    assert (joined["step"], joined["lost"], joined["joined"], joined["workers"]) == (JOIN_STEP, [], [KILL_RANK], workers)
+    assert (joined["step"], joined["lost"], joined["joined"], joined["workers"]) == (join_step, [], [KILL_RANK],
+                                                                                    workers)
     mask = mask_from_dict(joined["mask"])
     assert mask.matrix.tolist() == prep.mask.matrix[workers].tolist()  # the designed rows, joiner last
     assert joined["moved_bytes"] > 0 and summary["world_size"] == 3
     assert [m["step"] for m in metrics] == list(range(STEPS))
-    assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode], JOIN_STEP]
-    assert metrics[JOIN_STEP]["membership"]["joined"] == [KILL_RANK]
+    assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode], join_step]
+    assert metrics[join_step]["membership"]["joined"] == [KILL_RANK]
     assert f"worker {KILL_RANK} rejoined" in proc.stdout and "train on under the designed mask" in proc.stdout
     assert ("under a mask that restores the designed coverage" in proc.stdout) == restored
     assert f"sdp: rank {KILL_RANK} lost (exit code -9): starting a replacement" in proc.stderr
@@ -416,7 +419,8 @@ def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, r
                 assert torch.equal(a, b), (name, r)
 
     expected, losses = reference(mode, RESTORE_AND_REJOIN if restored else REJOIN,
-                                 members_of=lambda prep, step: rejoin_rows(mode, prep, step, restored=restored))
+                                 members_of=lambda prep, step: rejoin_rows(mode, prep, step, restored=restored,
+                                                                           join_step=join_step))
     model = load_file(out / "model.safetensors")
     assert set(model) == set(expected)
     atol = 5e-5 if mode in ("bbsdp", "overlap") else 1e-5  # as `check_survivors`

@@ -1,0 +1,148 @@
+"""A worker lost while it joins (``--max-rejoins``): which members go on without it and from which state
+(`sdp_train.trainer.membership.Survival.admit`, `members_state_kept`), in one process, over a real store
+with a run and a world forming that stand in for the real ones. The launch: the first replacement of
+tests/distributed/test_worker_loss_rejoin.py dies while its parts are sent and the second one joins."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from masklab import Mask
+from masklab.mask import Schedule
+from sdp_train.trainer.membership import (
+    MEMBERS_KEY,
+    Survival,
+    WorkerLossError,
+    WorldNotFormed,
+    admission_key,
+    exited_key,
+    joining_key,
+    members_state_kept,
+)
+
+DESIGNED = Mask([[1, 1, 0], [1, 1, 1], [0, 1, 1]])  # workers 1 and 2 admit worker 0's replacement
+RESTORED = np.array([[1, 1, 1], [1, 1, 1]])  # the members' rows after --restore-coverage
+STEP = 4
+
+
+class _Sync:
+    moved_bytes = 0
+
+    def rounds_to_train(self, steps: int):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class _Run:
+    """What `Survival.admit` asks of the members' run; `admit` (the joiners' parts) fails when `lost_in` says so."""
+
+    def __init__(self, lost_in: str) -> None:
+        self.cfg, self.faults = SimpleNamespace(local_steps=1, steps=8), SimpleNamespace(join_at=None,
+                                                                                        kill_in_recovery=None)
+        self.lost_in, self.steps_applied, self.sync, self.went_on = lost_in, STEP, _Sync(), []
+
+    def enter_next_round(self) -> None:
+        pass
+
+    def admit(self, mask, workers, joiners, info, *, welcome_mask=None) -> None:
+        if self.lost_in == "welcome":
+            raise dist.DistBackendError("Connection closed by peer")
+
+    def continue_with(self, mask, rows, info) -> None:
+        self.went_on.append((mask.matrix.tolist(), list(rows), info.world_size))
+        self.sync = _Sync()
+
+
+@pytest.fixture(scope="module")
+def server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+@pytest.mark.parametrize("member_lost", [False, True])
+@pytest.mark.parametrize("scheduled", [False, True])
+@pytest.mark.parametrize("restored", [False, True])
+@pytest.mark.parametrize("lost_in", ["forming", "welcome"])
+def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_their_state_changes(
+        server, lost_in, restored, scheduled, member_lost):
+    """Worker 0's replacement is lost before the new world forms or while the members send its parts (with
+    worker 2, a member, lost too or not). The members go on, re-formed among themselves a generation later,
+    with the rows in force and every member's rank kept, or without worker 2 as after any loss, exactly
+    when their state is still theirs: a static mask, and no restored rows going back to the designed ones
+    while the parts were sent. Else every member stops in one line, as before. Either way the admission
+    is taken back from the launcher's view only when they go on (`MEMBERS_KEY` without the joiner again)."""
+    prefix = f"t{lost_in}{restored}{scheduled}{member_lost}/"
+    store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    designed = Mask(DESIGNED.matrix, schedule=Schedule("cyclic", 2) if scheduled else None)
+    rows = RESTORED if restored else DESIGNED.matrix[[1, 2]]
+    survival = Survival(store, 1, (1, 2), Mask(rows), designed=designed)
+    survival.generation = 3
+    formed = []
+
+    def form_world(info, device, workers) -> None:
+        formed.append((survival.generation, tuple(workers)))
+        if len(formed) == 1 and lost_in == "forming":
+            raise WorldNotFormed("worker(s) [0] exited before the world of generation 4 formed")
+
+    survival._form_world = form_world
+    store.set(joining_key(0), "1")
+    store.set(exited_key(2) if member_lost else "sdp/loss5/joined2", str(STEP))  # worker 2's side of the agreement
+    run = _Run(lost_in)
+    keeps = not scheduled and (lost_in == "forming" or not restored)
+    assert (members_state_kept(Mask(designed.round_matrix(STEP)[[1, 2, 0]]), Mask(np.vstack([rows, [[1, 1, 0]]])),
+                               2, scheduled=scheduled, welcoming=lost_in == "welcome") is None) == keeps
+    if not keeps:
+        with pytest.raises(WorkerLossError) as raised:
+            survival.admit(run, STEP, torch.device("cpu"))
+        assert "\n" not in str(raised.value) and str(raised.value).startswith(f"step {STEP}: admitting worker(s) [0]")
+        assert run.went_on == [] and store.get(MEMBERS_KEY).decode() == "1,2,0"
+        return
+    change = survival.admit(run, STEP, torch.device("cpu"))
+    assert formed == [(4, (1, 2, 0)), (5, (1,) if member_lost else (1, 2))]
+    assert not store.check([admission_key(0)]) and not store.check([joining_key(0)])
+    if member_lost:  # a loss as usual: worker 1 alone, which holds every block
+        assert (change.step, change.lost, change.workers, change.joined) == (STEP, (2,), (1,), ())
+        assert run.went_on == [(rows[[0]].tolist(), [0], 1)] and store.get(MEMBERS_KEY).decode() == "1"
+    else:
+        assert change is None and survival.changes == []
+        assert run.went_on == [(rows.tolist(), [0, 1], 2)] and store.get(MEMBERS_KEY).decode() == "1,2"
+    assert survival.workers == change.workers if member_lost else survival.workers == (1, 2)
+    assert survival.mask.matrix.tolist() == (rows[[0]] if member_lost else rows).tolist()
+
+
+def test_the_admission_members_write_names_the_joiners_members_of_the_launcher_first(server):
+    """While the admission runs the joiner is a member for the launcher (`MEMBERS_KEY`), so that one it loses
+    then is replaced only once the members went on without it, not while they still count on it."""
+    store = dist.PrefixStore("order/", dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    survival = Survival(store, 1, (1, 2), Mask(DESIGNED.matrix[[1, 2]]), designed=DESIGNED)
+    seen = []
+
+    def form_world(info, device, workers) -> None:
+        seen.append((store.get(MEMBERS_KEY).decode(), json.loads(store.get(admission_key(0)))["workers"]))
+
+    survival._form_world = form_world
+    store.set(joining_key(0), "1")
+    store.set(MEMBERS_KEY, "1,2")
+    change = survival.admit(_Run("nowhere"), STEP, torch.device("cpu"))
+    assert seen == [("1,2,0", [1, 2, 0])] and change.joined == (0,)
+
+
+def test_the_test_faults_admit_at_several_steps_and_kill_the_joiner_of_one_and_refuse_other_text():
+    from sdp_train.trainer.faults import InjectedFaults
+
+    faults = InjectedFaults.from_environment({"SDP_TEST_JOIN_AT_STEP": "4,5", "SDP_TEST_KILL_JOINER": "4"}, attempt=0)
+    assert (faults.join_at, faults.kill_joiner) == ((4, 5), 4)
+    assert InjectedFaults.from_environment({"SDP_TEST_JOIN_AT_STEP": "4"}, attempt=0).join_at == (4,)
+    assert InjectedFaults.from_environment({"SDP_TEST_KILL_JOINER": "4"}, attempt=1).kill_joiner is None
+    for variable, value in (("SDP_TEST_JOIN_AT_STEP", "4,"), ("SDP_TEST_JOIN_AT_STEP", "4;5"),
+                            ("SDP_TEST_KILL_JOINER", "4,5"), ("SDP_TEST_KILL_JOINER", "")):
+        with pytest.raises(ValueError, match=f"^{variable}={value!r} must be "):
+            InjectedFaults.from_environment({variable: value}, attempt=0)
