@@ -23,9 +23,10 @@ over all of them each round, as in local SGD. Floating-point buffers (BatchNorm 
 averaged with their block. Gradient clipping is local (``torch.nn.utils.clip_grad_norm_`` on this
 worker's model is the right call here: no worker's gradient is averaged with another's).
 
-After a lost worker the survivors go on with `OverlapAveraging.for_survivors`; a worker that rejoins
-gets its copy and optimizer state from the holders (`OverlapAveraging.welcome`; `welcome_holdings`
-says who sends what).
+After a lost worker the survivors go on with `OverlapAveraging.for_survivors`; survivors that restore
+the designed coverage then take what they newly hold from its holders (`OverlapAveraging.hand_over`;
+`restore_holdings` says who sends what); a worker that rejoins gets its copy and optimizer state from
+the holders (`OverlapAveraging.welcome`; `welcome_holdings` says who sends what).
 
 Not here: stepwise SDP, in which holders agree at every step (`sdp_train.parallel.wrapper`), and overlap
 averaging with forward masking, where a worker keeps a copy only of what it holds
@@ -52,7 +53,7 @@ from sdp_train.parallel.forwarding import ForwardWithModelSignature, signature_o
 from sdp_train.parallel.masking import ModelLayout, describe
 from sdp_train.parallel.parts import resolve_mask
 from sdp_train.parallel.rounds import Rounds
-from sdp_train.parallel.schedule import move_optimizer_state, send_parts
+from sdp_train.parallel.schedule import OptimizerPlaces, move_optimizer_state, send_parts
 from sdp_train.parallel.sync import _Bucket, holder_set_groups, plan_buckets, unpin_default_group
 from sdp_train.parallel.wire import ByteCount
 
@@ -218,6 +219,28 @@ class OverlapAveraging(nn.Module):
         move_optimizer_state([optimizer], self.module, self.layout.parameter_names, members, held, self.rank, moved)
         return moved.buffer
 
+    def hand_over(self, optimizer: torch.optim.Optimizer, old_matrix: np.ndarray) -> int:
+        """Survivors that restore the designed coverage, at a round's boundary (right after the holders'
+        average, where they agree), this wrapper built over the restored mask: each block a rank's row now
+        gives it and `old_matrix`'s row (its rows in force until now) did not, from the block's
+        lowest-ranked holder under `old_matrix`, bit for bit (a rank's own copy of a block it did not hold
+        is stale), with the `optimizer` state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``) of its
+        parameters, which join `optimizer` where their holders keep them (`restore_holdings`). A block a
+        rank no longer holds keeps its copy but loses its optimizer state, as any non-holder's. A
+        collective: every rank calls it. Returns the buffer bytes broadcast."""
+        old_held, new_held = restore_holdings(self.layout, old_matrix, self.round_matrix(self.steps))
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        places = OptimizerPlaces()
+        places.add(optimizer, self.module, self.world_size)
+        places.insert({n: p for n, p in self.module.named_parameters()
+                       if n in new_held[self.rank] and id(p) not in in_optimizer}, self.module)
+        tensors = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
+        moved = ByteCount()
+        send_parts(self.module, tensors, old_held, new_held, [], self.rank, self._device, moved)
+        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, old_held, new_held, self.rank,
+                             moved)
+        return moved.buffer
+
     def step_done(self) -> None:
         """One optimizer step has been taken (the registered hook calls this; every rank must).
 
@@ -371,6 +394,25 @@ def welcome_holdings(layout: ModelLayout, matrix: np.ndarray, joiners: Sequence[
     return members, copies, held
 
 
+def restore_holdings(layout: ModelLayout, old_matrix: np.ndarray, matrix: np.ndarray
+                     ) -> tuple[list[dict[str, SliceSpec]], list[dict[str, SliceSpec]]]:
+    """What moves when the ranks of an overlap-averaging world go from their rows `old_matrix` to `matrix`
+    (survivors that restore the designed coverage), as per-rank holdings for
+    `sdp_train.parallel.schedule`'s movers, which send each tensor a rank holds in the second only from
+    its lowest-ranked holder in the first: ``(old_held, held)``, each rank's held tensors (its row's
+    blocks and the shared tensors) under either. A block a rank gains moves to it, values and optimizer
+    state; nothing moves to a rank that held the tensor already, and a shared tensor never moves.
+
+    >>> import torch.nn as nn
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    >>> layout = describe(model, ["0", "1"], "block")
+    >>> old_held, held = restore_holdings(layout, np.array([[1, 0], [0, 1]]), np.array([[1, 1], [1, 1]]))
+    >>> sorted(old_held[1]), sorted(held[1])
+    (['1.bias', '1.weight'], ['0.bias', '0.weight', '1.bias', '1.weight'])
+    """
+    return ([layout.held(row) for row in np.asarray(old_matrix)], [layout.held(row) for row in np.asarray(matrix)])
+
+
 class _Placeholder:
     """A bucket this rank does not hold: it only keeps the plan (and so the global order)."""
 
@@ -387,4 +429,4 @@ def _weak(ref: weakref.ref, method: str) -> Callable[..., None]:
     return hook
 
 
-__all__ = ["OverlapAveraging", "welcome_holdings"]
+__all__ = ["OverlapAveraging", "restore_holdings", "welcome_holdings"]
