@@ -31,7 +31,6 @@ COMPUTE_DTYPES = ("float32", "bfloat16")  # TrainConfig.dtype: the forward's, un
 WORKER_LOSS_POLICIES = ("stop", "continue")  # what losing a worker does (`sdp_train.trainer.membership`)
 # modes whose survivors can continue without rollback (static masks)
 SURVIVABLE_MODES = ("bsdp", "nsdp", "bbsdp", "overlap")
-RESTORING_MODES = ("bsdp", "nsdp", "bbsdp")  # modes whose survivors can restore the designed coverage
 
 
 @dataclass(kw_only=True)
@@ -158,26 +157,28 @@ class TrainConfig:
     a round still to train, stops the run; replacements may rejoin: `max_rejoins`;
     `sdp_train.trainer.membership`, RELIABILITY.md)."""
     restore_coverage: bool = False
-    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, static mask): after a loss,
-    train on under a mask designed for the survivors with the designed coverage (the start mask's least
-    c_j, at most the survivors' number; `masklab.survivors.restored_mask`, which balances the survivors'
-    bytes where a built-in family's blocks differ in size), its rows matched to the survivors so the
-    fewest block bytes move, and move each block a survivor newly holds, with its optimizer
-    state, from its lowest-ranked surviving holder. With `local_steps` (``bsdp``, ``nsdp``) the move
-    comes at a round's boundary, right after the holders' average: at once after a loss in the
-    average, else at the end of the round the loss interrupted, the survivors training it under their
-    own rows. False: the lost rows are dropped and a block keeps
-    its other holders only (coverage falls). A replacement that rejoins (`max_rejoins`) gives the
-    run its designed mask back."""
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, ``overlap``, static mask):
+    after a loss, train on under a mask designed for the survivors with the designed coverage (the start
+    mask's least c_j, at most the survivors' number; `masklab.survivors.restored_mask`, which balances
+    the survivors' bytes where a built-in family's blocks differ in size), its rows matched to the
+    survivors so the fewest block bytes move, and move each block a survivor newly holds, with its
+    optimizer state, from its lowest-ranked surviving holder. With `local_steps` (``bsdp``, ``nsdp``,
+    ``overlap``) the move comes at a round's boundary, right after the holders' average: at once after
+    a loss in the average (overlap averaging with local_steps 1: at once), else at the end of the round
+    the loss interrupted, the survivors training it under their own rows. In ``overlap`` a survivor's
+    own copy of a block it newly holds is replaced by its holder's, and one it drops stays, untrained
+    and unaveraged. False: the lost rows are dropped and a block keeps its other holders only
+    (coverage falls). A replacement that rejoins (`max_rejoins`) gives the run its designed mask back."""
     restore_budgets: str | None = None
-    """With `restore_coverage` at block level (modes ``bsdp``, ``bbsdp``) and a built-in model: one memory
-    budget per worker (``"80GB,80GB,24GB,24GB"``, as ``sdp plan --budgets`` reads them, as many as
+    """With `restore_coverage` at block level (modes ``bsdp``, ``bbsdp``, ``overlap``) and a built-in model: one
+    memory budget per worker (``"80GB,80GB,24GB,24GB"``, as ``sdp plan --budgets`` reads them, as many as
     `workers`) that the survivors' restored mask keeps every survivor within (`restored_mask`'s
     ``budgets``): what it holds whatever its blocks (the shared parameters, e.g. the embedding, head and
-    norms, with their gradients and AdamW state; in ``bbsdp`` also every block's parameters and every
-    buffer) plus what each of its blocks adds (`sdp_train.trainer.train.coverage_to_restore`; activations
-    and communication buffers are not counted: leave headroom). A loss after which no mask with the
-    designed coverage fits the survivors' budgets stops the run, in one line naming them. None: no budget."""
+    norms, with their gradients and AdamW state; in ``bbsdp`` and ``overlap`` also every block's
+    parameters and every buffer) plus what each of its blocks adds
+    (`sdp_train.trainer.train.coverage_to_restore`; activations and communication buffers are not counted:
+    leave headroom). A loss after which no mask with the designed coverage fits the survivors' budgets
+    stops the run, in one line naming them. None: no budget."""
     max_rejoins: int = 0
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, a static mask or a schedule, and
     in ``bsdp`` and ``nsdp`` local steps; mode ``overlap``, a static mask): start a replacement for a lost
@@ -342,9 +343,6 @@ class TrainConfig:
                    + (" with restore_coverage" if self.restore_coverage else ""))
         elif self.max_restarts:
             why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
-        elif self.restore_coverage and self.mode not in RESTORING_MODES:
-            why = (f"mode {', '.join(RESTORING_MODES)} with restore_coverage (--restore-coverage), got mode "
-                   f"{self.mode!r}: overlap averaging's survivors keep the lost worker's rows dropped")
         elif self.workers < 2:
             why = f"workers={self.workers}: a single worker has no survivor"
         if why is not None:
@@ -356,7 +354,7 @@ class TrainConfig:
         flag = f"restore_budgets={self.restore_budgets!r} (--restore-budgets)"
         if not self.restore_coverage or self.level != "block":
             raise ConfigError(f"{flag} are the memory budgets a block-level restore designs within: they need "
-                              "restore_coverage (--restore-coverage) in mode 'bsdp' or 'bbsdp', got "
+                              "restore_coverage (--restore-coverage) in mode 'bsdp', 'bbsdp' or 'overlap', got "
                               f"restore_coverage={self.restore_coverage}, mode {self.mode!r}")
         if is_user_model(self.model):
             raise ConfigError(f"{flag} weighs a built-in model's blocks; the blocks of your own model "

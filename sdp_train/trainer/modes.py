@@ -438,20 +438,30 @@ class OverlapSync(ModeSync):
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
                       optimizer: torch.optim.Optimizer) -> OverlapSync:
-        """The survivors' wrapper over the same copies (`OverlapAveraging.for_survivors`). If the last step
-        taken ended a round, its average is taken again among the survivors: a loss during the average
-        leaves some blocks averaged with the lost worker's copy and others not, while averaging again
-        what the survivors already agree on changes nothing (docs/design.md §7)."""
-        overlap = self.overlap.for_survivors(mask)
-        if overlap.steps and overlap.steps % overlap.local_steps == 0:
-            overlap.average()
-        return OverlapSync(overlap, info)
+        """The survivors' wrapper over the same copies (`OverlapAveraging.for_survivors`). If workers were
+        lost and the last step taken ended a round, its average is taken again among the survivors, under
+        their rows in force: a loss during the average leaves some blocks averaged with the lost worker's
+        copy and others not, while averaging again what the survivors already agree on changes nothing
+        (docs/design.md §7). When `mask` restores the designed coverage (it comes only at a round's
+        boundary: `Survival`), each survivor then takes the blocks it newly holds, values and AdamW
+        state, from their lowest-ranked holder under those rows (`OverlapAveraging.hand_over`). After a
+        rejoin every worker "survives" and `mask` is the designed one (`Run.welcome`)."""
+        old = self.overlap
+        kept = old.round_matrix(old.steps)[list(rows)]
+        overlap = old.for_survivors(mask)
+        if len(rows) < old.world_size and overlap.steps and overlap.steps % overlap.local_steps == 0:
+            overlap.average(kept)
+        survivors = OverlapSync(overlap, info)
+        if not np.array_equal(mask.matrix, kept):  # coverage restored (or, after a rejoin, the designed rows)
+            survivors.moved_bytes = overlap.hand_over(optimizer, kept)
+        return survivors
 
     def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> OverlapSync:
         """The members' wrapper over the same copies and step count (`OverlapAveraging.for_joiners`), `mask`
-        the designed rows of `workers` (no restored coverage and no schedule here, so the members' rows
-        in force are their designed ones). The members admit only at a round's boundary, right after
-        the average, where every block's holders agree (`Survival.admit`)."""
+        the members' rows in force (restored ones after ``--restore-coverage``) and the joiners' designed
+        rows (no schedule here). The members admit only at a round's boundary, right after the average,
+        where every block's holders agree (`Survival.admit`); members whose rows were restored then go
+        back to their designed ones (`for_survivors` with every worker, from `Run.welcome`)."""
         return OverlapSync(self.overlap.for_joiners(mask), info)
 
     def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:

@@ -370,10 +370,10 @@ PARAMETER_BYTES = 4 * ELEMENT_BYTES  # a parameter, its gradient and AdamW's two
 
 def holder_bytes(bmap: BlockMap, names: Sequence[str], mode: str) -> int:
     """The bytes of the tensors `names` of `bmap`'s model that a worker keeps only where it holds them in
-    `mode`: `PARAMETER_BYTES` per parameter element and `ELEMENT_BYTES` per buffer element; in Bb-SDP,
-    whose workers run every block, a parameter's gradient and AdamW state only. Activations and
+    `mode`: `PARAMETER_BYTES` per parameter element and `ELEMENT_BYTES` per buffer element; in Bb-SDP
+    and overlap averaging, whose workers keep every block, a parameter's gradient and AdamW state only. Activations and
     communication buffers are not counted."""
-    if mode == "bbsdp":
+    if mode in ("bbsdp", "overlap"):
         return sum((PARAMETER_BYTES - ELEMENT_BYTES) * math.prod(bmap.shapes[n]) for n in names
                    if n in bmap.parameter_names)
     return sum((PARAMETER_BYTES if n in bmap.parameter_names else ELEMENT_BYTES) * math.prod(bmap.shapes[n])

@@ -1,6 +1,6 @@
 """Losing a worker without rollback: ``sdp train --mode bsdp|nsdp|bbsdp|overlap --on-worker-loss
-continue`` on 3 gloo ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to; B-SDP, N-SDP and
-Bb-SDP with ``--restore-coverage`` (overlap averaging keeps the survivors' rows as they are, the path
+continue --restore-coverage`` on 3 gloo ranks, rank 0 SIGKILLed mid-run, no checkpoint to go back to
+(tests/distributed/test_worker_loss_rejoin.py has B-SDP's survivors with their rows as they are, the path
 every mode takes without the flag).
 
 The fault is the test-only ``SDP_TEST_KILL_AT_STEP=STEP:RANK`` (`sdp_train.trainer.faults`): the rank
@@ -11,7 +11,9 @@ designed for 2 workers with the start's coverage 2, every block on both, after t
 neuron groups each survivor lacked came, with their AdamW state, from the other; Bb-SDP's, which
 every worker runs, with their values and AdamW state). Bb-SDP's survivors fail in step STEP itself,
 sending the new values after the optimizer step: they agree that they applied it, send every block
-again from its lowest-ranked surviving holder and go on with step STEP + 1. One launch per mode
+again from its lowest-ranked surviving holder and go on with step STEP + 1. Overlap averaging's fail
+in step STEP's average: they take it again among themselves, then each takes the blocks it newly holds
+(values, AdamW state) from the other and goes on with step STEP + 1. One launch per mode
 checks: exit 0; the membership change recorded at the failing step in summary.json and its metrics
 line, every step's line once; the holders of every tensor (N-SDP: every row or column; Bb-SDP:
 every tensor; overlap averaging: every block both hold) identical at the end (each survivor's rank
@@ -25,9 +27,9 @@ N-SDP's launch goes on (``--max-rejoins 1``, ``SDP_TEST_JOIN_AT_STEP=JOIN_STEP``
 rejoins at JOIN_STEP, receives its neuron groups under the survivors' restored rows, and every worker then
 goes back to its designed row (`check_rejoined`, shared with tests/distributed/test_worker_loss_rejoin.py:
 the reference's members are workers 0-2 under the designed rows again from JOIN_STEP on). So does overlap
-averaging's (tests/distributed/test_worker_loss_applied.py), without a restored mask: the replacement
-receives its copy of every tensor (the blocks it does not hold too) and the AdamW state of what it holds
-from their lowest-ranked holders, as `_overlap_reference` rebuilds worker 0 at JOIN_STEP.
+averaging's (tests/distributed/test_worker_loss_applied.py): the replacement receives its copy of every
+tensor (the blocks it does not hold too) and the AdamW state of what it holds from their lowest-ranked
+holders under the survivors' restored rows, as `_overlap_reference` rebuilds worker 0 at JOIN_STEP.
 """
 
 from __future__ import annotations
@@ -53,13 +55,12 @@ LEVEL = {"bsdp": "block", "nsdp": "neuron", "bbsdp": "block", "overlap": "block"
 # KILL_STEP's broadcast of the new values, after every survivor applied it, and goes on with the next.
 # Overlap averaging (every step here, local_steps 1) averages in the optimizer step's hook: the same as Bb-SDP.
 CHANGE_STEP = {"bsdp": KILL_STEP + 1, "nsdp": KILL_STEP + 1, "bbsdp": KILL_STEP, "overlap": KILL_STEP}
-RESTORES = ("bsdp", "nsdp", "bbsdp")  # launched with --restore-coverage; overlap averaging drops the lost row
+RESTORES = ("bsdp", "nsdp", "bbsdp", "overlap")  # launched with --restore-coverage
 JOIN_STEP = KILL_STEP + 2  # where worker 0's replacement rejoins (`SDP_TEST_JOIN_AT_STEP`), after the rerun step
 REJOIN = ("--max-rejoins", "1")
 RESTORE_AND_REJOIN = ("--restore-coverage", *REJOIN)
-# launched with a replacement for worker 0 that rejoins (`check_rejoined`): N-SDP after --restore-coverage,
-# overlap averaging (which cannot restore) with its survivors' rows as they are
-REJOINS = {"nsdp": RESTORE_AND_REJOIN, "overlap": REJOIN}
+# launched with a replacement for worker 0 that rejoins (`check_rejoined`) after --restore-coverage
+REJOINS = {"nsdp": RESTORE_AND_REJOIN, "overlap": RESTORE_AND_REJOIN}
 
 
 @pytest.fixture(scope="module", params=["bsdp", "nsdp"])  # bbsdp, overlap: test_worker_loss_applied.py
@@ -146,7 +147,7 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     cfg = config_from_args(build_parser().parse_args(["train", *ARGS, "--mode", mode, *extra, "--out", "unused"]))
     prep = prepare(cfg)
     if mode == "overlap":
-        return _overlap_reference(cfg, prep, rejoin=cfg.max_rejoins > 0)
+        return _overlap_reference(cfg, prep, rejoin=cfg.max_rejoins > 0, restored=cfg.restore_coverage)
     model, _, subnetwork = from_sdp_train(prep.model_config, LEVEL[mode], seed=cfg.seed)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -178,13 +179,19 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     return model.state_dict(), losses
 
 
-def _overlap_reference(cfg, prep, *, rejoin: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Overlap averaging on one process: a copy and an AdamW per worker over its held blocks and the
-    shared tensors, each clipped by its own norm; after every step each tensor is replaced by its
-    mean over its holders among the survivors of that step (the lost worker took no step 2). With
-    `rejoin`, worker 0 is back from JOIN_STEP on, in the new world's rank order 1, 2, 0: its copy of
-    every tensor (the blocks it does not hold too) and the AdamW state of what it holds are those of
-    the tensor's lowest-ranked holder among workers 1 and 2, and it reads its batch of JOIN_STEP."""
+def _overlap_reference(cfg, prep, *, rejoin: bool = False, restored: bool = False
+                       ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Overlap averaging on one process: a copy and an AdamW per worker (over every parameter; those of the
+    blocks its row in force does not hold take no gradient, so AdamW skips them), each clipped by its own
+    norm; after every step each tensor is replaced by its mean over its holders among the survivors of that
+    step (the lost worker took no step 2). With `restored`, right after that average at KILL_STEP each
+    survivor takes every block the mask designed for the survivors newly gives it (`survivors_rows`),
+    values and AdamW state, from its lowest-ranked holder among them under their old rows, and trains and
+    averages under those rows. With `rejoin`, worker 0 is back from JOIN_STEP on, in the new world's rank
+    order 1, 2, 0: its copy of every tensor (the blocks it does not hold too) and the AdamW state of what it
+    holds are those of the tensor's lowest-ranked holder among workers 1 and 2 under their rows in force,
+    it reads its batch of JOIN_STEP, and the survivors go back to their designed rows (the AdamW state of
+    what they drop goes)."""
     import copy
 
     from sdp_train.data import build_batches
@@ -193,27 +200,36 @@ def _overlap_reference(cfg, prep, *, rejoin: bool = False) -> tuple[dict[str, to
 
     base, _, _ = from_sdp_train(prep.model_config, "block", seed=cfg.seed)
     matrix = prep.mask.matrix.astype(bool)
+    rows = matrix.copy()  # the rows in force
 
     def block(name: str) -> int | None:
         return int(name.split(".")[1]) if name.startswith("layers.") else None
 
+    def enter(k: int) -> None:  # worker k trains its row in force; AdamW forgets what it dropped
+        for n, p in copies[k].named_parameters():
+            p.requires_grad_(block(n) is None or bool(rows[k, block(n)]))
+            if not p.requires_grad:
+                opts[k].state.pop(p, None)
+
     copies, opts = [], []
     for k in range(3):
         model = copy.deepcopy(base)
-        params = {n: p for n, p in model.named_parameters() if block(n) is None or matrix[k, block(n)]}
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in params)
+        params = dict(model.named_parameters())
         opts.append(torch.optim.AdamW(
             [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8))
         copies.append(model)
+        enter(k)
     batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
     losses = []
     survivors = [k for k in range(3) if k != KILL_RANK]
     for step in range(STEPS):
         if rejoin and step == JOIN_STEP:
-            _welcome(copies, opts, KILL_RANK, survivors, matrix, block)
+            _welcome(copies, opts, KILL_RANK, survivors, rows, block)
+            rows[:] = matrix
+            for k in survivors:
+                enter(k)
         members = ([0, 1, 2] if step < KILL_STEP or (rejoin and step >= JOIN_STEP)
                    else survivors)
         stepping = [0, 1, 2] if step != KILL_STEP else members  # at KILL_STEP rank 0 computes its loss, then dies
@@ -234,15 +250,40 @@ def _overlap_reference(cfg, prep, *, rejoin: bool = False) -> tuple[dict[str, to
         with torch.no_grad():
             states = [dict(m.named_parameters()) for m in copies]
             for name in states[0]:
-                holders = [k for k in members if block(name) is None or matrix[k, block(name)]]
+                holders = [k for k in members if block(name) is None or rows[k, block(name)]]
                 mean = sum(states[k][name] for k in holders) / len(holders)
                 for k in holders:
                     states[k][name].copy_(mean)
+        if restored and step == KILL_STEP:  # the survivors' restored rows, at the boundary after this average
+            new = np.zeros_like(rows)
+            new[survivors] = survivors_rows("overlap", prep)
+            _hand_over(copies, opts, survivors, rows, new, block)
+            rows = new
+            for k in survivors:
+                enter(k)
     final = {}
     for name, value in copies[survivors[0]].state_dict().items():
-        holders = [k for k in (members if rejoin else survivors) if block(name) is None or matrix[k, block(name)]]
+        holders = [k for k in (members if rejoin else survivors) if block(name) is None or rows[k, block(name)]]
         final[name] = copies[holders[0]].state_dict()[name]
     return final, losses
+
+
+@torch.no_grad()
+def _hand_over(copies: list, opts: list, members: list[int], rows: np.ndarray, new: np.ndarray, block) -> None:
+    """Each member's copy of every block `new` gives it and `rows` did not, with the AdamW state of its
+    parameters, from the lowest-ranked member holding the block under `rows` (`OverlapAveraging.hand_over`)."""
+    states = [dict(m.state_dict(keep_vars=True)) for m in copies]
+    params = [dict(m.named_parameters()) for m in copies]
+    for k in members:
+        for name, value in states[k].items():
+            j = block(name)
+            if j is None or not new[k, j] or rows[k, j]:
+                continue
+            src = next(r for r in members if rows[r, j])
+            value.copy_(states[src][name])
+            if name in params[k]:
+                state = opts[src].state[params[src][name]]
+                opts[k].state[params[k][name]] = {key: v.clone() for key, v in state.items()}
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
-"""Losing a worker in Bb-SDP (with ``--restore-coverage``) and overlap averaging (``--on-worker-loss
-continue``), whose survivors fail after applying the step (in the broadcast or the average of the new
-values) and go on with the next; in overlap averaging worker 0's replacement then rejoins
-(``--max-rejoins 1``, `check_rejoined`).
+"""Losing a worker in Bb-SDP and overlap averaging (``--on-worker-loss continue --restore-coverage``), whose
+survivors fail after applying the step (in the broadcast or the average of the new values) and go on with the
+next; in overlap averaging the survivors take the blocks their restored rows give them, values and AdamW state,
+right after the average taken again among them, and worker 0's replacement then rejoins (``--max-rejoins 1``,
+`check_rejoined`), every worker going back to its designed row.
 The runs and their checks are tests/distributed/test_worker_loss.py's (module doc there); a module of
 their own so that pytest-xdist runs them beside B-SDP's and N-SDP's."""
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_worker_loss import REJOINS, check_rejoined, check_survivors, launch
+from tests.distributed.test_worker_loss import REJOINS, RESTORES, check_rejoined, check_survivors, launch
 
 
 @pytest.fixture(scope="module", params=["bbsdp", "overlap"])
@@ -23,6 +24,6 @@ def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Pa
 @pytest.mark.slow
 def test_the_survivors_of_a_sigkill_finish_as_the_reference_that_switches_to_the_survivors_mask(run):
     if run[0] in REJOINS:  # overlap averaging: and, once the replacement rejoins, to the designed rows
-        check_rejoined(*run, restored=False)
+        check_rejoined(*run, restored=run[0] in RESTORES)
     else:
         check_survivors(*run)

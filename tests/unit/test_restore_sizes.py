@@ -71,10 +71,11 @@ def test_equal_blocks_and_neuron_groups_restore_as_before():
     assert nsdp["sizes"] is None and nsdp["groups"] >= 1
 
 
-@pytest.mark.parametrize("mode, per_parameter", [("bsdp", 16), ("bbsdp", 12)])
+@pytest.mark.parametrize("mode, per_parameter", [("bsdp", 16), ("bbsdp", 12), ("overlap", 12)])
 def test_block_bytes_and_fixed_bytes_add_up_to_a_worker_that_holds_every_block(mode, per_parameter):
-    """Bytes per block are what only its holders keep (Bb-SDP's workers keep every parameter: a holder adds its
-    gradient and AdamW's moments); the fixed bytes are the rest of a worker that holds every block."""
+    """Bytes per block are what only its holders keep (Bb-SDP's and overlap averaging's workers keep every
+    parameter: a holder adds its gradient and AdamW's moments); the fixed bytes are the rest of a worker that
+    holds every block."""
     prep = _prepared(mode, **RESNET, restore_budgets="1GB,1GB,1GB,1GB")
     with torch.device("meta"):
         model = model_class(prep.model_config)(prep.model_config)

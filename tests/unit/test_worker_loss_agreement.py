@@ -115,7 +115,7 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"workers": 1}, "workers=1"),
     ({"on_worker_loss": "rejoin"}, "not one of ('stop', 'continue')"),
     ({"on_worker_loss": "stop", "restore_coverage": True}, "acts after a worker is lost"),
-    ({"mode": "overlap", "restore_coverage": True}, "with restore_coverage (--restore-coverage), got mode 'overlap'"),
+    ({"mode": "overlap", "schedule": "permute", "restore_coverage": True}, "a static mask in mode 'overlap'"),
     ({"on_worker_loss": "stop", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins) acts after a worker is lost"),
     ({"mode": "ddp", "max_rejoins": 1}, "mode 'ddp': continuing is built for"),
     ({"mode": "overlap", "schedule": "cyclic", "max_rejoins": 1}, "a static mask in mode 'overlap'"),
@@ -130,6 +130,13 @@ def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(change
 def test_overlap_averaging_with_a_static_mask_may_take_lost_workers_back(local_steps):
     config = TrainConfig(mode="overlap", workers=4, on_worker_loss="continue", max_rejoins=1, local_steps=local_steps)
     assert config.max_rejoins == 1
+
+
+@pytest.mark.parametrize("local_steps", [1, 3])
+def test_overlap_averaging_with_a_static_mask_may_restore_the_designed_coverage(local_steps):
+    config = TrainConfig(mode="overlap", workers=4, on_worker_loss="continue", restore_coverage=True, max_rejoins=1,
+                         local_steps=local_steps)
+    assert config.restore_coverage
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
