@@ -29,7 +29,9 @@ def restored_mask(mask: Mask, lost: Iterable[int], *, coverage: int | None = Non
                   construction: str = "auto", seed: int | None = None, sizes: Sequence[int] | None = None,
                   budgets: Sequence[int] | None = None, fixed_bytes: int | Sequence[int] = 0) -> Mask:
     """A static mask for the survivors of `mask` (static, K rows) after losing `lost`, with every block
-    on ``min(coverage, K - |lost|)`` survivors, rows in the survivors' order.
+    on ``min(coverage, K - |lost|)`` survivors, rows in the survivors' order; on more where fewer holder
+    slots than survivors would leave one without a block (N-SDP: without a group of each block), as
+    `design` and `neuron_design` refuse that: ``ceil((K - |lost|) / B)`` (``/ groups``).
 
     Parameters
     ----------
@@ -117,13 +119,14 @@ def restored_mask(mask: Mask, lost: Iterable[int], *, coverage: int | None = Non
         new = design_for_costs([int(w) for w in weights], kept.workers, min_coverage=target,
                                budgets=None if room is None else [int(r + f) for r, f in zip(room, fixed)],
                                fixed_bytes=None if fixed is None else [int(f) for f in fixed], seed=seed)
-    elif groups is None:
-        new = design(kept.workers, kept.blocks, coverage=target, construction=construction, seed=seed)
+    elif groups is None:  # at least ceil(K' / B) holders, so that every survivor holds a block
+        new = design(kept.workers, kept.blocks, coverage=max(target, -(-kept.workers // kept.blocks)),
+                     construction=construction, seed=seed)
     else:
         if kept.blocks % groups:
             raise MaskError(f"groups={groups} does not divide the mask's {kept.blocks} columns")
-        new = neuron_design(kept.workers, kept.blocks // groups, groups, coverage=target, construction=construction,
-                            seed=seed)
+        new = neuron_design(kept.workers, kept.blocks // groups, groups, construction=construction, seed=seed,
+                            coverage=max(target, -(-kept.workers // groups)))  # every survivor: a group of each
     fits = None if room is None else (new.matrix @ weights)[None, :] <= room[:, None]  # [survivor, row]
     rows = matched_rows(kept.matrix, new.matrix, weights, fits=fits)
     return Mask(new.matrix[rows], block_names=mask.block_names, block_sizes=mask.block_sizes,

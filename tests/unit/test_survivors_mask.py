@@ -140,3 +140,14 @@ def test_budgets_are_refused_for_neuron_groups_fixed_bytes_need_budgets_and_size
         restored_mask(Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), [0], budgets=[9, 9])
     with pytest.raises(DesignError, match="fixed_bytes=5 counts against budgets, and budgets is None"):
         restored_mask(Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]]), [0], fixed_bytes=5)
+
+
+@pytest.mark.parametrize("groups", [None, 1])
+def test_a_restore_with_fewer_holder_slots_than_survivors_raises_the_coverage_so_each_holds_a_part(groups):
+    # block 0 on workers 0 and 1, block 1 on the other four; after losing worker 0 the designed
+    # coverage 2 gives 2 blocks x 2 = 4 holder slots for 5 survivors (hypothesis found it): the
+    # restore raises the coverage to ceil(5 / 2) = 3 rather than refuse the survivors a mask
+    mask = Mask([[1, 0], [1, 0], [0, 1], [0, 1], [0, 1], [0, 1]])
+    new = restored_mask(mask, [0], groups=groups, seed=0)
+    assert new.workers == 5 and new.matrix.any(axis=1).all() and (new.coverage >= 3).all()
+    assert new.matrix.tolist() == restored_mask(mask, [0], groups=groups, sizes=[4, 4], seed=0).matrix.tolist()
