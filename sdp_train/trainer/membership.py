@@ -323,6 +323,27 @@ class Survival:
         survival.changes.append(change)
         return survival, info, change
 
+    @contextmanager
+    def losses_stop(self, what: str, *, mark_wait: float = 2.0) -> Iterator[None]:
+        """Around work outside a training step (`what`: evaluating, checkpointing, saving the model): a
+        collective that fails there because a worker of this world was lost (the launcher marked its
+        exit, within `mark_wait` seconds) stops the run with one line (`WorkerLossError`, printed by the
+        lowest-numbered survivor) rather than a traceback; only a loss inside a step is survived. Other
+        errors go through as they are."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if isinstance(exc, WorkerLossError):
+                raise
+            deadline = time.monotonic() + mark_wait
+            while not (lost := [w for w in self.workers if self.store.check([exited_key(w)])]):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+            raise WorkerLossError(f"lost worker(s) {lost} while {what}: --on-worker-loss continue survives a loss "
+                                  "inside a training step only; restart from the last checkpoint (--resume)",
+                                  report=self.worker == min(set(self.workers) - set(lost))) from exc
+
     def loss_begun(self) -> str | None:
         """Why to give up a collective that waits (`sdp_train.parallel.dist.watch_waits`): another member
         has begun agreeing on a loss (`agree`'s key of the next generation), so a peer of this

@@ -273,18 +273,21 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                 record["membership"] = {"lost": list(change.lost), "joined": list(change.joined),
                                         "workers": list(change.workers), "recovery_s": change.recovery_s,
                                         "coverage_restored": change.restored}
-            if pending is not None:
-                close_step(*pending)
-            pending = (step, record, stats)
-            if must_close_now(step):
-                close_step(*pending)
-                pending = None
-        val_loss, val_accuracy = evaluate(run, prep, save_to=out if cfg.save_model else None)
-        final_consensus = run.consensus_distance()
-        mask_change_bytes = run.mask_change_bytes
-        log.final(val_loss, val_accuracy)
-        trained = sum(p.numel() for p in _optimizer_params(run))
-        per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
+            closing = f"evaluating or checkpointing at step {step}"
+            with nullcontext() if survival is None else survival.losses_stop(closing):
+                if pending is not None:
+                    close_step(*pending)
+                pending = (step, record, stats)
+                if must_close_now(step):
+                    close_step(*pending)
+                    pending = None
+        with nullcontext() if survival is None else survival.losses_stop("evaluating and saving the final model"):
+            val_loss, val_accuracy = evaluate(run, prep, save_to=out if cfg.save_model else None)
+            final_consensus = run.consensus_distance()
+            mask_change_bytes = run.mask_change_bytes
+            log.final(val_loss, val_accuracy)
+            trained = sum(p.numel() for p in _optimizer_params(run))
+            per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
         num_params_local = sum(p.numel() for p in run.model.parameters())
     finally:
         log.close()
