@@ -229,11 +229,9 @@ class OverlapAveraging(nn.Module):
         rank no longer holds keeps its copy but loses its optimizer state, as any non-holder's. A
         collective: every rank calls it. Returns the buffer bytes broadcast."""
         old_held, new_held = restore_holdings(self.layout, old_matrix, self.round_matrix(self.steps))
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         places = OptimizerPlaces()
         places.add(optimizer, self.module, self.world_size)
-        places.insert({n: p for n, p in self.module.named_parameters()
-                       if n in new_held[self.rank] and id(p) not in in_optimizer}, self.module)
+        places.insert({n: p for n, p in self.module.named_parameters() if n in new_held[self.rank]}, self.module)
         tensors = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
         moved = ByteCount()
         send_parts(self.module, tensors, old_held, new_held, [], self.rank, self._device, moved)

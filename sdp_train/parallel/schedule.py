@@ -207,12 +207,15 @@ class OptimizerPlaces:
         self.canonical(module)
 
     def insert(self, params: Mapping[str, nn.Parameter], module: nn.Module) -> None:
-        """Add a gained block's parameters to their optimizer's group (with no state yet)."""
+        """Add a gained block's parameters to their optimizer's group (with no state yet), each once: a
+        parameter already there (backward masking keeps a dropped block's parameters in the group,
+        without state, so regaining it must not add them again, or the optimizer steps them twice) stays."""
         for name, param in params.items():
             where = self.place.get(name)
             optimizer = self.optimizers[where[0]]() if where is not None else None
-            if optimizer is not None:
-                optimizer.param_groups[where[1]]["params"].append(param)
+            group = optimizer.param_groups[where[1]]["params"] if optimizer is not None else None
+            if group is not None and not any(p is param for p in group):
+                group.append(param)
         self.canonical(module)
 
     def remove(self, params: Sequence[nn.Parameter]) -> None:

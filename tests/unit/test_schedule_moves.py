@@ -36,3 +36,23 @@ def test_every_new_holder_receives_once_from_the_lowest_old_holder_in_name_order
             continue
         src, receivers = by_name[name]
         assert src == int(np.flatnonzero(old[:, j])[0]) and receivers == gained
+
+
+def test_a_parameter_regained_while_still_in_its_optimizer_group_is_not_added_again():
+    """Backward masking keeps a dropped block's parameters in the optimizer's group (their state goes): a
+    worker that regains the block (a restore of coverage, then a rejoin's return to the designed rows) must
+    not list them twice, or AdamW steps them twice; a parameter that is not there joins its group once."""
+    import torch
+    from torch import nn
+
+    from sdp_train.parallel.schedule import OptimizerPlaces
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optimizer = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
+                                   {"params": [model[0].bias]}])
+    places = OptimizerPlaces()
+    places.add(optimizer, model, 1)
+    places.place["1.bias"] = (0, 1)  # where its holders keep it (learnt from them on several ranks)
+    places.insert(dict(model.named_parameters()), model)
+    assert [[id(p) for p in group["params"]] for group in optimizer.param_groups] == [
+        [id(model[0].weight), id(model[1].weight)], [id(model[0].bias), id(model[1].bias)]]
