@@ -37,6 +37,7 @@ import json
 import os
 import signal
 import time
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -205,6 +206,20 @@ def agree(store: dist.Store, generation: int, worker: int, workers: Sequence[int
             if store.check([f"{prefix}joined{w}"]) and not store.check([exited_key(w)])}
     decided = store.compare_set(f"{prefix}decision", "", json.dumps(sorted(live.items())))
     return {int(w): int(s) for w, s in json.loads(decided)}
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the locals of the frames that `error`, and the errors it chains, unwound.
+
+    The failed or given-up collective's gloo work stays referenced from them, and with it its gloo
+    context, whose connections to the peers then stay open after ``destroy_process_group``: a peer
+    still reading from one waits out the collective timeout (docs/design.md §7).
+    """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 class WorldNotFormed(RuntimeError):
@@ -484,6 +499,7 @@ class Survival:
         world's forming fail; the agreement then starts again with the workers still alive.
         """
         began = time.perf_counter()
+        release_frames(error)
         rounds = run.sync.rounds_to_train(run.cfg.steps)
         run.sync.close()  # its hooks hold the groups
         change, dropped, info = self._agree_and_form(run, step, error, device, rounds)

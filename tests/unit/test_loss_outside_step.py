@@ -43,3 +43,40 @@ def test_a_failure_with_no_worker_lost_goes_through_as_it_is():
             raise ValueError("bad input")
     with _survival(dist.HashStore()).losses_stop("checkpointing"):
         pass
+
+
+def test_a_recovery_releases_what_the_failed_collectives_frames_held():
+    """`release_frames` (called first by `Survival.recover`): the failed collective's work, here a stand-in
+    watched by a weak reference, is no longer held by the error's frames, nor by those of the error it
+    chains (a gloo work keeps its context's connections open, and a peer reading one waits out the
+    collective timeout)."""
+    import gc
+    import weakref
+
+    from sdp_train.trainer.membership import release_frames
+
+    class Work:
+        pass
+
+    refs = []
+
+    def collective():
+        work = Work()
+        refs.append(weakref.ref(work))
+        raise RuntimeError("Connection reset by peer")
+
+    def step():
+        try:
+            collective()
+        except RuntimeError:
+            collective()  # a second failure while handling the first: its __context__
+
+    try:
+        step()
+    except RuntimeError as exc:
+        error = exc
+    gc.collect()
+    assert all(ref() is not None for ref in refs)  # held by the frames until released
+    release_frames(error)
+    gc.collect()
+    assert all(ref() is None for ref in refs)
