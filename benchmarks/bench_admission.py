@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from sdp_train.trainer.membership import joiners_at
+from sdp_train.trainer.agreement import joiners_at
 
 
 def main() -> None:

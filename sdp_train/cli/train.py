@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         if under_torchrun() or cfg.workers == 1:
             from sdp_train.trainer.train import train  # a launcher never loads the training loop
 
-            from sdp_train.trainer.membership import WorkerLossError
+            from sdp_train.trainer.agreement import WorkerLossError
 
             try:
                 train(cfg)

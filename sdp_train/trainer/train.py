@@ -82,7 +82,8 @@ from sdp_train.trainer.checkpoint import (
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import LAUNCHER_ENV, destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
-from sdp_train.trainer.membership import JOIN_ENV, MembershipChange, Survival, WorkerLossError, joining_fails
+from sdp_train.trainer.agreement import JOIN_ENV, MembershipChange, WorkerLossError, joining_fails
+from sdp_train.trainer.membership import Survival
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare

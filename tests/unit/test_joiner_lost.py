@@ -16,16 +16,10 @@ import torch.distributed as dist
 
 from masklab import Mask
 from masklab.mask import Schedule
-from sdp_train.trainer.membership import (
-    MEMBERS_KEY,
-    Survival,
-    WorkerLossError,
-    WorldNotFormed,
-    admission_key,
-    exited_key,
-    joining_key,
-    members_state_kept,
+from sdp_train.trainer.agreement import (
+    MEMBERS_KEY, WorkerLossError, WorldNotFormed, admission_key, exited_key, joining_key,
 )
+from sdp_train.trainer.membership import Survival, members_state_kept
 
 DESIGNED = Mask([[1, 1, 0], [1, 1, 1], [0, 1, 1]])  # workers 1 and 2 admit worker 0's replacement
 RESTORED = np.array([[1, 1, 1], [1, 1, 1]])  # the members' rows after --restore-coverage

@@ -8,7 +8,8 @@ import pytest
 import torch.distributed as dist
 
 from masklab import Mask
-from sdp_train.trainer.membership import Survival, WorkerLossError, exited_key
+from sdp_train.trainer.agreement import WorkerLossError, exited_key
+from sdp_train.trainer.membership import Survival
 
 MASK = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
 
@@ -53,7 +54,7 @@ def test_a_recovery_releases_what_the_failed_collectives_frames_held():
     import gc
     import weakref
 
-    from sdp_train.trainer.membership import release_frames
+    from sdp_train.trainer.agreement import release_frames
 
     class Work:
         pass

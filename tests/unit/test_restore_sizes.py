@@ -20,7 +20,8 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import model_class
 from sdp_train.models.subnet import held_tensors
 from sdp_train.trainer.config import TrainConfig
-from sdp_train.trainer.membership import Survival, WorkerLossError, decide
+from sdp_train.trainer.agreement import WorkerLossError, decide
+from sdp_train.trainer.membership import Survival
 from sdp_train.trainer.prepare import prepare
 from sdp_train.trainer.train import coverage_to_restore
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from sdp_train.cli import build_parser
 from sdp_train.cli.train import config_from_args, node_of
 from sdp_train.errors import ConfigError
-from sdp_train.trainer.membership import MEMBERS_KEY, exited_key
+from sdp_train.trainer.agreement import MEMBERS_KEY, exited_key
 from sdp_train.trainer.survivor_launcher import NODE_LOST, Node, _Nodes, beat_key, done_key, launch_keeping_survivors
 
 

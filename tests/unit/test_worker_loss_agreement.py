@@ -16,7 +16,7 @@ from masklab.failures import is_fatal
 from masklab.testing.strategies import mask_sequences, masks
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.config import TrainConfig
-from sdp_train.trainer.membership import WorkerLossError, agree, agreement_timeout, decide, exited_key
+from sdp_train.trainer.agreement import WorkerLossError, agree, agreement_timeout, decide, exited_key
 
 MASK = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
 
@@ -296,7 +296,7 @@ def test_after_a_rejoin_every_round_is_the_designed_rounds_rows_of_the_workers_i
 def test_members_admit_the_same_joiners_at_a_boundary_whenever_the_replacement_announces_itself(store):
     """`joiners_at`: a member that asks before worker 0's replacement waits decides for every member of
     that step's boundary; the replacement joins at the next boundary any member reaches."""
-    from sdp_train.trainer.membership import joiners_at, joining_key
+    from sdp_train.trainer.agreement import joiners_at, joining_key
 
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
     assert joiners_at(store, 5, [0, 3]) == []
@@ -314,7 +314,8 @@ def test_with_local_steps_members_admit_only_at_a_rounds_boundary_and_read_nothi
 
     import torch
 
-    from sdp_train.trainer.membership import Survival, admission_key, joining_key
+    from sdp_train.trainer.agreement import admission_key, joining_key
+    from sdp_train.trainer.membership import Survival
 
     class Admitting(Exception):
         pass
@@ -349,7 +350,7 @@ def test_the_launcher_replaces_a_lost_rank_once_the_survivors_left_it_out_and_at
     """`_wait_all` with ``max_rejoins=1``: rank 0 dies; no replacement while the survivors have not agreed
     on a membership without it (`MEMBERS_KEY`), one as soon as they have (its exit mark cleared), and
     none for the replacement's own failure: the budget is spent."""
-    from sdp_train.trainer.membership import MEMBERS_KEY
+    from sdp_train.trainer.agreement import MEMBERS_KEY
     from sdp_train.trainer.survivor_launcher import _wait_all
 
     procs = {0: _Process(-9), 1: _Process(), 2: _Process()}

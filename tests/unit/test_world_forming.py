@@ -1,4 +1,4 @@
-"""Forming the world of a new membership (`sdp_train.trainer.membership.gather`): a worker that died during
+"""Forming the world of a new membership (`sdp_train.trainer.agreement.gather`): a worker that died during
 the recovery fails the forming as soon as the launcher marks its exit, and one that gave the world up (it
 began the next agreement) as soon as it did, not after the collective timeout.
 The launch: tests/distributed/test_worker_loss_recovery.py."""
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdp_train.trainer.membership import WorldNotFormed, exited_key, gather
+from sdp_train.trainer.agreement import WorldNotFormed, exited_key, gather
 
 LONG = timedelta(seconds=60)  # never reached where a worker has an exit mark or every worker came
 
