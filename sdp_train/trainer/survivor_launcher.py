@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import collective_timeout
-from sdp_train.trainer.launch import LAUNCHER_ENV, input_error_line
 from sdp_train.trainer.agreement import JOIN_ENV, MEMBERS_KEY, exited_key
+from sdp_train.trainer.launch import LAUNCHER_ENV, input_error_line
 
 
 NODE_TIMEOUT_ENV = "SDP_NODE_TIMEOUT_S"  # seconds without a node's beat before node 0 counts it lost (default 15)

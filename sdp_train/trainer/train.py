@@ -72,6 +72,7 @@ from sdp_train.parallel.dist import default_device, get_dist_info, print0, watch
 from sdp_train.parallel.grads import local
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import WIRE_MODEL
+from sdp_train.trainer.agreement import JOIN_ENV, MembershipChange, WorkerLossError, joining_fails
 from sdp_train.trainer.checkpoint import (
     check_out_shared,
     check_resumable,
@@ -82,7 +83,6 @@ from sdp_train.trainer.checkpoint import (
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.launch import LAUNCHER_ENV, destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
-from sdp_train.trainer.agreement import JOIN_ENV, MembershipChange, WorkerLossError, joining_fails
 from sdp_train.trainer.membership import Survival
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model

@@ -19,8 +19,8 @@ from sdp_train.cli.train import config_from_args
 from sdp_train.errors import ConfigError
 from sdp_train.models import model_class
 from sdp_train.models.subnet import held_tensors
-from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.agreement import WorkerLossError, decide
+from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.membership import Survival
 from sdp_train.trainer.prepare import prepare
 from sdp_train.trainer.train import coverage_to_restore
@@ -104,7 +104,8 @@ def test_the_restored_mask_keeps_every_survivor_within_its_budget_where_plain_ba
     budgets = [10**9] * 4
     budgets[1] = fixed + int(held.min()) + 1  # worker 1 (survivor 1) could hold the least loaded row, no more
     assert held[1] > budgets[1] - fixed  # without budgets it holds more
-    restored = Survival(None, 0, workers, mask, restore={**restore, "budgets": budgets}).restored(change, 5, report=True)
+    survival = Survival(None, 0, workers, mask, restore={**restore, "budgets": budgets})
+    restored = survival.restored(change, 5, report=True)
     assert restored.restored and (restored.mask.coverage >= 2).all()
     assert (fixed + restored.mask.matrix @ sizes <= [budgets[w] for w in change.workers]).all()
 

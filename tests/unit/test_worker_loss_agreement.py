@@ -15,8 +15,8 @@ from masklab import Mask
 from masklab.failures import is_fatal
 from masklab.testing.strategies import mask_sequences, masks
 from sdp_train.errors import ConfigError
-from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.agreement import WorkerLossError, agree, agreement_timeout, decide, exited_key
+from sdp_train.trainer.config import TrainConfig
 
 MASK = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
 
