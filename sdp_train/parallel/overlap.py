@@ -180,17 +180,17 @@ class OverlapAveraging(nn.Module):
         after `sdp_train.trainer.membership` re-formed it): the same module, each worker's own copy
         and the step count kept, `mask` (the survivors' rows of a static mask) in force. Call
         `close` on this one first and `register_optimizer` on the new one."""
-        if not self.mask.schedule.is_static:
-            raise ConfigError("overlap averaging continues after a lost worker with a static mask only")
-        return self.joining(self.module, mask=mask, blocks=list(self.layout.blocks), local_steps=self.local_steps,
-                            seed=self.seed, steps=self.steps)
+        return self._going_on(mask, "continues after a lost worker")
 
     def for_joiners(self, mask: Mask) -> OverlapAveraging:
         """This wrapper over a new world that workers join (the members' ranks first, the joiners' last;
         `mask` their rows of a static mask): the same module, each member's own copy and the step count
         kept, as `for_survivors`. Every rank then calls `welcome`."""
+        return self._going_on(mask, "takes a worker back")
+
+    def _going_on(self, mask: Mask, what: str) -> OverlapAveraging:
         if not self.mask.schedule.is_static:
-            raise ConfigError("overlap averaging takes a worker back with a static mask only")
+            raise ConfigError(f"overlap averaging {what} with a static mask only")
         return self.joining(self.module, mask=mask, blocks=list(self.layout.blocks), local_steps=self.local_steps,
                             seed=self.seed, steps=self.steps)
 
@@ -213,11 +213,7 @@ class OverlapAveraging(nn.Module):
         joiner after building this wrapper and its optimizer. Returns the buffer bytes broadcast."""
         matrix = self.round_matrix(self.steps)
         members, copies, held = welcome_holdings(self.layout, matrix, joiners)
-        tensors = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
-        moved = ByteCount()
-        send_parts(self.module, tensors, members, copies, [], self.rank, self._device, moved)
-        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, members, held, self.rank, moved)
-        return moved.buffer
+        return self._move(optimizer, members, copies, held)
 
     def hand_over(self, optimizer: torch.optim.Optimizer, old_matrix: np.ndarray) -> int:
         """Survivors that restore the designed coverage, at a round's boundary (right after the holders'
@@ -232,11 +228,17 @@ class OverlapAveraging(nn.Module):
         places = OptimizerPlaces()
         places.add(optimizer, self.module, self.world_size)
         places.insert({n: p for n, p in self.module.named_parameters() if n in new_held[self.rank]}, self.module)
+        return self._move(optimizer, old_held, new_held, new_held)
+
+    def _move(self, optimizer: torch.optim.Optimizer, sources: list[dict[str, SliceSpec]],
+              values: list[dict[str, SliceSpec]], state: list[dict[str, SliceSpec]]) -> int:
+        """Send each tensor of `values` and the `optimizer` state of each parameter of `state` that a rank
+        newly holds from its lowest-ranked holder in `sources` (`sdp_train.parallel.schedule`'s movers);
+        returns the buffer bytes broadcast."""
         tensors = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
         moved = ByteCount()
-        send_parts(self.module, tensors, old_held, new_held, [], self.rank, self._device, moved)
-        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, old_held, new_held, self.rank,
-                             moved)
+        send_parts(self.module, tensors, sources, values, [], self.rank, self._device, moved)
+        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, sources, state, self.rank, moved)
         return moved.buffer
 
     def step_done(self) -> None:
