@@ -30,13 +30,14 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "sdp_train.cli.estimate",
     "sdp_train.cli.data",
     "sdp_train.cli.eval",
+    "sdp_train.cli.store",
 )
 # The module that registers each command: a command's parser is built without importing the
 # others (``sdp verify`` loads scipy.optimize, which every rank of ``sdp train`` would pay for).
 COMMAND_MODULES: dict[str, str] = {
     "design": "masklab.cli", "inspect": "masklab.cli", "verify": "theory.cli", "train": "sdp_train.cli.train",
     "compare": "sdp_train.cli.compare", "plan": "sdp_train.cli.plan", "estimate": "sdp_train.cli.estimate",
-    "data": "sdp_train.cli.data", "eval": "sdp_train.cli.eval",
+    "data": "sdp_train.cli.data", "eval": "sdp_train.cli.eval", "store": "sdp_train.cli.store",
 }
 
 

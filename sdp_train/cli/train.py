@@ -120,14 +120,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     nodes = p.add_argument_group(
         "several nodes, keeping survivors (with --on-worker-loss continue; otherwise run under torchrun)",
         "start `sdp train` with the same flags on every node, each with its --node-rank; node 0's launcher hosts "
-        "the ranks' store at --master-addr:--master-port, and a lost node other than node 0 is a lost worker set")
+        "the ranks' store at --master-addr:--master-port, and a lost node other than node 0 is a lost worker set; "
+        "with --store HOST:PORT the store is an `sdp store` process on a host that trains nothing, and any lost "
+        "node, node 0 included, is a lost worker set")
     nodes.add_argument("--nnodes", type=int, default=1, metavar="M",
                        help="nodes, each starting --workers / M ranks (default 1)")
     nodes.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node, in [0, M) (default 0)")
-    nodes.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+    nodes.add_argument("--master-addr", default=None, metavar="HOST",
                        help="node 0's address, which every node reaches (default 127.0.0.1)")
-    nodes.add_argument("--master-port", type=int, default=29500, metavar="PORT",
+    nodes.add_argument("--master-port", type=int, default=None, metavar="PORT",
                        help="the port of node 0's store (default 29500, as torchrun's)")
+    nodes.add_argument("--store", default=None, metavar="HOST:PORT",
+                       help="the address of an `sdp store --nnodes M` process that hosts the ranks' store instead "
+                            "of node 0 (not with --master-addr or --master-port)")
     p.set_defaults(func=run)
 
 
@@ -220,9 +225,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def node_of(args: argparse.Namespace, cfg: TrainConfig):
-    """This launcher's `Node` (``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``), checked
-    against `cfg`: several nodes keep survivors only (``--on-worker-loss continue``; torchrun launches the
-    others), each starting an equal share of ``--workers``."""
+    """This launcher's `Node` (``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
+    ``--store``), checked against `cfg`: several nodes, or an external store, keep survivors only
+    (``--on-worker-loss continue``; torchrun launches the others), each node starting an equal share of
+    ``--workers``."""
     from sdp_train.trainer.survivor_launcher import Node
 
     nodes, rank = args.nnodes, args.node_rank
@@ -230,12 +236,23 @@ def node_of(args: argparse.Namespace, cfg: TrainConfig):
         raise ConfigError(f"--nnodes {nodes} must be >= 1")
     if not 0 <= rank < nodes:
         raise ConfigError(f"--node-rank {rank} must lie in [0, --nnodes) = [0, {nodes})")
-    if not 0 < args.master_port < 65536:
-        raise ConfigError(f"--master-port {args.master_port} must be a port number in [1, 65535]")
-    if nodes == 1:
+    addr = "127.0.0.1" if args.master_addr is None else args.master_addr
+    port = 29500 if args.master_port is None else args.master_port  # torchrun's
+    if not 0 < port < 65536:
+        raise ConfigError(f"--master-port {port} must be a port number in [1, 65535]")
+    store = None
+    if args.store is not None:
+        store = store_address(args.store, "--store")
+        given = [flag for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"--store {args.store} is the store's address: {' and '.join(given)} name node 0's "
+                              "store, which an `sdp store` replaces; give one or the other")
+    if nodes == 1 and store is None:
         return Node()
     if cfg.on_worker_loss != "continue":
-        raise ConfigError(f"--nnodes {nodes} starts the launchers that keep survivors (--on-worker-loss continue); "
+        flag = f"--nnodes {nodes}" if store is None else f"--store {args.store}"
+        raise ConfigError(f"{flag} starts the launchers that keep survivors (--on-worker-loss continue); "
                           f"other runs on several nodes go through torchrun: torchrun --nnodes {nodes} "
                           "--nproc-per-node N ... -m sdp_train.cli train ...")
     if cfg.workers % nodes:
@@ -247,7 +264,17 @@ def node_of(args: argparse.Namespace, cfg: TrainConfig):
         node_timeout()  # read by node 0's launcher while the run goes: refused now, before any rank starts
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return Node(nodes, rank, args.master_addr, args.master_port)
+    if store is not None:
+        return Node(nodes, rank, *store, external=True)
+    return Node(nodes, rank, addr, port)
+
+
+def store_address(text: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port), refused in one line naming `flag` when it is not one."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag} {text!r} must be HOST:PORT with a port in [1, 65535]")
+    return host.strip("[]"), int(port)
 
 
 def _claim_out_dir(cfg: TrainConfig, overwrite: bool, *, first_attempt: bool, keep: tuple[str, ...] = ()) -> OutLock:

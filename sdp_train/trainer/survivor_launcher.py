@@ -3,6 +3,8 @@ plain processes with torchrun's environment, marks each of them that exits in th
 and (``--max-rejoins``) starts a replacement for one of them that the survivors have left out. Node 0's
 launcher hosts the store; with ``--nnodes M`` every other node's launcher beats in it, and node 0's marks
 the ranks of a node whose beat stops as exited (a lost node), so that the survivors agree without them.
+With ``--store HOST:PORT`` the store is `serve_store`'s (``sdp store``), on a host that trains nothing:
+every node's launcher beats, the store's process watches, and node 0 is lost as any other node.
 
 torch's elastic agent would stop every rank when one fails, which is the rollback this avoids
 (docs/design.md §7). Not here: what the ranks agree on and how a replacement joins
@@ -17,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,13 +41,19 @@ TEST_NODE_DIES_ENV = "SDP_TEST_NODE_DIES"  # tests only: the launcher dies when 
 
 @dataclass(frozen=True)
 class Node:
-    """This launcher's place among ``nodes`` launchers (``--nnodes``, ``--node-rank``) and node 0's store
-    address (``--master-addr``, ``--master-port``; port 0 on one node: any free one)."""
+    """This launcher's place among ``nodes`` launchers (``--nnodes``, ``--node-rank``) and the store's
+    address: node 0's (``--master-addr``, ``--master-port``; port 0 on one node: any free one), or, when
+    `external`, that of an ``sdp store`` process no node runs (``--store HOST:PORT``)."""
 
     nodes: int = 1
     rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    external: bool = False
+
+    @property
+    def hosts_store(self) -> bool:
+        return self.rank == 0 and not self.external
 
     def ranks(self, world_size: int) -> range:
         """The global ranks this node starts: the node's share of `world_size`, in node order."""
@@ -66,32 +75,40 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
     in the store while it waits; node 0's marks every rank of a node whose beat stops for
     ``SDP_NODE_TIMEOUT_S`` seconds (`NODE_LOST`), and every launcher waits until each worker of the
     last membership has an exit mark, node 0's also until the others have read it, since the store
-    goes with node 0. Returns 0 when every worker of the last membership (`MEMBERS_KEY`, all of
+    goes with node 0. With an external store (``node.external``, `serve_store`) every node beats and
+    the store's process does node 0's part. Returns 0 when every worker of the last membership (`MEMBERS_KEY`, all of
     them when none changed) exited 0, after one line naming the lost ones; 2 with a rank's one-line
     input error; 1 otherwise; 128 + the signal's number when interrupted (this node's ranks are stopped).
     """
     timeout = collective_timeout()
     try:
-        if node.rank == 0:
+        if node.hosts_store:
             store = dist.TCPStore(node.master_addr if node.nodes > 1 else "127.0.0.1", node.master_port,
                                   is_master=True, wait_for_workers=False, timeout=timeout)
             run_id = uuid.uuid4().hex
             store.set(RUN_ID_KEY, run_id)
         else:
             store = dist.TCPStore(node.master_addr, node.master_port, is_master=False, timeout=timeout)
-            run_id = store.get(RUN_ID_KEY).decode()  # waits for node 0
-    except dist.DistError as exc:  # a port in use, or node 0 not reached within the collective timeout
-        what = "host the store on port" if node.rank == 0 else "reach node 0's store at"
-        where = f"{node.master_addr}:{node.master_port}" if node.rank else str(node.master_port)
-        print(f"sdp: node {node.rank}: cannot {what} {where} (--master-addr, --master-port): "
+            run_id = store.get(RUN_ID_KEY).decode()  # waits for node 0, or the store's process
+    except dist.DistError as exc:  # a port in use, or the store not reached within the collective timeout
+        what = ("host the store on port" if node.hosts_store else
+                "reach the store at" if node.external else "reach node 0's store at")
+        where = str(node.master_port) if node.hosts_store else f"{node.master_addr}:{node.master_port}"
+        flags = "--store" if node.external else "--master-addr, --master-port"
+        print(f"sdp: node {node.rank}: cannot {what} {where} ({flags}): "
               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr, flush=True)
         return 1
+    if node.external:
+        wrong = _join_store(store, node, nproc)
+        if wrong is not None:
+            print(f"sdp: node {node.rank}: {wrong}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
     ranks = node.ranks(nproc)
     with tempfile.TemporaryDirectory(prefix="sdp-ranks-") as errors:
         def start(rank: int, joining: bool) -> subprocess.Popen:
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank - ranks.start), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(len(ranks)), "GROUP_RANK": str(node.rank),
-                   "MASTER_ADDR": node.master_addr if node.nodes > 1 else "127.0.0.1",
+                   "MASTER_ADDR": node.master_addr if node.nodes > 1 or node.external else "127.0.0.1",
                    "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                    "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
                    "TORCHELASTIC_ERROR_FILE": str(Path(errors) / f"rank{rank}.json"), LAUNCHER_ENV: "1"}
@@ -116,13 +133,15 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
             print(f"sdp {module_argv[0]}: interrupted ({sig.name})", file=sys.stderr, flush=True)
             return 128 + int(sig)
         except dist.DistError:  # a store operation failed: node 0, and the store with it, is gone
-            if node.rank == 0:
+            if node.hosts_store:
                 raise
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()
-            print(f"sdp: node {node.rank}: lost node 0, which hosts the run's store: the run cannot go on; restart "
-                  "from a checkpoint (--resume)", file=sys.stderr, flush=True)
+            lost = ("lost the run's store (sdp store at --store)" if node.external else
+                    "lost node 0, which hosts the run's store")
+            print(f"sdp: node {node.rank}: {lost}: the run cannot go on; restart from a checkpoint (--resume)",
+                  file=sys.stderr, flush=True)
             return 1
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -144,6 +163,54 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
 
 
 RUN_ID_KEY = "sdp/run_id"  # node 0's launch id, which every node's ranks take as TORCHELASTIC_RUN_ID
+NODES_KEY = "sdp/nodes"  # an external store's node count (``sdp store --nnodes``)
+WORLD_KEY = "sdp/world_size"  # the ranks of a run on an external store, set by its first launcher
+
+
+def _join_store(store: dist.Store, node: Node, world_size: int) -> str | None:
+    """What is wrong with this launcher on an ``sdp store`` (another node count, or another number of
+    ranks than the launchers before it), or None; the first launcher records the run's ranks."""
+    nodes = int(store.get(NODES_KEY).decode())
+    if nodes != node.nodes:
+        return f"--nnodes {node.nodes} differs from the store's ({nodes}: sdp store --nnodes)"
+    first = store.compare_set(WORLD_KEY, "", str(world_size)).decode()
+    if first != str(world_size):
+        return f"--workers {world_size} differs from the other nodes' ({first}): start every node with the same flags"
+    return None
+
+
+def serve_store(nodes: int, port: int, *, ready: Callable[[int], None] = lambda port: None) -> int:
+    """Host the TCP store of a run whose `nodes` launchers connect with ``--store HOST:PORT``
+    (``sdp store``), on a host that trains nothing, so that losing any node, node 0 included, is a lost
+    set of workers. It watches every node's beat as node 0's launcher otherwise does (`_Nodes`), and
+    returns once every node has read the run's outcome or is lost: 0 when every worker of the last
+    membership exited 0, 1 otherwise, 128 + the signal's number when interrupted. `ready` gets the
+    port (any free one for `port` 0) once the store listens."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=collective_timeout())
+    store.set(RUN_ID_KEY, uuid.uuid4().hex)
+    store.set(NODES_KEY, str(nodes))
+    ready(store.port)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
+    try:
+        while not store.check([WORLD_KEY]):  # the first launcher says how many ranks the run has
+            time.sleep(0.05)
+        world_size = int(store.get(WORLD_KEY).decode())
+        watch = _Nodes(store, Node(nodes, 0, external=True), world_size, watcher=True)
+        codes = watch.run_ended({})
+    except KeyboardInterrupt as exc:
+        sig = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+        print(f"sdp store: interrupted ({sig.name})", file=sys.stderr, flush=True)
+        return 128 + int(sig)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    members = _members(store) or list(range(world_size))
+    lost = sorted(watch.lost)
+    print(f"sdp store: the run ended: ranks {', '.join(map(str, members))} of {world_size} "
+          f"{'finished it' if all(codes[r] == 0 for r in members) else 'did not all finish it'}"
+          + (f"; node(s) {', '.join(map(str, lost))} lost" if lost else ""), file=sys.stderr, flush=True)
+    return 0 if all(codes[r] == 0 for r in members) else 1
 
 
 def _lost(rank: int, code: int | str) -> str:
@@ -151,20 +218,23 @@ def _lost(rank: int, code: int | str) -> str:
 
 
 class _Nodes:
-    """What a launcher does beside its own ranks when there are several nodes (nothing on one): the other
-    nodes beat (`beat_key`) every `_wait_all` round; node 0 watches the beats, marks a silent node's ranks
-    `NODE_LOST`, and at the end waits until every live node has read the outcome (`done_key`)."""
+    """What a launcher does beside its own ranks when there are several nodes (nothing on one): the nodes
+    that do not host the store beat (`beat_key`) every `_wait_all` round; its host (node 0's launcher, or
+    `serve_store`'s process: `watcher`) watches the beats, marks a silent node's ranks `NODE_LOST`, and at
+    the end waits until every live node has read the outcome (`done_key`)."""
 
-    def __init__(self, store: dist.Store, node: Node, world_size: int) -> None:
+    def __init__(self, store: dist.Store, node: Node, world_size: int, *, watcher: bool | None = None) -> None:
         self.store, self.node, self.world_size = store, node, world_size
+        self.watcher = node.hosts_store if watcher is None else watcher
         self.timeout = node_timeout()
-        self.seen = {n: (-1, time.monotonic()) for n in range(1, node.nodes)}  # node -> (beat, when it changed)
+        watched = range(node.nodes) if node.external else range(1, node.nodes)
+        self.seen = {n: (-1, time.monotonic()) for n in watched}  # node -> (beat, when it changed)
         self.lost: set[int] = set()
 
     def __call__(self) -> None:
         if self.node.nodes == 1:
             return
-        if self.node.rank:
+        if not self.watcher:
             self.store.add(beat_key(self.node.rank), 1)
             return
         now = time.monotonic()
@@ -184,7 +254,7 @@ class _Nodes:
 
     def run_ended(self, codes: dict[int, int]) -> dict[int, int | str]:
         """Every rank's exit code (a lost node's: `NODE_LOST`) once every worker of the last membership has
-        an exit mark; node 0 returns after every other node has read them or is lost."""
+        an exit mark; the store's host returns after every other node has read them or is lost."""
         if self.node.nodes == 1:
             return codes
         while True:
@@ -195,7 +265,7 @@ class _Nodes:
             time.sleep(0.05)
         marks = {r: self.store.get(exited_key(r)).decode() if self.store.check([exited_key(r)]) else NODE_LOST
                  for r in range(self.world_size)}
-        if self.node.rank:
+        if not self.watcher:
             self.store.set(done_key(self.node.rank), "1")
         else:
             while not all(n in self.lost or self.store.check([done_key(n)]) for n in self.seen):

@@ -15,7 +15,8 @@ from sdp_train.cli import build_parser
 from sdp_train.cli.train import config_from_args, node_of
 from sdp_train.errors import ConfigError
 from sdp_train.trainer.agreement import MEMBERS_KEY, exited_key
-from sdp_train.trainer.survivor_launcher import NODE_LOST, Node, _Nodes, beat_key, done_key, launch_keeping_survivors
+from sdp_train.trainer.survivor_launcher import (NODE_LOST, Node, _join_store, _Nodes, beat_key, done_key,
+                                                launch_keeping_survivors)
 
 
 @pytest.fixture
@@ -105,3 +106,91 @@ def test_a_node_waits_for_every_members_mark_and_node_0_for_the_other_nodes(stor
     for t in threads:
         t.join(timeout=10)
     assert ended == {0: {0: 0, 1: 0}, 1: {0: 0, 1: 0}} and store.check([done_key(1)])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--store", "10.0.0.1"), "--store '10.0.0.1' must be HOST:PORT with a port in [1, 65535]"),
+    (("--store", "10.0.0.1:0"), "--store '10.0.0.1:0' must be HOST:PORT"),
+    (("--store", "h:٣"), "must be HOST:PORT"),
+    (("--store", "h:1234", "--master-port", "1234"),
+     "--store h:1234 is the store's address: --master-port name node 0's store"),
+    (("--store", "h:1234", "--on-worker-loss", "stop"), "--store h:1234 starts the launchers that keep survivors"),
+])
+def test_a_bad_store_address_or_flags_beside_it_are_refused_in_one_line(flags, message):
+    with pytest.raises(ConfigError) as info:
+        _node("--workers", "4", "--nnodes", "2", "--on-worker-loss", "continue", *flags)  # the last value counts
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_store_gives_an_external_store_to_every_node_node_0_included():
+    node = _node("--workers", "4", "--nnodes", "2", "--node-rank", "0", "--on-worker-loss", "continue",
+                 "--store", "[::1]:1234")
+    assert node == Node(2, 0, "::1", 1234, external=True) and not node.hosts_store
+    assert _node("--workers", "4", "--nnodes", "2", "--on-worker-loss", "continue").hosts_store
+
+
+def test_the_store_process_counts_node_0_lost_as_any_other(store, monkeypatch):
+    monkeypatch.setenv("SDP_NODE_TIMEOUT_S", "0.3")
+    watch = _Nodes(store, Node(2, 0, external=True), 2, watcher=True)
+    nodes = [_Nodes(store, Node(2, n, external=True), 2) for n in (0, 1)]
+    for node in nodes:
+        node()  # both nodes beat once, node 0 too (it hosts nothing); then node 0 goes silent
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:
+        watch()
+        nodes[1]()
+        time.sleep(0.05)
+    assert store.get(exited_key(0)).decode() == NODE_LOST and not store.check([exited_key(1)])
+    assert watch.lost == {0}
+
+
+def _serving(nodes: int) -> tuple[threading.Thread, dict, dist.TCPStore]:
+    """`serve_store` in a thread, and a client of its store."""
+    from sdp_train.trainer.survivor_launcher import serve_store
+
+    ended, ports = {}, []
+    thread = threading.Thread(target=lambda: ended.__setitem__("code", serve_store(nodes, 0, ready=ports.append)),
+                              daemon=True)
+    thread.start()
+    while not ports:
+        time.sleep(0.01)
+    return thread, ended, dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=10))
+
+
+def test_the_store_process_ends_with_the_runs_outcome_once_every_node_has_read_it(capsys):
+    thread, ended, client = _serving(2)
+    launchers = [_Nodes(client, Node(2, n, external=True), 2) for n in (0, 1)]
+    assert _join_store(client, Node(2, 0, external=True), 2) is None
+    assert _join_store(client, Node(2, 1, external=True), 2) is None
+    client.set(exited_key(0), "0")
+    client.set(exited_key(1), "1")
+    assert [w.run_ended({n: [0, 1][n]}) for n, w in enumerate(launchers)] == [{0: 0, 1: 1}] * 2
+    thread.join(timeout=10)
+    assert ended == {"code": 1}
+    assert "sdp store: the run ended: ranks 0, 1 of 2 did not all finish it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nodes, workers, message", [
+    (3, 4, "--nnodes 3 differs from the store's (2: sdp store --nnodes)"),
+    (2, 6, "--workers 6 differs from the other nodes' (4): start every node with the same flags"),
+])
+def test_a_launcher_that_disagrees_with_the_store_is_refused_in_one_line(nodes, workers, message):
+    thread, ended, client = _serving(2)
+    assert _join_store(client, Node(2, 0, external=True), 4) is None  # the first sets the run's ranks
+    assert _join_store(client, Node(nodes, 1, external=True), workers) == message
+    for rank in range(4):  # the run ends, so that the store's thread does
+        client.set(exited_key(rank), "0")
+    for node in (0, 1):
+        client.set(done_key(node), "1")
+    thread.join(timeout=10)
+    assert ended == {"code": 0}
+
+
+def test_sdp_store_refuses_bad_flags_in_one_line(capsys):
+    from sdp_train.cli import main
+
+    assert main(["store", "--nnodes", "0"]) == 2
+    assert main(["store", "--nnodes", "2", "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["sdp store: error: --nnodes 0 must be >= 1",
+                   "sdp store: error: --port 70000 must be a port number in [0, 65535]"]
