@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     from sdp_train.trainer.checkpoint import MANIFEST
     from sdp_train.trainer.launch import launch_local, restart_attempt
     from sdp_train.trainer.prepare import prepare
+    from sdp_train.trainer.survivor_launcher import replaces_node_0
 
     cfg = config_from_args(args)
     node = node_of(args, cfg)
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         die_with_parent()  # a SIGKILLed launcher takes its ranks with it
     owner = not (under_torchrun() and (os.environ.get(LOCKED_ENV) or not get_dist_info().is_main))
     lock = None
-    if owner and node.rank:  # another node's launcher: node 0's holds --out
+    if owner and (node.rank or replaces_node_0(node)):  # another node's launcher: node 0's holds --out
         check_data(prepare(cfg))
     elif owner:  # the launcher, a single process, or rank 0 of a group that torchrun started
         prep = prepare(cfg)  # refuse bad configs and masks before starting any process

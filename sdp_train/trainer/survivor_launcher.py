@@ -4,7 +4,8 @@ and (``--max-rejoins``) starts a replacement for one of them that the survivors 
 launcher hosts the store; with ``--nnodes M`` every other node's launcher beats in it, and node 0's marks
 the ranks of a node whose beat stops as exited (a lost node), so that the survivors agree without them.
 With ``--store HOST:PORT`` the store is `serve_store`'s (``sdp store``), on a host that trains nothing:
-every node's launcher beats, the store's process watches, and node 0 is lost as any other node.
+every node's launcher beats, the store's process watches, and node 0 is lost as any other node. A
+launcher started for a node that a launcher already started in the run replaces it, once it is lost.
 
 torch's elastic agent would stop every rank when one fails, which is the rollback this avoids
 (docs/design.md §7). Not here: what the ranks agree on and how a replacement joins
@@ -24,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -104,6 +106,12 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
             print(f"sdp: node {node.rank}: {wrong}", file=sys.stderr, flush=True)
             return EXIT_USAGE
     ranks = node.ranks(nproc)
+    replacing = not node.hosts_store and store.add(started_key(node.rank), 1) > 1
+    if replacing:  # a launcher started this node before: this one replaces a lost node
+        code = _await_replacement(store, node, ranks, nproc, max_rejoins)
+        if code is not None:
+            return code
+        max_rejoins -= len(ranks)
     with tempfile.TemporaryDirectory(prefix="sdp-ranks-") as errors:
         def start(rank: int, joining: bool) -> subprocess.Popen:
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank - ranks.start), "WORLD_SIZE": str(nproc),
@@ -117,7 +125,7 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
             return subprocess.Popen([sys.executable, "-m", "sdp_train.cli", *module_argv], env=env)
 
-        procs = {rank: start(rank, False) for rank in ranks}
+        procs = {rank: start(rank, replacing) for rank in ranks}
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         tick = _Nodes(store, node, nproc)
         try:
@@ -177,6 +185,61 @@ def _join_store(store: dist.Store, node: Node, world_size: int) -> str | None:
     if first != str(world_size):
         return f"--workers {world_size} differs from the other nodes' ({first}): start every node with the same flags"
     return None
+
+
+def started_key(node: int) -> str:
+    """The store counter of launchers started for node `node` in this run (more than one: replacements)."""
+    return f"sdp/node{node}/started"
+
+
+def replaces_node_0(node: Node) -> bool:
+    """Whether this launcher, node 0's with an external store, replaces a node 0 that a launcher already
+    started in this run (which then holds ``--out``, as the run's: not to be claimed again); False
+    when the store cannot be reached within 5 s (the launch then says so)."""
+    if not (node.external and node.rank == 0):
+        return False
+    try:
+        store = dist.TCPStore(node.master_addr, node.master_port, is_master=False, timeout=timedelta(seconds=5))
+    except dist.DistError:
+        return False
+    return store.check([started_key(0)])
+
+
+REPLACED_BEAT_S = 0.5  # how long a replacement watches the node's beat for a launcher still running it
+
+
+def _await_replacement(store: dist.Store, node: Node, ranks: range, world_size: int, max_rejoins: int
+                       ) -> int | None:
+    """A launcher for a node that another launcher already started in this run, a lost node's
+    replacement: None once its ranks may rejoin (each has an exit mark, from its launcher or the
+    store's host, and the survivors' membership leaves every one out), else this launcher's exit code
+    after one line: 2 while the node's launcher still beats or `max_rejoins` cannot restart its ranks,
+    0 when the run ended first."""
+    who = f"sdp: node {node.rank}"
+    span = f"{ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else str(ranks.start)
+    if len(ranks) > max_rejoins:
+        print(f"{who}: a launcher already started this node in this run; a replacement restarts its rank(s) {span} "
+              f"as joiners, which needs --max-rejoins >= {len(ranks)} (got {max_rejoins})", file=sys.stderr,
+              flush=True)
+        return EXIT_USAGE
+    beat = store.add(beat_key(node.rank), 0)
+    time.sleep(REPLACED_BEAT_S)  # a live launcher adds to it every 0.05 s
+    if store.add(beat_key(node.rank), 0) != beat:
+        print(f"{who}: this node's launcher still runs in this run (its beat goes on): start a replacement only for "
+              "a lost node", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    print(f"{who}: replacing a node of the run: its rank(s) {span} rejoin once the survivors have left them out",
+          file=sys.stderr, flush=True)
+    while True:
+        members = _members(store)
+        if all(store.check([exited_key(w)]) for w in members or range(world_size)):
+            print(f"{who}: the run ended before its replacement could rejoin", file=sys.stderr, flush=True)
+            return 0
+        if members and not set(members) & set(ranks) and all(store.check([exited_key(r)]) for r in ranks):
+            for rank in ranks:
+                store.delete_key(exited_key(rank))  # its replacement is a live worker
+            return None
+        time.sleep(0.05)
 
 
 def serve_store(nodes: int, port: int, *, ready: Callable[[int], None] = lambda port: None) -> int:
@@ -239,9 +302,15 @@ class _Nodes:
             return
         now = time.monotonic()
         for n, (beat, since) in self.seen.items():
-            if n in self.lost or self.store.check([done_key(n)]):
+            if self.store.check([done_key(n)]):
                 continue
             current = self.store.add(beat_key(n), 0)
+            if n in self.lost:
+                if current != beat:  # a replacement's launcher beats (`_await_replacement`)
+                    self.lost.discard(n)
+                    self.seen[n] = (current, now)
+                    print(f"sdp: node {n} is back (a replacement's launcher beats)", file=sys.stderr, flush=True)
+                continue
             if current != beat:
                 self.seen[n] = (current, now)
             elif current and now - since > self.timeout:  # a node that never beat: the rendezvous waits for it

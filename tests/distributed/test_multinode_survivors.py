@@ -8,10 +8,13 @@ machine goes down. With node 0's store, node 2 is lost and node 0's launcher see
 ``sdp store``, node 0 itself is lost (its launcher, which held ``--out``, and rank 0, which wrote the
 metrics) and the store's process sees its beat stop (``SDP_NODE_TIMEOUT_S=3``). Either marks the lost
 rank, so the survivors agree on the loss, rerun step 3 under their rows of the mask (the lost row
-dropped) and finish. Checked: the survivors' nodes exit 0 (and the store), the lost one was killed; the
-loss at step 3 in summary.json and its metrics line, every step's line once; and the final model, and
-every step's loss, equal the single-process reference with workers 0-2 up to step 2 and the two
-survivors from step 3 on (float32 rounding; tests/distributed/test_worker_loss.py).
+dropped). The test then starts the lost node's launcher again (a replacement node, ``--max-rejoins 1``):
+it waits until the survivors have left its rank out, and the rank rejoins at step 4
+(``SDP_TEST_JOIN_AT_STEP``). Checked: every launcher of the end exits 0 (and the store), the lost one was
+killed; the loss at step 3 and the rejoin at step 4 in summary.json and on their metrics lines, every
+step's line once; and the final model, and every step's loss, equal the single-process reference with
+workers 0-2, the two survivors at step 3, and workers 0-2 again from step 4 (float32 rounding;
+tests/distributed/test_worker_loss.py).
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ import pytest
 import torch
 
 from tests.distributed.conftest import free_port
-from tests.distributed.test_worker_loss import ARGS, KILL_STEP, STEPS, reference
+from tests.distributed.test_worker_loss import ARGS, JOIN_STEP, KILL_STEP, STEPS, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def members_rows(lost: int):
     def rows(prep, step: int) -> tuple[list[int], np.ndarray]:
-        members = [0, 1, 2] if step <= KILL_STEP else [w for w in range(3) if w != lost]
+        members = [w for w in range(3) if w != lost] if step == KILL_STEP + 1 else [0, 1, 2]
         matrix = np.zeros_like(prep.mask.matrix, dtype=bool)
         matrix[members] = prep.mask.matrix[members]
         return members, matrix
@@ -43,7 +46,7 @@ def members_rows(lost: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["node 0", "sdp store"])
-def test_the_survivors_of_a_lost_node_finish_as_the_reference_that_drops_its_worker(tmp_path, store):
+def test_the_survivors_of_a_lost_node_go_on_and_its_replacement_rejoins_as_in_the_reference(tmp_path, store):
     from safetensors.torch import load_file
 
     out, port = tmp_path / "run", free_port()
@@ -51,7 +54,7 @@ def test_the_survivors_of_a_lost_node_finish_as_the_reference_that_drops_its_wor
     survivors = [w for w in range(3) if w != lost]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0",
            "SDP_TEST_KILL_AT_STEP": f"{KILL_STEP}:{lost}", "SDP_COLLECTIVE_TIMEOUT_S": "60",
-           "SDP_NODE_TIMEOUT_S": "3"}
+           "SDP_NODE_TIMEOUT_S": "3", "SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP)}
     server = None
     if store == "sdp store":
         server = subprocess.Popen([sys.executable, "-m", "sdp_train.cli", "store", "--nnodes", "3",
@@ -59,32 +62,39 @@ def test_the_survivors_of_a_lost_node_finish_as_the_reference_that_drops_its_wor
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     where = ["--master-port", str(port)] if server is None else ["--store", f"127.0.0.1:{port}"]
     argv = [sys.executable, "-m", "sdp_train.cli", "train", *ARGS, "--mode", "bsdp", "--out", str(out),
-            "--nnodes", "3", *where]
-    nodes = [subprocess.Popen([*argv, "--node-rank", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=ROOT, env={**env, "SDP_TEST_NODE_DIES": str(int(n == lost))})
-             for n in range(3)]
+            "--nnodes", "3", *where, "--max-rejoins", "1"]
+
+    def launcher(n: int, dies: bool) -> subprocess.Popen:
+        return subprocess.Popen([*argv, "--node-rank", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env={**env, "SDP_TEST_NODE_DIES": str(int(dies))})
+
+    nodes = [launcher(n, n == lost) for n in range(3)]
     try:
-        results = [p.communicate(timeout=300) for p in nodes]
+        gone = nodes[lost].communicate(timeout=300)
+        nodes.append(launcher(lost, False))  # the lost node's replacement, on a "new machine"
+        results = [p.communicate(timeout=300) for p in nodes[:lost] + nodes[lost + 1:]]
         served = server.communicate(timeout=60) if server is not None else None
     finally:
         for p in [*nodes, *([server] if server else [])]:
             p.kill()
+    results.insert(lost, gone)
     codes = [p.returncode for p in nodes]
-    assert codes == [-9 if n == lost else 0 for n in range(3)], "".join(results[n][1][-4000:] for n in survivors)
+    assert codes == [-9 if n == lost else 0 for n in range(4)], "".join(r[1][-3000:] for r in results)
     watcher = results[0][1] if server is None else served[1]
     assert f"sdp: node {lost} lost (no sign of its launcher for 3 s)" in watcher
-    finished = ", ".join(map(str, survivors))
-    assert f"lost rank {lost} (node lost); ranks {finished} finished the run" in results[1][1]
+    assert f"sdp: node {lost} is back (a replacement's launcher beats)" in watcher
+    assert f"sdp: node {lost}: replacing a node of the run: its rank(s) {lost} rejoin" in results[3][1]
     if server is not None:
         assert server.returncode == 0, served[1][-4000:]
-        assert f"the run ended: ranks {finished} of 3 finished it; node(s) {lost} lost" in served[1]
+        assert "the run ended: ranks 1, 2, 0 of 3 finished it" in served[1]
 
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    (change,) = summary["membership_changes"]
-    assert (change["step"], change["lost"], change["workers"]) == (KILL_STEP + 1, [lost], survivors)
+    left, joined = summary["membership_changes"]
+    assert (left["step"], left["lost"], left["workers"]) == (KILL_STEP + 1, [lost], survivors)
+    assert (joined["step"], joined["joined"], joined["workers"]) == (JOIN_STEP, [lost], [*survivors, lost])
     assert [m["step"] for m in metrics] == list(range(STEPS))
-    assert [m["step"] for m in metrics if "membership" in m] == [KILL_STEP + 1]
+    assert [m["step"] for m in metrics if "membership" in m] == [KILL_STEP + 1, JOIN_STEP]
 
     expected, losses = reference("bsdp", members_of=members_rows(lost))
     model = load_file(out / "model.safetensors")

@@ -194,3 +194,65 @@ def test_sdp_store_refuses_bad_flags_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["sdp store: error: --nnodes 0 must be >= 1",
                    "sdp store: error: --port 70000 must be a port number in [0, 65535]"]
+
+
+def test_a_replacement_waits_until_the_survivors_left_its_ranks_out_then_clears_their_marks(store, capsys):
+    from sdp_train.trainer.survivor_launcher import _await_replacement
+
+    node = Node(3, 2)
+    store.set(exited_key(2), NODE_LOST)  # node 2 was lost; workers 0 and 1 still run
+    ready: list = []
+    thread = threading.Thread(target=lambda: ready.append(_await_replacement(store, node, node.ranks(3), 3, 1)))
+    thread.start()
+    time.sleep(0.8)
+    assert not ready  # the survivors have not agreed yet
+    store.set(MEMBERS_KEY, "0,1")
+    thread.join(timeout=10)
+    assert ready == [None] and not store.check([exited_key(2)])  # its replacement is a live worker
+    assert "sdp: node 2: replacing a node of the run: its rank(s) 2 rejoin" in capsys.readouterr().err
+
+
+def test_a_replacement_after_the_run_ended_says_so_and_exits_0(store, capsys):
+    from sdp_train.trainer.survivor_launcher import _await_replacement
+
+    store.set(MEMBERS_KEY, "0,1")
+    for rank, code in ((0, "0"), (1, "0"), (2, NODE_LOST)):
+        store.set(exited_key(rank), code)
+    assert _await_replacement(store, Node(3, 2), range(2, 3), 3, 1) == 0
+    assert "sdp: node 2: the run ended before its replacement could rejoin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("beating, rejoins, message", [
+    (True, 2, "sdp: node 1: this node's launcher still runs in this run (its beat goes on)"),
+    (False, 1, "needs --max-rejoins >= 2 (got 1)"),
+])
+def test_a_second_launcher_for_a_live_node_or_without_rejoins_is_refused_in_one_line(store, capsys, beating, rejoins,
+                                                                                   message):
+    from sdp_train.trainer.survivor_launcher import _await_replacement
+
+    node = Node(2, 1)
+    stop = threading.Event()
+    live = _Nodes(store, node, 4)
+    beat = threading.Thread(target=lambda: [(live(), time.sleep(0.05)) for _ in iter(stop.is_set, True)])
+    if beating:
+        beat.start()
+    try:
+        assert _await_replacement(store, node, node.ranks(4), 4, rejoins) == 2
+    finally:
+        stop.set()
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_the_watch_takes_back_a_lost_node_whose_replacement_beats(store, monkeypatch):
+    monkeypatch.setenv("SDP_NODE_TIMEOUT_S", "0.2")
+    watch, other = _Nodes(store, Node(2, 0), 2), _Nodes(store, Node(2, 1), 2)
+    other()
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        watch()
+        time.sleep(0.05)
+    assert watch.lost == {1}
+    other()  # the replacement's launcher beats
+    watch()
+    assert watch.lost == set()
