@@ -52,6 +52,7 @@ from torch import nn
 
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import SliceSpec, owned_state
+from sdp_train.parallel.dist import wait
 from sdp_train.parallel.masking import fix_features
 from sdp_train.parallel.wire import ByteCount
 
@@ -131,7 +132,7 @@ def broadcast_packed(items: Sequence[tuple[int, Sequence[int], tuple, torch.dtyp
             buffer = torch.cat([read(key).reshape(-1).to(device) for _, _, _, key in entries])
         else:
             buffer = torch.empty(sum(sizes), dtype=entries[0][2], device=device)
-        dist.broadcast(buffer, src=src)
+        wait(dist.broadcast(buffer, src=src, async_op=True), device)  # given up when a loss began (watch_waits)
         counter.add("broadcast", buffer.numel() * buffer.element_size(), dist.get_world_size())
         for (receivers, shape, _, key), part in zip(entries, buffer.split(sizes)):
             if rank in receivers:

@@ -83,3 +83,21 @@ def test_survival_says_a_loss_began_when_another_member_joins_the_next_agreement
     assert survival.loss_begun() == "worker 2 began recovering from a lost worker"
     survival.generation = 1  # that loss is over: the next one has not begun
     assert survival.loss_begun() is None
+
+
+def test_the_state_moves_of_a_mask_change_or_an_admission_are_watched_waits(monkeypatch):
+    """`broadcast_packed` (a schedule's change, a restore's or a joiner's parts) waits on its broadcasts
+    through `wait`, so a survivor blocked there gives up when another member began agreeing on a loss."""
+    from sdp_train.parallel import schedule
+    from sdp_train.parallel.wire import ByteCount
+
+    launched = []
+    monkeypatch.setattr(schedule.dist, "broadcast",
+                        lambda buffer, src, async_op=False: launched.append(async_op) or _Work(slices=None))
+    monkeypatch.setattr(schedule.dist, "get_world_size", lambda: 2)
+    watch_waits(lambda: "worker 1 began recovering")
+    with pytest.raises(RuntimeError, match="gave up waiting for a collective: worker 1 began recovering"):
+        schedule.broadcast_packed([(1, [0], (2, 3), torch.float32, "w")], read=lambda key: torch.zeros(2, 3),
+                                  write=lambda key, value: None, rank=0, device=torch.device("cpu"),
+                                  counter=ByteCount())
+    assert launched == [True]
