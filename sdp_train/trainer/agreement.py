@@ -26,6 +26,7 @@ from sdp_train.parallel.dist import collective_timeout
 
 JOIN_ENV = "SDP_JOINS"  # set by `launch_keeping_survivors` for a replacement worker, which joins a run in progress
 MEMBERS_KEY = "sdp/members"  # the workers of the newest membership, comma-separated (the launcher reads it)
+STEPS_DONE_KEY = "sdp/steps_done"  # set once the members ran the last step: no worker can join any more
 
 
 def joining_key(worker: int) -> str:
@@ -41,6 +42,17 @@ def admission_key(worker: int) -> str:
 def exited_key(worker: int) -> str:
     """The store key the launcher sets, to the exit code, when worker `worker`'s process has ended."""
     return f"sdp/exited/{worker}"
+
+
+def finished_key(worker: int) -> str:
+    """The store key worker `worker` sets once its part of the run is done (the last collective behind it;
+    on rank 0, summary.json written): an exit that comes after it does not fail the run."""
+    return f"sdp/finished/{worker}"
+
+
+class RunEnded(Exception):
+    """A replacement for a lost worker (``--max-rejoins``) found the run past its last step, or every member
+    exited: there is nothing left for it to join. Not a failure: it stops with a note, exit 0."""
 
 
 class WorkerLossError(RuntimeError):

@@ -182,8 +182,9 @@ class TrainConfig:
     max_rejoins: int = 0
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, a static mask or a schedule, and
     in ``bsdp`` and ``nsdp`` local steps; mode ``overlap``, a static mask): start a replacement for a lost
-    worker, up to this many times in all, once the survivors have agreed on the loss (several nodes: per
-    launcher; a lost node's ranks restart when ``sdp train`` is started again with its ``--node-rank``). The replacement
+    worker, up to this many times in all, once the survivors have agreed on the loss and while a step is left
+    to run (after the last step none starts; one that waits stops with a note; several nodes: per launcher;
+    a lost node's ranks restart when ``sdp train`` is started again with its ``--node-rank``). The replacement
     rejoins at the next step boundary (with `local_steps` H, also in ``overlap``, the next multiple of H,
     right after the holders' average; a model of your own, ``FILE.py:FACTORY``, it builds from the
     factory and the library cuts, as at start): it takes the lost worker's row of the mask (the run

@@ -50,9 +50,9 @@ from masklab import Mask
 from masklab.errors import DesignError, MaskError
 from masklab.survivors import restored_mask
 from sdp_train.parallel.dist import DistInfo, collective_timeout
-from sdp_train.trainer.agreement import (MEMBERS_KEY, MembershipChange, WorkerLossError, admission_key, agree,
-                                         agreement_timeout, decide, exited_key, gather, joiners_at, joining_fails,
-                                         joining_key, release_frames)
+from sdp_train.trainer.agreement import (MEMBERS_KEY, STEPS_DONE_KEY, MembershipChange, RunEnded, WorkerLossError,
+                                         admission_key, agree, agreement_timeout, decide, exited_key, gather,
+                                         joiners_at, joining_fails, joining_key, release_frames)
 from sdp_train.trainer.launch import _agent_store, destroy_distributed, restart_attempt
 
 
@@ -92,14 +92,15 @@ class Survival:
         store until the members admit it (`admit`), then form the new world with them. Returns this
         worker's survival (`restore` as the members'), its place in the world and the change that
         admitted it (its step, the members' ranks `rows`, the joiners after them, the members' rows in
-        force in `welcome_mask`); raises `WorkerLossError` when every member has exited first (the run
-        ended)."""
+        force in `welcome_mask`); raises `RunEnded` when the members ran the last step (`STEPS_DONE_KEY`) or
+        every member has exited first."""
         store = _agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), designed.workers)
         store.set(joining_key(worker), "1")
         while not store.check([admission_key(worker)]):
             members = store.get(MEMBERS_KEY).decode().split(",") if store.check([MEMBERS_KEY]) else []
-            if members and all(store.check([exited_key(int(w))]) for w in members):
-                raise WorkerLossError(f"worker {worker}: the run ended before it could rejoin")
+            if store.check([STEPS_DONE_KEY]) or members and all(store.check([exited_key(int(w))]) for w in members):
+                raise RunEnded(f"worker {worker}: the run ended before it could rejoin; this replacement has "
+                               "nothing to do")
             time.sleep(0.05)
         admitted = json.loads(store.get(admission_key(worker)))
         store.delete_key(admission_key(worker))  # a later replacement of this worker waits for its own

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import collective_timeout
-from sdp_train.trainer.agreement import JOIN_ENV, MEMBERS_KEY, exited_key
+from sdp_train.trainer.agreement import JOIN_ENV, MEMBERS_KEY, STEPS_DONE_KEY, exited_key, finished_key
 from sdp_train.trainer.launch import LAUNCHER_ENV, input_error_line
 
 
@@ -78,9 +78,10 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
     ``SDP_NODE_TIMEOUT_S`` seconds (`NODE_LOST`), and every launcher waits until each worker of the
     last membership has an exit mark, node 0's also until the others have read it, since the store
     goes with node 0. With an external store (``node.external``, `serve_store`) every node beats and
-    the store's process does node 0's part. Returns 0 when every worker of the last membership (`MEMBERS_KEY`, all of
-    them when none changed) exited 0, after one line naming the lost ones; 2 with a rank's one-line
-    input error; 1 otherwise; 128 + the signal's number when interrupted (this node's ranks are stopped).
+    the store's process does node 0's part. No replacement is started once the members ran the last step
+    (`STEPS_DONE_KEY`). Returns `launch_outcome`'s code (0 when every worker of the last membership
+    finished its part); 2 with a rank's one-line input error; 128 + the signal's number when interrupted
+    (this node's ranks are stopped).
     """
     timeout = collective_timeout()
     try:
@@ -157,17 +158,29 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
         if refused is not None:
             print(refused, file=sys.stderr, flush=True)
             return EXIT_USAGE
+    code, lines = launch_outcome(store, codes, nproc)
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def launch_outcome(store: dist.Store, codes: dict[int, int | str], nproc: int) -> tuple[int, list[str]]:
+    """The launch's exit code and the lines it prints, from every rank's exit code (`codes`) and the store: 0
+    when every worker of the last membership (`MEMBERS_KEY`, all of them when none changed) exited 0 or
+    had finished its part of the run before it ended (`finished_key`: a kill during its teardown; a note
+    says so), after one line naming the lost ones; else 1, naming the failed ones."""
     members = _members(store) or list(range(nproc))
     others = [r for r in range(nproc) if r not in members]
     lost = ", ".join(_lost(r, codes[r]) for r in others)
-    if all(codes[r] == 0 for r in members):
+    late = [r for r in members if codes[r] != 0 and store.check([finished_key(r)])]
+    if all(codes[r] == 0 or r in late for r in members):
+        lines = [f"sdp: note: {_lost(r, codes[r])} ended after it had finished its part of the run, which is "
+                 "complete" for r in late]
         if others:
-            print(f"sdp: lost {lost}; ranks {', '.join(map(str, members))} finished the run", file=sys.stderr,
-                  flush=True)
-        return 0
+            lines.append(f"sdp: lost {lost}; ranks {', '.join(map(str, members))} finished the run")
+        return 0, lines
     failed = ", ".join(_lost(r, codes[r]) for r in members if codes[r] != 0)
-    print(f"sdp: worker failed: {failed}{f'; lost before: {lost}' if others else ''}", file=sys.stderr, flush=True)
-    return 1
+    return 1, [f"sdp: worker failed: {failed}{f'; lost before: {lost}' if others else ''}"]
 
 
 RUN_ID_KEY = "sdp/run_id"  # node 0's launch id, which every node's ranks take as TORCHELASTIC_RUN_ID
@@ -247,7 +260,7 @@ def serve_store(nodes: int, port: int, *, ready: Callable[[int], None] = lambda 
     (``sdp store``), on a host that trains nothing, so that losing any node, node 0 included, is a lost
     set of workers. It watches every node's beat as node 0's launcher otherwise does (`_Nodes`), and
     returns once every node has read the run's outcome or is lost: 0 when every worker of the last
-    membership exited 0, 1 otherwise, 128 + the signal's number when interrupted. `ready` gets the
+    membership exited 0 or had finished its part (`launch_outcome`), 1 otherwise, 128 + the signal's number when interrupted. `ready` gets the
     port (any free one for `port` 0) once the store listens."""
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=collective_timeout())
     store.set(RUN_ID_KEY, uuid.uuid4().hex)
@@ -270,10 +283,11 @@ def serve_store(nodes: int, port: int, *, ready: Callable[[int], None] = lambda 
             signal.signal(signal.SIGTERM, previous)
     members = _members(store) or list(range(world_size))
     lost = sorted(watch.lost)
+    finished = launch_outcome(store, codes, world_size)[0] == 0  # a rank killed after its part counts as done
     print(f"sdp store: the run ended: ranks {', '.join(map(str, members))} of {world_size} "
-          f"{'finished it' if all(codes[r] == 0 for r in members) else 'did not all finish it'}"
+          f"{'finished it' if finished else 'did not all finish it'}"
           + (f"; node(s) {', '.join(map(str, lost))} lost" if lost else ""), file=sys.stderr, flush=True)
-    return 0 if all(codes[r] == 0 for r in members) else 1
+    return 0 if finished else 1
 
 
 def _lost(rank: int, code: int | str) -> str:
@@ -398,7 +412,7 @@ def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, ma
                 if p.returncode not in (0, EXIT_USAGE) and max_rejoins > 0:
                     to_replace.add(rank)
         for rank in sorted(to_replace):
-            if all(r in codes for r in procs if r != rank):  # nobody left to join: the run is over
+            if all(r in codes for r in procs if r != rank) or store.check([STEPS_DONE_KEY]):  # nothing left to join
                 to_replace.discard(rank)
             elif store.check([MEMBERS_KEY]) and rank not in _members(store):  # the survivors agreed on the loss
                 to_replace.discard(rank)

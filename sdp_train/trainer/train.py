@@ -72,7 +72,8 @@ from sdp_train.parallel.dist import default_device, get_dist_info, print0, watch
 from sdp_train.parallel.grads import local
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import WIRE_MODEL
-from sdp_train.trainer.agreement import JOIN_ENV, MembershipChange, WorkerLossError, joining_fails
+from sdp_train.trainer.agreement import (JOIN_ENV, STEPS_DONE_KEY, MembershipChange, RunEnded, WorkerLossError,
+                                         finished_key, joining_fails)
 from sdp_train.trainer.checkpoint import (
     check_out_shared,
     check_resumable,
@@ -125,8 +126,12 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         info = init_distributed(device, preload=modules_before_groups([cfg], device))
     try:
         if joining:
-            survival, info, admitted = Survival.join(prep.mask, info.rank, device, restore=coverage_to_restore(prep),
-                                                     seed=cfg.seed)
+            try:
+                survival, info, admitted = Survival.join(prep.mask, info.rank, device,
+                                                         restore=coverage_to_restore(prep), seed=cfg.seed)
+            except RunEnded as exc:  # started as the run ended: not a failure, the launch exits 0
+                print(f"sdp train: note: {exc}", file=sys.stderr, flush=True)
+                return None
             watch_waits(survival.loss_begun)
             return train_prepared(prep, info, device, survival, admitted=admitted)
         if cfg.checkpoint_every or prep.resume_from is not None:
@@ -282,6 +287,8 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                 if must_close_now(step):
                     close_step(*pending)
                     pending = None
+        if survival is not None:  # no boundary is left to admit a replacement at (`Survival.join`, the launcher)
+            survival.store.set(STEPS_DONE_KEY, "1")
         with nullcontext() if survival is None else survival.losses_stop("evaluating and saving the final model"):
             val_loss, val_accuracy = evaluate(run, prep, save_to=out if cfg.save_model else None)
             final_consensus = run.consensus_distance()
@@ -296,6 +303,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             metrics_file.close()
         run.close()  # its hooks and groups go now, before `train` destroys the process groups
     if not info.is_main:
+        _finished(survival)
         return None
     history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
     timed = records[1:] or records or history  # this attempt's first step pays one-off warm-up costs
@@ -336,6 +344,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     if survival is not None:
         summary["membership_changes"] = [c.to_dict() for c in survival.changes]
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    _finished(survival)
     final = summary["final_train_loss"]
     accuracy = "" if val_accuracy is None else f", val accuracy {val_accuracy:.2%}"
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}{accuracy}, "
@@ -344,6 +353,13 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
            f"{_peak_text(summary['peak_memory_bytes'])}"
            f"{f', {len(skipped)} step(s) skipped (non-finite)' if skipped else ''} -> {out}")
     return summary
+
+
+def _finished(survival: Survival | None) -> None:
+    """Tell the launcher (``--on-worker-loss continue``) that this worker's part of the run is done, so that an
+    exit after this point (a kill during teardown) does not fail the launch."""
+    if survival is not None:
+        survival.store.set(finished_key(survival.worker), "1")
 
 
 def coverage_to_restore(prep: Prepared) -> dict[str, Any] | None:
