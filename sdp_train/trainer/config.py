@@ -154,21 +154,26 @@ class TrainConfig:
     interrupted step (Bb-SDP, overlap, local steps, or a loss during a schedule's mask change: not
     rerunning a step every survivor applied, whose new values are sent or averaged again, or whose
     change is made again), without a checkpoint; a loss that leaves a block without holder, now or in
-    a round still to train, stops the run; replacements may rejoin: `max_rejoins`;
-    `sdp_train.trainer.membership`, RELIABILITY.md)."""
+    a round still to train, stops the run; the designed coverage may be restored: `restore_coverage`;
+    replacements may rejoin: `max_rejoins`; `sdp_train.trainer.membership`, RELIABILITY.md)."""
     restore_coverage: bool = False
-    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, ``overlap``, static mask):
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, ``overlap``, static mask; modes
+    ``bsdp``, ``nsdp``, ``bbsdp`` under a schedule without `local_steps`):
     after a loss, train on under a mask designed for the survivors with the designed coverage (the start
     mask's least c_j, at most the survivors' number; `masklab.survivors.restored_mask`, which balances
     the survivors' bytes where a built-in family's blocks differ in size), its rows matched to the
     survivors so the fewest block bytes move, and move each block a survivor newly holds, with its
-    optimizer state, from its lowest-ranked surviving holder. With `local_steps` (``bsdp``, ``nsdp``,
+    optimizer state, from its lowest-ranked surviving holder. Under a schedule every later round is
+    trained so, its mask designed from that round's rows of the survivors (`Rounds.round_matrix`,
+    `sdp_train.parallel.rounds.restored_round`): the round of the loss moves at once, each later change
+    of round between restored masks as the schedule moves blocks. With `local_steps` (``bsdp``, ``nsdp``,
     ``overlap``) the move comes at a round's boundary, right after the holders' average: at once after
     a loss in the average (overlap averaging with local_steps 1: at once), else at the end of the round
     the loss interrupted, the survivors training it under their own rows. In ``overlap`` a survivor's
     own copy of a block it newly holds is replaced by its holder's, and one it drops stays, untrained
     and unaveraged. False: the lost rows are dropped and a block keeps its other holders only
-    (coverage falls). A replacement that rejoins (`max_rejoins`) gives the run its designed mask back."""
+    (coverage falls). A replacement that rejoins (`max_rejoins`) gives the run its designed mask back
+    (under a schedule, the designed round's rows)."""
     restore_budgets: str | None = None
     """With `restore_coverage` at block level (modes ``bsdp``, ``bbsdp``, ``overlap``) and a built-in model: one
     memory budget per worker (``"80GB,80GB,24GB,24GB"``, as ``sdp plan --budgets`` reads them, as many as
@@ -339,10 +344,12 @@ class TrainConfig:
             why = ("a mask without fsdp (--fsdp): FSDP shards each block's parameters and optimizer state over its "
                    "holders, and the embedding and head over every worker, so a lost worker takes the only copy of "
                    "its shards; with fsdp a loss is survived by a checkpoint restart (--max-restarts)")
-        elif self.schedule not in (None, "static") and (self.mode == "overlap" or self.restore_coverage):
-            why = (f"a static mask in mode 'overlap' and with restore_coverage (--restore-coverage), got "
-                   f"schedule={self.schedule!r} (--schedule) in mode {self.mode!r}"
-                   + (" with restore_coverage" if self.restore_coverage else ""))
+        elif self.schedule not in (None, "static") and (self.mode == "overlap" or (self.restore_coverage
+                                                                                  and self.local_steps > 1)):
+            why = (f"a static mask in mode 'overlap' and with restore_coverage (--restore-coverage) and local_steps "
+                   f"(--local-steps), got schedule={self.schedule!r} (--schedule) in mode {self.mode!r}"
+                   + (f" with restore_coverage and local_steps={self.local_steps}" if self.restore_coverage
+                      and self.local_steps > 1 else ""))
         elif self.max_restarts:
             why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
         elif self.workers < 2:

@@ -9,8 +9,9 @@ refuses a loss that leaves a block without holder (`decide`: in the mask in forc
 schedule, in every round still to train), re-forms the world over a new store prefix with the
 survivors renumbered in the old order, and has the run rebuild its holder groups and sync for the
 survivors' mask (`masklab.failures.survivors_mask`, or with ``--restore-coverage``
-`masklab.survivors.restored_mask`, whose new holders first receive their blocks; with local steps at a
-round's boundary, right after the holders' average: `restore_step`, `Survival.restore_due`). The run then reruns
+`masklab.survivors.restored_mask`, whose new holders first receive their blocks; under a schedule every
+later round's, `sdp_train.parallel.rounds.restored_round`; with local steps at a round's boundary, right
+after the holders' average: `restore_step`, `Survival.restore_due`). The run then reruns
 the interrupted step on its batch, unless every survivor had applied it (Bb-SDP and overlap averaging,
 lost while the new values were sent or averaged). Why the store and not torchft: docs/design.md §7.
 
@@ -50,6 +51,7 @@ from masklab import Mask
 from masklab.errors import DesignError, MaskError
 from masklab.survivors import restored_mask
 from sdp_train.parallel.dist import DistInfo, collective_timeout
+from sdp_train.parallel.rounds import restored_round
 from sdp_train.trainer.agreement import (MEMBERS_KEY, STEPS_DONE_KEY, MembershipChange, RunEnded, WorkerLossError,
                                          admission_key, agree, agreement_timeout, decide, exited_key, gather,
                                          joiners_at, joining_fails, joining_key, release_frames)
@@ -71,6 +73,8 @@ class Survival:
         self.store, self.worker, self.workers, self.mask = store, worker, tuple(workers), mask
         self.restore = None if restore is None else dict(restore)
         self.designed, self.seed = designed, seed
+        self.scheduled = not (mask if designed is None else designed).schedule.is_static
+        """The run's mask has a schedule: a restore is every round's (`Rounds.for_survivors`), not one mask."""
         self.pending_restore: Mask | None = None
         """With local steps: the restored mask the survivors of a loss inside a round move to at its boundary."""
         self.generation = 0
@@ -177,8 +181,11 @@ class Survival:
         workers = (*self.workers, *joined)
         mask = _rows(self.designed, workers, step, self.seed)
         # the members' rows in force: as the survivors left them (restored, static masks); under a schedule the
-        # designed round's (`self.mask` is the round of the last loss)
-        rows = (self.mask.matrix if self.designed.schedule.is_static else mask.matrix[:len(self.workers)]).tolist()
+        # round's, once a change a loss left due is made: the designed rows, or those restoring its coverage (a
+        # mode that keeps no `Rounds` of its own: the designed rows)
+        rounds = None if self.designed.schedule.is_static else run.sync.schedule_rounds
+        rows = (self.mask.matrix if self.designed.schedule.is_static else mask.matrix[:len(self.workers)]
+                if rounds is None else rounds.round_matrix(step)).tolist()
         welcome = _welcome_mask(self.designed, rows, joined, step, self.seed)
         info = DistInfo(self.workers.index(self.worker), len(workers), 0)
         if info.is_main:  # the joiners are members for the launcher first: one lost from here on is not replaced
@@ -248,9 +255,14 @@ class Survival:
                                 rank=info.rank, world_size=info.world_size)
         dist.barrier()  # every member is in the new world
 
-    def restored(self, change: MembershipChange, step: int, report: bool) -> MembershipChange:
+    def restored(self, change: MembershipChange, step: int, report: bool,
+                 rounds: Sequence[tuple[int, np.ndarray]] | None = None) -> MembershipChange:
         """`change` with the survivors' mask redesigned to the designed coverage (``restore``), the same
-        on every survivor (a seeded design, no communication); as it is when nothing needs to move."""
+        on every survivor (a seeded design, no communication); as it is when nothing needs to move.
+        Under a schedule (`rounds`: `ModeSync.rounds_to_train`'s, rows in the old rank order) the mask
+        is that of the round of the next step (`restored_round`, as `Rounds.round_matrix` gives it to
+        the survivors' wrapper; none when no step follows), after checking that the survivors have a
+        design at all (`_design_fits`): every later round's is the same design, matched to the round."""
         if self.restore is None:
             return change
         lost = [k for k, w in enumerate(self.workers) if w in change.lost]
@@ -261,8 +273,16 @@ class Survival:
             kept = [b for b, w in zip(restore["budgets"], self.workers) if w in change.workers]
             within = (f" within their memory budgets (--restore-budgets: {kept} bytes, {restore['fixed_bytes']} of "
                       "each held whatever its blocks; a worker number below counts the survivors from 0)")
+        if self.scheduled and len(rounds or ()) < 2:  # the last step was applied: no round follows
+            return change
         try:
-            mask = restored_mask(self.mask, lost, **restore)
+            if self.scheduled:
+                _design_fits(len(change.workers), self.mask.blocks, change.workers, self.restore, self.mask)
+                matrix = restored_round(np.asarray(rounds[1][1])[list(change.rows)], change.workers, self.restore,
+                                        self.mask)
+                mask = Mask(matrix, block_names=self.mask.block_names, block_sizes=self.mask.block_sizes)
+            else:
+                mask = restored_mask(self.mask, lost, **restore)
         except (DesignError, MaskError) as exc:
             raise WorkerLossError(f"step {step}: the survivors {list(change.workers)} cannot restore the designed "
                                   f"coverage{within}: {exc}; restart from a checkpoint (--resume)",
@@ -314,7 +334,7 @@ class Survival:
                 raise error
             dropped = None if change is None else change.mask
             if change is not None:
-                change = self.restored(change, step, report=self.worker == min(joined))
+                change = self.restored(change, step, report=self.worker == min(joined), rounds=rounds)
             workers = self.workers if change is None else change.workers
             info = DistInfo(workers.index(self.worker), len(workers), 0)
             if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
@@ -343,6 +363,8 @@ class Survival:
             else:
                 run.sync.close()
                 run.continue_with(change.mask, range(len(change.workers)), info)
+        elif self.scheduled and self.restore is not None:  # every round restored, the one in force at once
+            run.continue_with(change.mask, change.rows, info, restore=self.restore)
         else:
             run.continue_with(change.mask, change.rows, info)
         self.workers, self.mask = change.workers, change.mask
@@ -405,6 +427,16 @@ def members_state_kept(mask: Mask, welcome: Mask, members: int, *, scheduled: bo
         return ("while the members went from their restored rows to their designed ones; a loss while members "
                 "gain and drop parts is not recovered")
     return None
+
+
+def _design_fits(survivors: int, blocks: int, workers: Sequence[int], restore: Mapping[str, Any], mask: Mask) -> None:
+    """Raise `DesignError` where `survivors` workers (`workers`, rank order) have no mask restoring the designed
+    coverage under `restore` (its budgets): `restored_round` of a round in which each block has one holder,
+    which designs (coverage 2 or more) and matches under the budgets as every round that needs a design does."""
+    matrix = np.zeros((survivors, blocks), dtype=np.uint8)
+    matrix[np.arange(blocks) % survivors, np.arange(blocks)] = 1
+    matrix[np.arange(survivors), np.arange(survivors) % blocks] = 1
+    restored_round(matrix, workers, restore, mask)
 
 
 def restore_step(steps_applied: int, local_steps: int) -> int:

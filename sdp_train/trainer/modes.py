@@ -23,7 +23,7 @@ Not here: the optimizer, the learning-rate schedule, clipping and the loop (`sdp
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager
 
@@ -137,6 +137,11 @@ class ModeSync:
     def close(self) -> None:
         """Release hooks and process-group references (after the last collective)."""
 
+    @property
+    def schedule_rounds(self) -> Rounds | None:
+        """The position in a mask schedule that `enter_next_round` follows (`Rounds`); None without one."""
+        return None
+
     def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]] | None:
         """``(step, matrix)`` of the mask this rank's state is in (at the next step) and of each round
         still to train in a run of `steps` steps (`sdp_train.parallel.rounds.Rounds.to_train`), rows in
@@ -144,13 +149,15 @@ class ModeSync:
         return None
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
-                      optimizer: torch.optim.Optimizer) -> ModeSync:
+                      optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None) -> ModeSync:
         """This mode's sync over a new world of the survivors (`sdp_train.trainer.membership`): `rows` are
         their ranks in the old world, in the order of their new ranks, `mask` the survivors' mask (the
         old one's `rows`, or one that restores the designed coverage). Called after `close`, on the new
         default group; the model, its values and the optimizer state stay, but for what moves to a
         survivor that newly holds it (`optimizer` steps it). After a rejoin every worker "survives"
-        (`rows` all of them) and `mask` is the designed one (`sdp_train.trainer.run.Run.welcome`)."""
+        (`rows` all of them) and `mask` is the designed one (`sdp_train.trainer.run.Run.welcome`).
+        `restore`: under a schedule, restore every round's designed coverage for the survivors
+        (`Rounds.for_survivors`; the change to the restored round of the next step is then due)."""
         raise ConfigError(f"{type(self).__name__} cannot continue after losing a worker (--on-worker-loss continue)")
 
     def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> ModeSync:
@@ -304,22 +311,24 @@ class SubnetworkSync(ModeSync):
         self.sdp.close()  # its gradient hooks live in C++ and hold the engine and its groups
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
-                      optimizer: torch.optim.Optimizer) -> SubnetworkSync:
+                      optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None
+                      ) -> SubnetworkSync:
         """Every survivor keeps its blocks, so only the wrapper is new (its holder groups, buckets and
         hooks); activation checkpointing is already inside the module. Under a schedule the new wrapper
         goes on from the same position with every round's mask restricted to the survivors' rows
-        (`Rounds.for_survivors`), after the blocks built for a change that the loss interrupted are
-        dropped again (`MaskChanges.undo_gains`): the change is made again among the survivors when
-        the next step begins. When `mask` restores the designed coverage (static masks), what a
-        survivor newly holds first comes from its lowest-ranked surviving holder (blocks or neuron
-        groups, their optimizer state; `MaskChanges.hand_over`). With local steps each survivor keeps its
-        own copy and the step count; when the last step taken ended a round and workers were lost, its
-        average is taken again among the survivors, as overlap averaging's survivors do (a loss during
-        the average leaves some blocks averaged with the lost copy and others not; averaging again what
-        the survivors agree on changes nothing). A mask that restores coverage comes only at a round's
-        boundary, with every worker kept (`Survival`: holders agree there), and the position goes on
-        over it (`Rounds.over`). Under backward masking (Bb-SDP) the new
-        wrapper then sends each block's values from its lowest-ranked surviving holder to every
+        (`Rounds.for_survivors`; with `restore`, every round's mask restoring its designed coverage for
+        them), after the blocks built for a change that the loss interrupted are dropped again
+        (`MaskChanges.undo_gains`): the change is made again among the survivors when the next step
+        begins (`Run.continue_with` makes a restore's at once). When `mask` restores the designed
+        coverage (static masks), what a survivor newly holds first comes from its lowest-ranked
+        surviving holder (blocks or neuron groups, their optimizer state; `MaskChanges.hand_over`).
+        With local steps each survivor keeps its own copy and the step count; when the last step taken
+        ended a round and workers were lost, its average is taken again among the survivors, as overlap
+        averaging's survivors do (a loss during the average leaves some blocks averaged with the lost
+        copy and others not; averaging again what the survivors agree on changes nothing). A mask that
+        restores coverage comes only at a round's boundary, with every worker kept (`Survival`: holders
+        agree there), and the position goes on over it (`Rounds.over`). Under backward masking (Bb-SDP)
+        the new wrapper then sends each block's values from its lowest-ranked surviving holder to every
         survivor: a loss during the broadcast that follows the optimizer step leaves some non-holders
         with the new values and others with the old (docs/design.md §7)."""
         old = self.sdp
@@ -328,7 +337,7 @@ class SubnetworkSync(ModeSync):
         kept = old.rounds.matrix[list(rows)]
         held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, 0, None
         if old.rounds.counts:  # a schedule or local steps: the position (steps taken, round) goes on
-            rounds = old.rounds.for_survivors(rows)
+            rounds = old.rounds.for_survivors(rows, restore=None if old.mask.schedule.is_static else restore)
         if not old.mask.schedule.is_static:
             old.changes.undo_gains(old.rounds.matrix)
             mask = old.mask
@@ -357,7 +366,8 @@ class SubnetworkSync(ModeSync):
         """Every member keeps its blocks or neuron groups (`mask` has its rows in force), so only the wrapper
         is new, over `mask`'s rows in the new world's order. Under a schedule it goes on from the same
         position (`Rounds.for_joiners`: the steps taken, every round from the one in force the designed
-        round's rows of `workers`; the members made a change that was due first, `Survival.admit`); with
+        round's rows of `workers`; the members made a change that was due first, `Survival.admit`; the
+        state in `mask`, whose members' rows may be restored ones, the change to the designed rows due); with
         local steps from the same steps taken over `mask` (`Rounds.over`: the members' rows in force may
         be restored ones), and the members admit only right after an average, where every holder has the
         same values."""
@@ -366,7 +376,7 @@ class SubnetworkSync(ModeSync):
             return super().for_joiners(mask, info, workers)
         rounds = None
         if not old.mask.schedule.is_static:
-            rounds, mask = old.rounds.for_joiners(workers), old.mask
+            rounds, mask = old.rounds.for_joiners(workers, in_force=mask.matrix), old.mask
         elif old.rounds.counts:  # local steps: the members' rows in force (restored ones too), the same steps taken
             rounds = old.rounds.over(mask)
         sdp = SubnetworkDataParallel.from_subnetwork(
@@ -390,6 +400,10 @@ class SubnetworkSync(ModeSync):
 
     def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]]:
         return self.sdp.rounds.to_train(steps)
+
+    @property
+    def schedule_rounds(self) -> Rounds | None:
+        return None if self.sdp.mask.schedule.is_static else self.sdp.rounds
 
 
 class OverlapSync(ModeSync):
@@ -437,7 +451,7 @@ class OverlapSync(ModeSync):
         self.overlap.close()
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
-                      optimizer: torch.optim.Optimizer) -> OverlapSync:
+                      optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None) -> OverlapSync:
         """The survivors' wrapper over the same copies (`OverlapAveraging.for_survivors`). If workers were
         lost and the last step taken ended a round, its average is taken again among the survivors, under
         their rows in force: a loss during the average leaves some blocks averaged with the lost worker's
@@ -445,7 +459,8 @@ class OverlapSync(ModeSync):
         (docs/design.md §7). When `mask` restores the designed coverage (it comes only at a round's
         boundary: `Survival`), each survivor then takes the blocks it newly holds, values and AdamW
         state, from their lowest-ranked holder under those rows (`OverlapAveraging.hand_over`). After a
-        rejoin every worker "survives" and `mask` is the designed one (`Run.welcome`)."""
+        rejoin every worker "survives" and `mask` is the designed one (`Run.welcome`). `restore` (a
+        schedule's) is not used: a schedule with restore_coverage is refused in overlap averaging."""
         old = self.overlap
         kept = old.round_matrix(old.steps)[list(rows)]
         overlap = old.for_survivors(mask)

@@ -216,15 +216,24 @@ class Run:
         self.optimizer.zero_grad(set_to_none=False)
         return self.applied_stats
 
-    def continue_with(self, mask, rows, info: DistInfo) -> None:
+    def continue_with(self, mask, rows, info: DistInfo, *, restore=None) -> None:
         """Train on in a new world of survivors (`sdp_train.trainer.membership.Survival.recover`, after the
         old sync's `close`): the mode's sync rebuilt for the survivors' `mask` (`ModeSync.for_survivors`),
-        the same model and optimizer, no gradient left of the interrupted step."""
+        the same model and optimizer, no gradient left of the interrupted step. `restore` (under a
+        schedule, ``--restore-coverage``): every round from now on under the mask restoring its designed
+        coverage for the survivors, the round in force's at once (`ModeSync.enter_next_round`: what a
+        survivor newly holds, with its optimizer state, from its lowest-ranked surviving holder), its
+        bytes in the sync's `moved_bytes`."""
         self.retired_bytes += self.sync.bytes
-        self.sync = self.sync.for_survivors(mask, rows, info, self.optimizer)
+        kwargs = {} if restore is None else {"restore": restore}
+        self.sync = self.sync.for_survivors(mask, rows, info, self.optimizer, **kwargs)
         self.info, self.mask = info, mask
         self.model, self.train_model = self.sync.model, self.sync.train_model
         self.sync.attach(self.optimizer)
+        if restore is not None and self.sync.schedule_rounds is not None:
+            before = self.sync.mask_change_bytes.buffer
+            self.sync.enter_next_round()  # after `attach`: the optimizer's state moves, its groups get the gains
+            self.sync.moved_bytes = self.sync.mask_change_bytes.buffer - before
         self.optimizer.zero_grad(set_to_none=False)
 
     def admit(self, mask, workers, joiners, info: DistInfo, *, welcome_mask=None) -> None:
@@ -247,13 +256,20 @@ class Run:
         in force; then, where `mask` (the designed one's rows) differs from it (members whose rows were
         restored for the survivors of a loss), every rank goes to `mask`: a member gains what its row
         now gives it from its lowest-ranked holder, with the optimizer state, and drops the rest
-        (`ModeSync.for_survivors` with every worker kept)."""
+        (`ModeSync.for_survivors` with every worker kept). Under a schedule that change is the one
+        `Rounds.for_joiners` made due, made here by the schedule's mover (`ModeSync.enter_next_round`)."""
         self.sync.welcome(joiners, self.optimizer)
         if mask is not None and not np.array_equal(mask.matrix, self.mask.matrix):
             welcomed = self.sync.moved_bytes
-            self.sync.close()
-            self.continue_with(mask, range(self.info.world_size), self.info)
-            self.sync.moved_bytes += welcomed
+            if self.sync.schedule_rounds is not None:
+                before = self.sync.mask_change_bytes.buffer
+                self.sync.enter_next_round()
+                self.mask = mask
+                self.sync.moved_bytes = welcomed + self.sync.mask_change_bytes.buffer - before
+            else:
+                self.sync.close()
+                self.continue_with(mask, range(self.info.world_size), self.info)
+                self.sync.moved_bytes += welcomed
         self.optimizer.zero_grad(set_to_none=False)
 
     def finish(self, step: int, stats: Mapping[str, Any]) -> dict[str, float | bool]:

@@ -172,7 +172,10 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     shard = (info.rank, info.world_size)
     if admitted is not None:  # the lost worker's data shard of the first world; built under the members' rows
         shard = (survival.worker, cfg.workers)
-        position = Rounds(prep.mask, cfg.seed, counts=True).for_joiners(admitted.workers, steps=admitted.step)
+        # under a schedule the state of the round in force is in the welcome mask (members' restored rows too)
+        in_force = None if prep.mask.schedule.is_static else admitted.welcome_mask.matrix
+        position = Rounds(prep.mask, cfg.seed, counts=True).for_joiners(admitted.workers, steps=admitted.step,
+                                                                         in_force=in_force)
         with joining_fails(survival.worker, admitted.step):
             run = Run(dataclasses.replace(prep, mask=admitted.welcome_mask), info, device, joining=position)
         prep = dataclasses.replace(prep, mask=admitted.mask)  # the designed rows in rank order, from `welcome` on

@@ -1,5 +1,6 @@
 """Losing a worker and taking it back where training goes in rounds: a mask schedule (``sdp train --mode
-bsdp --schedule permute --every 3 --on-worker-loss continue --max-rejoins 1``, 12 steps) and local steps
+bsdp --schedule permute --every 3 --on-worker-loss continue --restore-coverage --max-rejoins 1``, 12 steps)
+and local steps
 (``--local-steps 3 --restore-coverage``, 9 steps), each on 3 gloo ranks with rank 0 SIGKILLed after step
 2's collectives, before its optimizer step, and its replacement admitted at a step the test fixes
 (``SDP_TEST_JOIN_AT_STEP``: the members wait there for it; a replacement's start takes seconds). Step 2
@@ -8,17 +9,23 @@ ends the first round in both.
 Schedule: round 1 swaps the rows of workers 0 and 2, so after their optimizer step the survivors
 fail in the mask change (worker 2 builds blocks 0 and 1 and waits for them from worker 0): they agree
 on 3 steps applied, worker 2 drops the blocks it built (`MaskChanges.undo_gains`), and the schedule
-goes on over the survivors' rows of every round (`Rounds.for_survivors`), so the change to round 1
-is made again between workers 1 and 2 when step 3 begins, worker 2 receiving blocks 0 and 1 with
-their AdamW state from worker 1. At step 4, inside round 1, worker 0's replacement rejoins: the new
-world is workers 1, 2, 0, every round from then on the designed round's rows of the workers in that
-order (`Rounds.for_joiners`), and the joiner builds its row of round 1, not round 0's, and receives it
-with its AdamW state from the members; the changes at steps 6 and 9 then move blocks in the new world
-(at step 9 to the joiner). Checked as in tests/distributed/test_worker_loss.py: exit 0, the loss at
-step 2 and the rejoin at step 4 in summary.json and on their metrics lines, every step's line once,
-every holder of every tensor bit-identical at the end, each rank holding its designed row of the last
-round, and the final model and every step's loss equal to the single-process reference whose members
-take their designed rows of each round (workers 0-2 up to step 2, 1-2 at step 3, 0-2 from step 4 on).
+goes on over the survivors with every round's mask the one restoring its designed coverage 2 for them
+(`Rounds.for_survivors` with ``restore``: with 2 survivors, every block on both), the round of step 3's
+at once (`Run.continue_with`): each survivor receives the blocks it lacked under its rows of round 0,
+with their AdamW state, from the other. At step 4, inside round 1, worker 0's replacement rejoins: the
+new world is workers 1, 2, 0; the joiner receives its row of round 1 (not round 0's) with its AdamW
+state from the members under their restored rows, and the members then drop what their designed rows
+of round 1 do not hold (`Rounds.for_joiners` with the rows in force, the schedule's change to the
+designed rows made at once: `Run.welcome`); every round from then on is the designed round's rows of
+the workers in that order, and the changes at steps 6 and 9 move blocks in the new world (at step 9
+to the joiner). Checked as in tests/distributed/test_worker_loss.py: exit 0, the loss at step 2 (the
+coverage restored, bytes moved) and the rejoin at step 4 in summary.json and on their metrics lines,
+every step's line once, every holder of every tensor bit-identical at the end, each rank holding its
+designed row of the last round, and the final model and every step's loss equal to the single-process
+reference whose members take their rows of each round (workers 0-2 their designed rows up to step 2,
+1-2 every block at step 3, 0-2 their designed rows from step 4 on). The survivors' rows as they are
+under a schedule (without ``--restore-coverage``) have no launch of their own: the unit tests of
+`Rounds.for_survivors` (tests/unit/test_worker_loss_agreement.py) and a run by hand (RELIABILITY.md).
 
 Local steps: each worker trains its own subnetwork 3 steps, then every block becomes its holders'
 average; the survivors fail in that average after their optimizer step 2, agree on 3 steps applied,
@@ -49,7 +56,7 @@ from tests.distributed.test_worker_loss import KILL_RANK, KILL_STEP, prepared, r
 
 REJOIN = ("--max-rejoins", "1")
 SCHEDULE_STEPS = 12  # rounds of 3 steps: changes at steps 3, 6 and 9
-SCHEDULE = ("--schedule", "permute", "--every", "3", "--steps", str(SCHEDULE_STEPS), *REJOIN)
+SCHEDULE = ("--schedule", "permute", "--every", "3", "--steps", str(SCHEDULE_STEPS), "--restore-coverage", *REJOIN)
 H = 3
 LOCAL_RUN_STEPS = 3 * H  # the survivors train round 1 under their restored rows; worker 0 rejoins for round 2
 LOCAL_STEPS = ("--local-steps", str(H), "--steps", str(LOCAL_RUN_STEPS), "--restore-coverage", *REJOIN)
@@ -68,14 +75,18 @@ def local(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
     return run_mode("bsdp", tmp_path_factory, LOCAL_STEPS, {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP["local"])})
 
 
-def members_of(join_step: int):
+def members_of(join_step: int, *, restored: bool = False):
     """`reference`'s members of each step, with their designed rows of the round of that step: workers 0-2
-    up to KILL_STEP, the survivors until `join_step`, all three again from then on."""
+    up to KILL_STEP, the survivors until `join_step`, all three again from then on. `restored`: the
+    survivors' rows restore the designed coverage 2 of every round, which for 2 survivors is every block
+    on both."""
 
     def members(prep, step: int) -> tuple[list[int], np.ndarray]:
-        members = [k for k in range(3) if k != KILL_RANK] if KILL_STEP < step < join_step else [0, 1, 2]
+        survivors = KILL_STEP < step < join_step
+        members = [k for k in range(3) if k != KILL_RANK] if survivors else [0, 1, 2]
         matrix = np.zeros_like(prep.mask.matrix, dtype=bool)
-        matrix[members] = prep.mask.round_matrix(step, seed=prep.config.seed)[members]
+        designed = prep.mask.round_matrix(step, seed=prep.config.seed)
+        matrix[members] = True if survivors and restored else designed[members]
         return members, matrix
 
     return members
@@ -133,9 +144,16 @@ def test_survivors_lost_in_a_mask_change_make_it_again_and_a_rejoin_in_a_later_r
     last = prep.mask.round_matrix(SCHEDULE_STEPS - 1, seed=seed)
     assert not (last[KILL_RANK] == round1[KILL_RANK]).all()  # and gains blocks after the rejoin
     check_changes(proc, out, join, SCHEDULE_STEPS, prep.mask.round_matrix(join, seed=seed)[WORKERS])
-    assert json.loads((out / "summary.json").read_text())["mask_change_bytes"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mask_change_bytes"] > 0 and prep.mask.coverage.min() == 2
+    from masklab.io import mask_from_dict
+
+    lost = summary["membership_changes"][0]
+    assert lost["coverage_restored"] and lost["moved_bytes"] > 0 and lost["restore_at"] is None
+    assert mask_from_dict(lost["mask"]).matrix.tolist() == [[1] * prep.mask.blocks] * 2  # round 1's, restored
+    assert not round1[[1, 2]].all()  # the survivors' rows of round 1 do not hold every block: blocks move
     check_holders(out, SCHEDULE_STEPS, last[WORKERS])
-    expected, losses = reference("bsdp", SCHEDULE, members_of=members_of(join))
+    expected, losses = reference("bsdp", SCHEDULE, members_of=members_of(join, restored=True))
     check_model(out, expected, atol=1e-5)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)

@@ -28,6 +28,7 @@ STEP = 4
 
 class _Sync:
     moved_bytes = 0
+    schedule_rounds = None  # a schedule's position: the members' rows of a round (`Survival.admit`)
 
     def rounds_to_train(self, steps: int):
         return None
@@ -90,6 +91,8 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
     store.set(joining_key(0), "1")
     store.set(exited_key(2) if member_lost else "sdp/loss5/joined2", str(STEP))  # worker 2's side of the agreement
     run = _Run(lost_in)
+    if scheduled:  # the members' rows of the round in force (restored for the survivors, or the designed ones)
+        run.sync.schedule_rounds = SimpleNamespace(round_matrix=lambda step: rows)
     keeps = not scheduled and (lost_in == "forming" or not restored)
     assert (members_state_kept(Mask(designed.round_matrix(STEP)[[1, 2, 0]]), Mask(np.vstack([rows, [[1, 1, 0]]])),
                                2, scheduled=scheduled, welcoming=lost_in == "welcome") is None) == keeps
@@ -98,6 +101,7 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
             survival.admit(run, STEP, torch.device("cpu"))
         assert "\n" not in str(raised.value) and str(raised.value).startswith(f"step {STEP}: admitting worker(s) [0]")
         assert run.went_on == [] and store.get(MEMBERS_KEY).decode() == "1,2,0"
+        assert json.loads(store.get(admission_key(0)))["rows"] == rows.tolist()  # the joiner's welcome rows
         return
     change = survival.admit(run, STEP, torch.device("cpu"))
     assert formed == [(4, (1, 2, 0)), (5, (1,) if member_lost else (1, 2))]

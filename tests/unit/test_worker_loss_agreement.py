@@ -109,7 +109,8 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
 @pytest.mark.parametrize("changes, message", [
     ({"mode": "ddp"}, "mode 'ddp': continuing is built for bsdp, nsdp, bbsdp, overlap"),
     ({"schedule": "permute", "mode": "overlap"}, "a static mask in mode 'overlap'"),
-    ({"schedule": "cyclic", "restore_coverage": True}, "got schedule='cyclic' (--schedule) in mode 'bsdp' with "),
+    ({"schedule": "cyclic", "every": 3, "restore_coverage": True, "local_steps": 3},
+     "got schedule='cyclic' (--schedule) in mode 'bsdp' with restore_coverage and local_steps=3"),
     ({"fsdp": True}, "a mask without fsdp (--fsdp): FSDP shards each block"),
     ({"max_restarts": 1}, "max_restarts=1"),
     ({"workers": 1}, "workers=1"),
@@ -174,6 +175,15 @@ def test_b_sdp_n_sdp_and_bb_sdp_may_take_lost_workers_back_after_restoring_the_c
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
 def test_b_sdp_n_sdp_and_bb_sdp_may_restore_the_designed_coverage(mode):
     assert TrainConfig(mode=mode, workers=4, on_worker_loss="continue", restore_coverage=True).restore_coverage
+
+
+@pytest.mark.parametrize("mode", ["bsdp", "nsdp", "bbsdp"])
+@pytest.mark.parametrize("schedule", ["permute", "cyclic"])
+def test_b_sdp_n_sdp_and_bb_sdp_under_a_schedule_may_restore_every_rounds_coverage_and_take_workers_back(mode,
+                                                                                                          schedule):
+    cfg = TrainConfig(mode=mode, workers=4, on_worker_loss="continue", restore_coverage=True, max_rejoins=1,
+                      schedule=schedule, every=3)
+    assert cfg.restore_coverage and cfg.schedule == schedule
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp"])

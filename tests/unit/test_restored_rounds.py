@@ -1,0 +1,136 @@
+"""Survivors that restore the designed coverage under a mask schedule (``--restore-coverage --schedule``):
+every round's restored mask (`Rounds.round_matrix` after `Rounds.for_survivors` with ``restore``,
+`restored_round`), a later loss and a rejoin over restored rounds, and what `Survival.restored` records
+and refuses. The run itself: tests/distributed/test_worker_loss_rounds.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from masklab import Mask, Schedule
+from masklab.testing.strategies import mask_sequences, masks
+from sdp_train.parallel.rounds import Rounds, restored_round
+from sdp_train.trainer.agreement import WorkerLossError, decide
+
+STEPS = 10
+
+
+def _covered(mask: Mask, step: int, rows) -> bool:
+    """Whether the survivors `rows` hold every block in the designed round of `step` (else `decide` refuses)."""
+    return bool(mask.round_matrix(step, seed=1)[list(rows)].any(axis=0).all())
+
+
+@settings(deadline=None, max_examples=40)
+@given(mask=st.one_of(masks(workers=st.integers(2, 6), max_blocks=6, schedule=True).filter(
+    lambda m: not m.schedule.is_static), mask_sequences(workers=st.integers(2, 6), max_blocks=5)), data=st.data())
+def test_every_restored_round_has_the_designed_coverage_and_is_the_same_in_any_order(mask, data):
+    """For every schedule, loss and order of asking: each round's restored mask holds every block on
+    ``min(c, survivors)`` survivors at least (c: the designed least coverage, every round's), gives every
+    survivor a block, is the round's designed rows as they are where those have the coverage already, and
+    is the same whichever rounds were asked before (a second position, asked in a random order, and the
+    first asked again after its cache of the latest rounds has moved on)."""
+    lost = data.draw(st.sets(st.integers(0, mask.workers - 1), min_size=1, max_size=mask.workers - 1))
+    survivors = [w for w in range(mask.workers) if w not in lost]
+    coverage = int(mask.coverage.min())
+    restore = {"coverage": coverage, "seed": 1}
+    steps = [s for s in range(STEPS) if _covered(mask, s, survivors)]
+    assume(0 in steps)  # the survivors' position is in round 0 (a loss that uncovers it is refused: `decide`)
+    first = Rounds(mask, seed=1, counts=True).for_survivors(survivors, restore=restore)
+    second = Rounds(mask, seed=1, counts=True).for_survivors(survivors, restore=restore)
+    in_order = {s: first.round_matrix(s).copy() for s in steps}
+    shuffled = {s: second.round_matrix(s) for s in data.draw(st.permutations(steps))}
+    again = {s: first.round_matrix(s) for s in reversed(steps)}
+    target = min(coverage, len(survivors))
+    for s in steps:
+        restored, designed = in_order[s], mask.round_matrix(s, seed=1)[survivors]
+        assert restored.tolist() == shuffled[s].tolist() == again[s].tolist()
+        assert (restored.sum(axis=0) >= target).all() and restored.any(axis=1).all()
+        if designed.sum(axis=0).min() >= target:
+            assert restored.tolist() == designed.tolist()  # nothing moves where nothing fell below
+        assert first.designed_rows(s).tolist() == designed.tolist()
+
+
+@settings(deadline=None, max_examples=40)
+@given(mask=masks(workers=st.integers(3, 6), max_blocks=6, schedule=True).filter(lambda m: not m.schedule.is_static),
+       data=st.data())
+def test_a_later_loss_restores_from_the_designed_rounds_of_the_workers_left_and_a_rejoin_goes_back_to_them(
+        mask, data):
+    """A second loss over restored rounds: every round is restored again from the designed round's rows of
+    the workers still there (rows of the designed mask: `Rounds.rows`), not from the rounds restored for
+    the first survivors; `to_train` (what `decide` checks) gives those designed rows. When workers join,
+    the state stays in the rows in force (the members' restored rows, then the joiners' designed ones)
+    and the change to the designed round's rows of the new world is due, with nothing restored after."""
+    restore = {"coverage": int(mask.coverage.min()), "seed": 1}
+    lost = data.draw(st.integers(0, mask.workers - 1))
+    survivors = [w for w in range(mask.workers) if w != lost]
+    ranks = sorted(data.draw(st.sets(st.integers(0, len(survivors) - 1), min_size=1, max_size=len(survivors) - 1)))
+    left = [survivors[k] for k in ranks]
+    assume(_covered(mask, 0, left))  # else `decide` refuses the losses
+    first = Rounds(mask, seed=1, counts=True).for_survivors(survivors, restore=restore)
+    second = first.for_survivors(ranks)  # the restore goes on from the first loss
+    assert second.rows.tolist() == left and second.matrix.tolist() == first.matrix[ranks].tolist()
+    for s in range(STEPS):
+        if _covered(mask, s, left):
+            expected = restored_round(mask.round_matrix(s, seed=1)[left], left, restore, mask)
+            assert second.round_matrix(s).tolist() == expected.tolist()
+    for step, matrix in second.to_train(STEPS)[1:]:
+        assert matrix.tolist() == mask.round_matrix(step, seed=1)[left].tolist()
+    members = second.for_survivors(range(len(left)))  # a state in the round in force, as members have
+    members.entered(members.round_matrix(0), 0)
+    members.due = None
+    workers = [*left, *[w for w in range(mask.workers) if w not in left]]
+    in_force = np.vstack([members.matrix, mask.round_matrix(0, seed=1)[workers[len(left):]]])
+    joined = members.for_joiners(workers, in_force=in_force)
+    designed = mask.round_matrix(0, seed=1)[workers]
+    assert joined.restore is None and joined.matrix.tolist() == in_force.tolist()
+    assert (joined.due is None) == (in_force.tolist() == designed.tolist())
+    assert joined.round_matrix(STEPS).tolist() == mask.round_matrix(STEPS, seed=1)[workers].tolist()
+
+
+def _schedule_mask() -> Mask:
+    """4 workers, 4 blocks on 2 each, rows permuted every 3 steps."""
+    return Mask([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], schedule=Schedule("permute", every=3))
+
+
+def test_survivors_record_the_restored_round_of_the_next_step_that_their_rounds_then_train():
+    from sdp_train.trainer.membership import Survival
+
+    mask, restore = _schedule_mask(), {"coverage": 2, "groups": None, "seed": 0, "sizes": None}
+    rounds = Rounds(mask, seed=0, counts=True)
+    for _ in range(3):
+        rounds.step_done()  # a loss at the end of round 0: round 1's change is due
+    survival = Survival(None, 1, [0, 1, 2, 3], mask, restore=restore, seed=0)
+    change = decide(mask, [0, 1, 2, 3], {1: 3, 2: 3, 3: 3}, step=3, rounds=rounds.to_train(STEPS))
+    change = survival.restored(change, 3, report=True, rounds=rounds.to_train(STEPS))
+    survivors = rounds.for_survivors(change.rows, restore=restore)
+    assert change.restored and change.mask.matrix.tolist() == survivors.round_matrix(3).tolist()
+    assert (change.mask.coverage == 2).all() and survivors.due.tolist() == change.mask.matrix.tolist()
+
+
+def test_survivors_whose_budgets_fit_no_restored_round_stop_in_one_line_naming_them():
+    from sdp_train.trainer.membership import Survival
+
+    mask = _schedule_mask()
+    restore = {"coverage": 2, "groups": None, "seed": 0, "sizes": [10, 10, 10, 10], "budgets": [25] * 4,
+               "fixed_bytes": 0}  # 3 survivors, 8 holder slots of 10 bytes: one of them needs 30
+    rounds = Rounds(mask, seed=0, counts=True)
+    survival = Survival(None, 1, [0, 1, 2, 3], mask, restore=restore, seed=0)
+    change = decide(mask, [0, 1, 2, 3], {1: 0, 2: 0, 3: 0}, step=0, rounds=rounds.to_train(STEPS))
+    with pytest.raises(WorkerLossError, match=r"^step 0: the survivors \[1, 2, 3\] cannot restore the designed "
+                                              r"coverage within their memory budgets .*--resume\)$"):
+        survival.restored(change, 0, report=True, rounds=rounds.to_train(STEPS))
+
+
+def test_after_the_last_step_was_applied_no_round_follows_and_nothing_is_restored():
+    from sdp_train.trainer.membership import Survival
+
+    mask = _schedule_mask()
+    rounds = Rounds(mask, seed=0, counts=True)
+    for _ in range(3):
+        rounds.step_done()
+    survival = Survival(None, 1, [0, 1, 2, 3], mask, restore={"coverage": 2, "seed": 0}, seed=0)
+    change = decide(mask, [0, 1, 2, 3], {1: 3, 2: 3, 3: 3}, step=2, rounds=rounds.to_train(3))
+    assert survival.restored(change, 2, report=True, rounds=rounds.to_train(3)) is change
