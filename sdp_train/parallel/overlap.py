@@ -23,7 +23,8 @@ over all of them each round, as in local SGD. Floating-point buffers (BatchNorm 
 averaged with their block. Gradient clipping is local (``torch.nn.utils.clip_grad_norm_`` on this
 worker's model is the right call here: no worker's gradient is averaged with another's).
 
-After a lost worker the survivors go on with `OverlapAveraging.for_survivors`; survivors that restore
+After a lost worker the survivors go on with `OverlapAveraging.for_survivors` (under a schedule over their rows
+of every round; `rounds_after_loss` says which rounds they must hold every block of); survivors that restore
 the designed coverage then take what they newly hold from its holders (`OverlapAveraging.hand_over`;
 `restore_holdings` says who sends what); a worker that rejoins gets its copy and optimizer state from
 the holders (`OverlapAveraging.welcome`; `welcome_holdings` says who sends what).
@@ -130,6 +131,8 @@ class OverlapAveraging(nn.Module):
                 for t in tensors.values():  # one starting point for every copy
                     dist.broadcast(t.data, src=0)
         self._enter(self.round_matrix(0), 0)
+        if self.world_size > 1:  # now, while every rank is here: made at the round's first average, a lost
+            self._holder_plans(self.round_matrix(0))  # rank's missing rendezvous would wait the whole timeout
 
     # -- the mask in force -----------------------------------------------------------------------
     def round_matrix(self, step: int) -> np.ndarray:
@@ -175,44 +178,87 @@ class OverlapAveraging(nn.Module):
             handle.remove()
         self._hooks, self._groups, self._buckets, self._round_key = [], {}, [], None
 
-    def for_survivors(self, mask: Mask) -> OverlapAveraging:
+    def for_survivors(self, mask: Mask, rows: Sequence[int] | None = None) -> OverlapAveraging:
         """This wrapper over the survivors of a lost worker, in their new world (the default group
-        after `sdp_train.trainer.membership` re-formed it): the same module, each worker's own copy
-        and the step count kept, `mask` (the survivors' rows of a static mask) in force. Call
-        `close` on this one first and `register_optimizer` on the new one."""
-        return self._going_on(mask, "continues after a lost worker")
+        after `sdp_train.trainer.membership` re-formed it): the same module, each worker's own copy,
+        its optimizer state and the step count kept, `mask` (the survivors' rows of a static mask) in
+        force. Under a schedule `rows`, the survivors' ranks in this world in their new order, give the
+        position instead (`Rounds.for_survivors`: every round's mask restricted to their rows, as B-SDP
+        goes on), and `mask` is not read; where the loss left the next round's change due, the survivors
+        make it with `enter_due` (after taking again the average it interrupted). Call `close` on this
+        one first and `register_optimizer` on the new one."""
+        if self.mask.schedule.is_static:
+            return self._going_on(mask, None)
+        return self._going_on(mask, self.rounds.for_survivors(self._rows_given(rows, "rows", "survivors")))
 
-    def for_joiners(self, mask: Mask) -> OverlapAveraging:
+    def for_joiners(self, mask: Mask, workers: Sequence[int] | None = None) -> OverlapAveraging:
         """This wrapper over a new world that workers join (the members' ranks first, the joiners' last;
         `mask` their rows of a static mask): the same module, each member's own copy and the step count
-        kept, as `for_survivors`. Every rank then calls `welcome`."""
-        return self._going_on(mask, "takes a worker back")
+        kept, as `for_survivors`. Under a schedule `workers`, the designed mask's rows of the new world's
+        ranks in their order, give the position instead (`Rounds.for_joiners`: every round from the one of
+        the next step on is the designed round's rows of those workers), and `mask` is not read. Every
+        rank then calls `welcome`."""
+        if self.mask.schedule.is_static:
+            return self._going_on(mask, None)
+        return self._going_on(mask, self.rounds.for_joiners(self._rows_given(workers, "workers", "joiners")))
 
-    def _going_on(self, mask: Mask, what: str) -> OverlapAveraging:
-        if not self.mask.schedule.is_static:
-            raise ConfigError(f"overlap averaging {what} with a static mask only")
+    def _rows_given(self, rows: Sequence[int] | None, name: str, what: str) -> Sequence[int]:
+        if rows is None:
+            raise ConfigError(f"overlap averaging under a {self.mask.schedule.kind!r} schedule goes on for {what} "
+                              f"from its position in the schedule: pass `{name}`")
+        return rows
+
+    def _going_on(self, mask: Mask, rounds: Rounds | None) -> OverlapAveraging:
         return self.joining(self.module, mask=mask, blocks=list(self.layout.blocks), local_steps=self.local_steps,
-                            seed=self.seed, steps=self.steps)
+                            seed=self.seed, steps=self.steps, rounds=rounds)
 
     @classmethod
-    def joining(cls, module: nn.Module, *, mask: Mask, blocks: Sequence[str], local_steps: int, seed: int,
-                steps: int) -> OverlapAveraging:
+    def joining(cls, module: nn.Module, *, mask: Mask | None, blocks: Sequence[str], local_steps: int, seed: int,
+                steps: int, rounds: Rounds | None = None) -> OverlapAveraging:
         """A wrapper that goes on from `steps` optimizer steps taken, in a world whose copies exist already
         (a member's, a survivor's) or come afterwards (a joiner's, by `welcome`): nothing is broadcast when
-        it starts. Call `register_optimizer` on it."""
-        new = cls(module, mask=mask, blocks=blocks, local_steps=local_steps, seed=seed, _start_equal=False)
+        it starts. `mask`: the world's rows of a static mask; under a schedule `rounds` instead, the
+        position to go on from over the world's rows of the schedule (`Rounds.for_survivors`,
+        `Rounds.for_joiners`, a joiner's own from the designed mask), whose round the state is in is
+        entered. Call `register_optimizer` on it."""
+        # under a schedule built over the next step's round, the same on every rank (a survivor may be in the
+        # round before: its average failed), whose holder groups it makes (`_holder_plans`)
+        static = mask if rounds is None else Mask(rounds.round_matrix(steps), block_names=rounds.mask.block_names,
+                                                  block_sizes=rounds.mask.block_sizes)
+        new = cls(module, mask=static, blocks=blocks, local_steps=local_steps, seed=seed, _start_equal=False)
         new.load_schedule_state({"steps": steps})
+        if rounds is not None:  # the schedule's rounds over this world's rows, from the same position
+            new.mask, new.rounds = rounds.mask, rounds
+            new._enter(rounds.matrix, rounds.mask_step)
         return new
+
+    def enter_due(self) -> None:
+        """Enter the round of the next step where its change is due: survivors of a loss that interrupted
+        a round's average, which ends the round (`for_survivors`; the change itself only switches which
+        blocks train, nothing moves), once they took the average again. Nothing where none is due."""
+        due = self.rounds.take_due()
+        if due is not None:
+            self._enter(due, self.steps)
+
+    def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]] | None:
+        """Under a schedule, what a loss is checked against (`sdp_train.trainer.agreement.decide`), rows in rank
+        order: first the mask of the round last trained (`trained_step`), whose average survivors take again
+        when the loss came at its end, then the mask of the next step's round and of every later round of a
+        run of `steps` steps, at its first step (`Rounds.to_train`). None with a static mask: the mask in
+        force alone."""
+        return None if self.mask.schedule.is_static else rounds_after_loss(self.rounds, steps)
 
     def welcome(self, optimizer: torch.optim.Optimizer, joiners: Sequence[int]) -> int:
         """Give the ranks `joiners` their copy of the model and the optimizer state of what they hold, at a
         round's boundary (right after an average, where every block's holders agree): every tensor, the
         shared ones and the blocks a joiner does not hold included, from its lowest-ranked holder among the
-        members, bit for bit, and the `optimizer` state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``) of
-        each parameter a joiner holds likewise (`welcome_holdings`). A collective: every rank calls it, a
-        joiner after building this wrapper and its optimizer. Returns the buffer bytes broadcast."""
-        matrix = self.round_matrix(self.steps)
-        members, copies, held = welcome_holdings(self.layout, matrix, joiners)
+        members in the round last trained (under a schedule the round that ended, whose holders have just
+        averaged it, where a new holder's own copy may be stale), bit for bit, and the `optimizer` state
+        (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``) of each parameter a joiner holds in the round of the
+        next step likewise (`welcome_holdings`). A collective: every rank calls it, a joiner after building
+        this wrapper and its optimizer. Returns the buffer bytes broadcast."""
+        members, copies, held = welcome_holdings(self.layout, self.round_matrix(self.steps), joiners,
+                                                 trained=self.round_matrix(trained_step(self.steps)))
         return self._move(optimizer, members, copies, held)
 
     def hand_over(self, optimizer: torch.optim.Optimizer, old_matrix: np.ndarray) -> int:
@@ -279,17 +325,23 @@ class OverlapAveraging(nn.Module):
         key = np.ascontiguousarray(matrix, dtype=np.int8).tobytes()
         if key == self._round_key:
             return self._buckets
-        held_by_rank = [self.layout.held(matrix[k]) for k in range(self.world_size)]
-        shapes = {n: self.layout.tensors[n][0] for n in self._tensors}
-        plans = [p for p in plan_buckets(held_by_rank, list(self._tensors), shapes=shapes) if len(p.holders) > 1]
-        missing = sorted({p.holders for p in plans} - set(self._groups))
-        if missing:  # every rank reaches this with the same sets (the schedule is computed, not sent)
-            self._groups.update(holder_set_groups(missing, self.world_size, singletons=False))
+        plans = self._holder_plans(matrix)
         local = {n: WHOLE for n in self._tensors}
         self._buckets = [_Bucket(p, self._tensors, local, self._groups[p.holders], self._device)
                          if self.rank in p.holders else _Placeholder(p) for p in plans]
         self._round_key = key
         return self._buckets
+
+    def _holder_plans(self, matrix: np.ndarray) -> list:
+        """The buckets of `matrix`'s averages that communicate, after making the holder groups they need that do
+        not exist yet (a collective: every rank reaches it with the same sets, computed, not sent)."""
+        held_by_rank = [self.layout.held(matrix[k]) for k in range(self.world_size)]
+        shapes = {n: self.layout.tensors[n][0] for n in self._tensors}
+        plans = [p for p in plan_buckets(held_by_rank, list(self._tensors), shapes=shapes) if len(p.holders) > 1]
+        missing = sorted({p.holders for p in plans} - set(self._groups))
+        if missing:
+            self._groups.update(holder_set_groups(missing, self.world_size, singletons=False))
+        return plans
 
     @property
     def comm_bytes(self) -> int:
@@ -331,7 +383,7 @@ class OverlapAveraging(nn.Module):
         force now (right after a round, each holder's own value), as CPU tensors. Integer buffers
         are rank 0's. A tied tensor is one tensor under each of its names. Every rank must call it;
         with ``rank0_only`` the others get ``{}``."""
-        matrix = self.round_matrix(max(self.steps - 1, 0))  # the last round trained
+        matrix = self.round_matrix(trained_step(self.steps))  # the last round trained
         out: dict[str, torch.Tensor] = {}
         aliases = self.layout.aliases
         for name, t in self.module.state_dict().items():
@@ -368,17 +420,22 @@ class OverlapAveraging(nn.Module):
             dist.barrier()
 
 
-def welcome_holdings(layout: ModelLayout, matrix: np.ndarray, joiners: Sequence[int]
+def welcome_holdings(layout: ModelLayout, matrix: np.ndarray, joiners: Sequence[int], *,
+                     trained: np.ndarray | None = None
                      ) -> tuple[list[dict[str, SliceSpec]], list[dict[str, SliceSpec]], list[dict[str, SliceSpec]]]:
     """What moves to the ranks `joiners` of an overlap-averaging world whose rows of the mask in force are
-    `matrix`, as per-rank holdings for `sdp_train.parallel.schedule`'s movers, which send each tensor a
-    rank newly holds from its lowest-ranked holder in the first: ``(members, copies, held)``.
+    `matrix` (under a schedule, of the round of the next step) and of the round last trained `trained`
+    (default `matrix`: a static mask), as per-rank holdings for `sdp_train.parallel.schedule`'s movers,
+    which send each tensor a rank newly holds from its lowest-ranked holder in the first:
+    ``(members, copies, held)``.
 
-    `members`: what each rank sends from, a member's held tensors (blocks of its row and the shared
-    tensors), a joiner's nothing. `copies`: the values each rank ends with, a joiner's every tensor (its
-    copy of the whole model, the blocks it does not hold too: their holders' values are the freshest, and
-    a copy of a block its worker does not hold is only read in the forward), a member's its `members`
-    entry (nothing moves to a member). `held`: each rank's held tensors, whose optimizer state moves.
+    `members`: what each rank sends from, a member's held tensors in `trained` (blocks of its row, whose
+    holders have just averaged them, and the shared tensors), a joiner's nothing. `copies`: the values each
+    rank ends with, a joiner's every tensor (its copy of the whole model, the blocks it does not hold too:
+    their holders' values are the freshest, and a copy of a block its worker does not hold is only read in
+    the forward), a member's its `members` entry (nothing moves to a member). `held`: the tensors whose
+    optimizer state each rank ends with, a joiner's those its row of `matrix` holds, a member's its
+    `members` entry (a member keeps its own state, of blocks it holds in no round trained, too).
 
     >>> import torch.nn as nn
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
@@ -386,12 +443,45 @@ def welcome_holdings(layout: ModelLayout, matrix: np.ndarray, joiners: Sequence[
     >>> members, copies, held = welcome_holdings(layout, np.array([[1, 0], [0, 1], [1, 0]]), [2])
     >>> sorted(copies[2]), sorted(held[2]), members[2]
     (['0.bias', '0.weight', '1.bias', '1.weight'], ['0.bias', '0.weight'], {})
+    >>> members, _, held = welcome_holdings(layout, np.array([[0, 1], [1, 0], [0, 1]]), [2],
+    ...                                     trained=np.array([[1, 0], [0, 1], [1, 0]]))
+    >>> sorted(members[0]), sorted(held[0]), sorted(held[2])
+    (['0.bias', '0.weight'], ['0.bias', '0.weight'], ['1.bias', '1.weight'])
     """
-    held = [layout.held(row) for row in np.asarray(matrix)]
-    members = [{} if r in joiners else part for r, part in enumerate(held)]
+    trained = matrix if trained is None else trained
+    members = [{} if r in joiners else layout.held(row) for r, row in enumerate(np.asarray(trained))]
     every = dict.fromkeys(layout.tensors, WHOLE)
     copies = [every if r in joiners else part for r, part in enumerate(members)]
+    held = [layout.held(row) if r in joiners else members[r] for r, row in enumerate(np.asarray(matrix))]
     return members, copies, held
+
+
+def rounds_after_loss(rounds: Rounds, steps: int) -> list[tuple[int, np.ndarray]]:
+    """``(step, matrix)``, rows as `rounds`' ranks: the mask of the round last trained (`trained_step`) at the
+    steps taken, then the mask of the next step's round and of every later round of a run of `steps` steps,
+    at its first step (`Rounds.to_train`). What overlap averaging's survivors must hold every block of: the
+    round whose average they take again where the loss came in it (the same whether a rank had already
+    entered the next round or not), and every round they will train.
+
+    >>> from masklab import Schedule
+    >>> mask = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]], schedule=Schedule("cyclic", every=2))
+    >>> rounds = Rounds(mask, 0, counts=True)
+    >>> rounds.step_done(); rounds.step_done()  # the round's average failed: round 1 not entered
+    >>> [(step, matrix[0].tolist()) for step, matrix in rounds_after_loss(rounds, 5)]
+    [(2, [1, 1, 0]), (2, [0, 1, 1]), (4, [1, 0, 1])]
+    """
+    return [(rounds.steps, rounds.round_matrix(trained_step(rounds.steps))), *rounds.to_train(steps)[1:]]
+
+
+def trained_step(steps: int) -> int:
+    """A step of the round last trained after `steps` optimizer steps (of round 0 before any): where a
+    round's average ends it, the round whose holders agree right after it, and whose average survivors of a
+    loss in it take again (`OverlapAveraging.rounds_to_train`, `welcome`).
+
+    >>> trained_step(0), trained_step(6)
+    (0, 5)
+    """
+    return max(steps - 1, 0)
 
 
 def restore_holdings(layout: ModelLayout, old_matrix: np.ndarray, matrix: np.ndarray
@@ -429,4 +519,4 @@ def _weak(ref: weakref.ref, method: str) -> Callable[..., None]:
     return hook
 
 
-__all__ = ["OverlapAveraging", "restore_holdings", "welcome_holdings"]
+__all__ = ["OverlapAveraging", "restore_holdings", "rounds_after_loss", "trained_step", "welcome_holdings"]

@@ -147,15 +147,17 @@ class TrainConfig:
     ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
     on_worker_loss: str = "stop"
     """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
-    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp`` with a
-    static mask or a schedule, ``bsdp`` and ``nsdp`` also with `local_steps`, ``overlap`` with a static
-    mask; not with `fsdp`: the survivors agree on who is left, train on with the dead rows dropped from
-    the mask (a schedule's every later round restricted to the survivors), rerunning only the
-    interrupted step (Bb-SDP, overlap, local steps, or a loss during a schedule's mask change: not
-    rerunning a step every survivor applied, whose new values are sent or averaged again, or whose
-    change is made again), without a checkpoint; a loss that leaves a block without holder, now or in
-    a round still to train, stops the run; the designed coverage may be restored: `restore_coverage`;
-    replacements may rejoin: `max_rejoins`; `sdp_train.trainer.membership`, RELIABILITY.md)."""
+    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp`` and
+    ``overlap`` with a static mask or a schedule, ``bsdp`` and ``nsdp`` also with `local_steps`; not with
+    `fsdp`: the survivors agree on who is left, train on with the dead rows dropped from the mask (a
+    schedule's every later round restricted to the survivors; in ``overlap`` each keeps its own copy and
+    AdamW state), rerunning only the interrupted step (Bb-SDP, overlap, local steps, or a loss during a
+    schedule's mask change: not rerunning a step every survivor applied, whose new values are sent or
+    averaged again, or whose change is made again: in ``overlap`` the round's average among the survivors,
+    then the next round's blocks train), without a checkpoint; a loss that leaves a block without holder,
+    now or in a round still to train, stops the run; the designed coverage may be restored:
+    `restore_coverage`; replacements may rejoin: `max_rejoins`; `sdp_train.trainer.membership`,
+    RELIABILITY.md)."""
     restore_coverage: bool = False
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, ``overlap``, static mask; modes
     ``bsdp``, ``nsdp``, ``bbsdp`` under a schedule without `local_steps`):
@@ -185,11 +187,11 @@ class TrainConfig:
     leave headroom). A loss after which no mask with the designed coverage fits the survivors' budgets
     stops the run, in one line naming them. None: no budget."""
     max_rejoins: int = 0
-    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, a static mask or a schedule, and
-    in ``bsdp`` and ``nsdp`` local steps; mode ``overlap``, a static mask): start a replacement for a lost
-    worker, up to this many times in all, once the survivors have agreed on the loss and while a step is left
-    to run (after the last step none starts; one that waits stops with a note; several nodes: per launcher;
-    a lost node's ranks restart when ``sdp train`` is started again with its ``--node-rank``). The replacement
+    """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp`` and ``overlap``, a static mask or a
+    schedule, and in ``bsdp`` and ``nsdp`` local steps): start a replacement for a lost worker, up to this
+    many times in all, once the survivors have agreed on the loss and while a step is left to run (after the
+    last step none starts; one that waits stops with a note; several nodes: per launcher; a lost node's ranks
+    restart when ``sdp train`` is started again with its ``--node-rank``). The replacement
     rejoins at the next step boundary (with `local_steps` H, also in ``overlap``, the next multiple of H,
     right after the holders' average; a model of your own, ``FILE.py:FACTORY``, it builds from the
     factory and the library cuts, as at start): it takes the lost worker's row of the mask (the run
@@ -197,8 +199,9 @@ class TrainConfig:
     `restore_coverage` each member whose restored row differs gains the blocks or neuron groups of its
     designed row, with their optimizer state, and drops the others), receives its blocks (N-SDP: neuron
     groups; Bb-SDP: every block's values; ``overlap``: its copy of every block, those it does not hold
-    too), the shared parameters, buffers and optimizer state from their lowest-ranked holders and reads
-    the lost worker's data from the step it joins at; no checkpoint is loaded
+    too; under a schedule each from its holders of the round that just ended, and the optimizer state of
+    what it holds in the next), the shared parameters, buffers and optimizer state from their lowest-ranked
+    holders and reads the lost worker's data from the step it joins at; no checkpoint is loaded
     (`sdp_train.trainer.membership`)."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
@@ -344,12 +347,11 @@ class TrainConfig:
             why = ("a mask without fsdp (--fsdp): FSDP shards each block's parameters and optimizer state over its "
                    "holders, and the embedding and head over every worker, so a lost worker takes the only copy of "
                    "its shards; with fsdp a loss is survived by a checkpoint restart (--max-restarts)")
-        elif self.schedule not in (None, "static") and (self.mode == "overlap" or (self.restore_coverage
-                                                                                  and self.local_steps > 1)):
-            why = (f"a static mask in mode 'overlap' and with restore_coverage (--restore-coverage) and local_steps "
-                   f"(--local-steps), got schedule={self.schedule!r} (--schedule) in mode {self.mode!r}"
-                   + (f" with restore_coverage and local_steps={self.local_steps}" if self.restore_coverage
-                      and self.local_steps > 1 else ""))
+        elif self.schedule not in (None, "static") and self.restore_coverage and (self.mode == "overlap"
+                                                                                  or self.local_steps > 1):
+            why = (f"a static mask with restore_coverage (--restore-coverage) in mode 'overlap' or with local_steps "
+                   f"(--local-steps), got schedule={self.schedule!r} (--schedule) in mode {self.mode!r} with "
+                   f"restore_coverage" + (f" and local_steps={self.local_steps}" if self.local_steps > 1 else ""))
         elif self.max_restarts:
             why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
         elif self.workers < 2:

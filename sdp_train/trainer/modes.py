@@ -46,7 +46,7 @@ from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
 from sdp_train.parallel.discovery import find_blocks
 from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.masking import Cut, ModelLayout, describe, shared_inside
-from sdp_train.parallel.overlap import OverlapAveraging
+from sdp_train.parallel.overlap import OverlapAveraging, trained_step
 from sdp_train.parallel.parallelize import parallelize
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import ByteCount
@@ -452,32 +452,40 @@ class OverlapSync(ModeSync):
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
                       optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None) -> OverlapSync:
-        """The survivors' wrapper over the same copies (`OverlapAveraging.for_survivors`). If workers were
-        lost and the last step taken ended a round, its average is taken again among the survivors, under
-        their rows in force: a loss during the average leaves some blocks averaged with the lost worker's
-        copy and others not, while averaging again what the survivors already agree on changes nothing
-        (docs/design.md §7). When `mask` restores the designed coverage (it comes only at a round's
+        """The survivors' wrapper over the same copies and optimizer states (`OverlapAveraging.for_survivors`;
+        under a schedule every later round's mask restricted to the survivors' rows, `Rounds.for_survivors`).
+        If workers were lost and the last step taken ended a round, its average is taken again among the
+        survivors, under their rows of that round (`trained_step`): a loss during the average leaves some
+        blocks averaged with the lost worker's copy and others not, while averaging again what the
+        survivors already agree on changes nothing (docs/design.md §7); under a schedule they then enter
+        the next round where the loss left its change due (`OverlapAveraging.enter_due`: which blocks
+        train). When `mask` restores the designed coverage (a static mask; it comes only at a round's
         boundary: `Survival`), each survivor then takes the blocks it newly holds, values and AdamW
         state, from their lowest-ranked holder under those rows (`OverlapAveraging.hand_over`). After a
         rejoin every worker "survives" and `mask` is the designed one (`Run.welcome`). `restore` (a
         schedule's) is not used: a schedule with restore_coverage is refused in overlap averaging."""
         old = self.overlap
-        kept = old.round_matrix(old.steps)[list(rows)]
-        overlap = old.for_survivors(mask)
+        kept = old.round_matrix(trained_step(old.steps))[list(rows)]  # static: the rows in force
+        overlap = old.for_survivors(mask, rows)
         if len(rows) < old.world_size and overlap.steps and overlap.steps % overlap.local_steps == 0:
             overlap.average(kept)
+        overlap.enter_due()
         survivors = OverlapSync(overlap, info)
-        if not np.array_equal(mask.matrix, kept):  # coverage restored (or, after a rejoin, the designed rows)
-            survivors.moved_bytes = overlap.hand_over(optimizer, kept)
+        if old.mask.schedule.is_static and not np.array_equal(mask.matrix, kept):  # coverage restored, or
+            survivors.moved_bytes = overlap.hand_over(optimizer, kept)  # after a rejoin the designed rows
         return survivors
 
     def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> OverlapSync:
         """The members' wrapper over the same copies and step count (`OverlapAveraging.for_joiners`), `mask`
         the members' rows in force (restored ones after ``--restore-coverage``) and the joiners' designed
-        rows (no schedule here). The members admit only at a round's boundary, right after the average,
+        rows; under a schedule the designed round's rows of `workers` from the round of the next step on
+        (`Rounds.for_joiners`). The members admit only at a round's boundary, right after the average,
         where every block's holders agree (`Survival.admit`); members whose rows were restored then go
         back to their designed ones (`for_survivors` with every worker, from `Run.welcome`)."""
-        return OverlapSync(self.overlap.for_joiners(mask), info)
+        return OverlapSync(self.overlap.for_joiners(mask, workers), info)
+
+    def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]] | None:
+        return self.overlap.rounds_to_train(steps)
 
     def welcome(self, joiners: Sequence[int], optimizer: torch.optim.Optimizer) -> None:
         """Each joiner's copy of every tensor from its lowest-ranked holder among the members (the blocks it
@@ -544,7 +552,8 @@ def build_sync(prep: Any, info: DistInfo, device: torch.device, *, joining: Roun
                                        seed=cfg.seed)
         else:  # at the members' step count, its copy from the holders afterwards (`ModeSync.welcome`)
             overlap = OverlapAveraging.joining(model, mask=prep.mask, blocks=blocks, local_steps=cfg.local_steps,
-                                               seed=cfg.seed, steps=joining.steps)
+                                               seed=cfg.seed, steps=joining.steps,
+                                               rounds=None if joining.mask.schedule.is_static else joining)
         return OverlapSync(overlap, info)
     cut = Cut("backward" if cfg.mode == "bbsdp" else "forward", cfg.level)
     library_cut = user or (_moves_parts(cfg, designed) and not cut.keeps_whole_model)

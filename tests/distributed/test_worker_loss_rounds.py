@@ -38,8 +38,18 @@ its lowest-ranked holder (worker 1, else 2) and the step count, and the survivor
 designed rows. The final model and every step's loss equal a reference with a subnetwork and an AdamW
 per worker, each clipped by its own norm, averaged over the living holders every 3 steps, the
 survivors regrouped at step 3 and worker 0 rebuilt at step 6 from the holders' values and AdamW
-state. A module of
-its own, so that pytest-xdist runs these launches beside the others.
+state.
+
+Overlap averaging under a schedule (``--mode overlap --schedule permute --every 3 --local-steps 3``, 9 steps):
+each worker keeps its own copy and AdamW state; step 2's average ends round 0 and changes the mask, and the
+survivors fail in it after their optimizer step, take it again among themselves under their rows of round 0
+and enter round 1 restricted to their rows. The replacement joins at step 6, right after round 1's average
+and at another change of mask: it takes its copy of every tensor from the lowest-ranked member holding it in
+round 1 (worker 2 holds a block in round 2 it did not hold in round 1) and the AdamW state of what it holds
+in round 2 likewise. The final model and every step's loss equal `overlap_schedule_reference`'s, every
+holder of every tensor of the last round bit-identical.
+
+A module of its own, so that pytest-xdist runs these launches beside the others.
 """
 
 from __future__ import annotations
@@ -60,8 +70,11 @@ SCHEDULE = ("--schedule", "permute", "--every", "3", "--steps", str(SCHEDULE_STE
 H = 3
 LOCAL_RUN_STEPS = 3 * H  # the survivors train round 1 under their restored rows; worker 0 rejoins for round 2
 LOCAL_STEPS = ("--local-steps", str(H), "--steps", str(LOCAL_RUN_STEPS), "--restore-coverage", *REJOIN)
-# the schedule's: inside round 1, after the survivors trained step 3; local steps': round 2's boundary
-JOIN_STEP = {"scheduled": KILL_STEP + 2, "local": 2 * H}
+# overlap averaging under a schedule that changes the mask with every average: rounds of H steps
+OVERLAP = ("--schedule", "permute", "--every", str(H), "--local-steps", str(H), "--steps", str(LOCAL_RUN_STEPS),
+           *REJOIN)
+# the schedule's: inside round 1, after the survivors trained step 3; local steps' and overlap's: round 2's boundary
+JOIN_STEP = {"scheduled": KILL_STEP + 2, "local": 2 * H, "overlap": 2 * H}
 WORKERS = [1, 2, KILL_RANK]  # the world after the rejoin, in rank order
 
 
@@ -73,6 +86,11 @@ def scheduled(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]
 @pytest.fixture(scope="module")
 def local(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
     return run_mode("bsdp", tmp_path_factory, LOCAL_STEPS, {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP["local"])})
+
+
+@pytest.fixture(scope="module")
+def overlap(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
+    return run_mode("overlap", tmp_path_factory, OVERLAP, {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP["overlap"])})
 
 
 def members_of(join_step: int, *, restored: bool = False):
@@ -177,6 +195,119 @@ def test_survivors_lost_in_a_local_steps_average_take_it_again_restore_coverage_
     check_model(out, expected, atol=5e-5)  # AdamW's steps of about lr turn the sums' rounding into ~1e-5
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_overlap_survivors_lost_in_the_average_that_changes_round_take_it_again_and_a_rejoin_ends_as_the_reference(
+        overlap):
+    _, proc, out = overlap
+    prep = prepared("overlap", OVERLAP)
+    seed, join = prep.config.seed, JOIN_STEP["overlap"]
+    rounds = [prep.mask.round_matrix(step, seed=seed) for step in range(0, LOCAL_RUN_STEPS, H)]
+    assert not (rounds[1] == rounds[0]).all()  # the average the loss interrupts ends round 0: a change
+    # worker 2 trains in round 2 a block it did not hold in round 1: the joiner's copy of it comes from worker 1
+    assert any(rounds[2][2, j] and not rounds[1][2, j] and rounds[2][KILL_RANK, j] for j in range(prep.mask.blocks))
+    check_changes(proc, out, join, LOCAL_RUN_STEPS, rounds[2][WORKERS])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the survivors learn of the loss at once, not after the collective timeout (60 s here): the first average's
+    # holder groups exist before it (made lazily there, their rendezvous waited for the lost rank: 60.4 s)
+    assert metrics[KILL_STEP]["step_time_s"] < 30
+    final = out / "checkpoints" / f"step_{LOCAL_RUN_STEPS}"
+    ranks = [torch.load(final / f"rank{r}.pt", weights_only=True)["model"] for r in range(3)]
+    last = rounds[-1][WORKERS]
+    for name in ranks[0]:  # every rank keeps a copy of every tensor; the last round's holders agree bit for bit
+        assert all(name in rank for rank in ranks), name
+        block = int(name.split(".")[1]) if name.startswith("layers.") else None
+        holders = [r for r in range(3) if block is None or last[r, block]]
+        assert all(torch.equal(ranks[holders[0]][name], ranks[r][name]) for r in holders[1:]), name
+    expected, losses = overlap_schedule_reference(prep)
+    check_model(out, expected, atol=5e-5)  # as overlap averaging's static launch
+    assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
+
+
+def overlap_schedule_reference(prep, *, kill_step: int = KILL_STEP, join_step: int = JOIN_STEP["overlap"],
+                               steps: int = LOCAL_RUN_STEPS) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Overlap averaging under a schedule on one process: a copy and an AdamW per worker (over every parameter,
+    as the run's under a schedule), each step's blocks of the worker's row of that step's round trainable
+    (the others take no gradient, so AdamW skips them and keeps their state), each clipped by its own norm;
+    after every H-th step (H the config's) each parameter becomes its mean over the holders of that round
+    among the living workers (the lost worker computed its `kill_step` loss and took no step). At
+    `join_step` worker 0 gets a new AdamW and its copy of every tensor from the lowest-ranked of workers 1, 2
+    holding it in the round just trained (whose holders have just averaged it), and the AdamW state of each
+    parameter it holds in the round of `join_step` from the same worker; it reads its batch of `join_step`."""
+    import copy
+
+    from sdp_train.data import build_batches
+    from sdp_train.testing import from_sdp_train
+    from sdp_train.trainer.run import loss_fn, lr_at
+
+    cfg = prep.config
+    base, _, _ = from_sdp_train(prep.model_config, "block", seed=cfg.seed)
+
+    def block(name: str) -> int | None:
+        return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+    def adamw(model):
+        params = list(model.parameters())
+        return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                 lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    def round_of(step: int) -> np.ndarray:
+        return prep.mask.round_matrix(step, seed=cfg.seed).astype(bool)
+
+    copies = [copy.deepcopy(base) for _ in range(3)]
+    opts = [adamw(m) for m in copies]
+    batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
+    survivors = WORKERS[:-1]
+    losses = []
+    for step in range(steps):
+        rows = round_of(step)
+        if step == join_step:
+            trained = round_of(step - 1)
+            copies[KILL_RANK] = copy.deepcopy(base)
+            opts[KILL_RANK] = adamw(copies[KILL_RANK])
+            with torch.no_grad():
+                states = [dict(m.state_dict(keep_vars=True)) for m in copies]
+                params = [dict(m.named_parameters()) for m in copies]
+                for name, value in states[KILL_RANK].items():
+                    src = next(k for k in survivors if block(name) is None or trained[k, block(name)])
+                    value.copy_(states[src][name])
+                    if name in params[KILL_RANK] and (block(name) is None or rows[KILL_RANK, block(name)]):
+                        held = opts[src].state[params[src][name]]
+                        opts[KILL_RANK].state[params[KILL_RANK][name]] = {key: v.clone() for key, v in held.items()}
+        members = survivors if kill_step < step < join_step else [0, 1, 2]
+        alive = [k for k in members if step != kill_step or k != KILL_RANK]
+        drawn = [next(b) for b in batches]  # every worker's stream moves with the steps, a member's or not
+        values = []
+        for k in members:
+            for name, p in copies[k].named_parameters():
+                p.requires_grad_(block(name) is None or bool(rows[k, block(name)]))
+                p.grad = None
+            x, y = drawn[k]
+            loss = loss_fn(copies[k](x), y)
+            values.append(loss.item())
+            if k in alive:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for p in copies[k].parameters() if p.requires_grad], cfg.grad_clip)
+                for group in opts[k].param_groups:
+                    group["lr"] = lr_at(step, cfg)
+                opts[k].step()
+        losses.append(sum(values) / len(values))
+        if (step + 1) % cfg.local_steps == 0:
+            with torch.no_grad():
+                states = [dict(m.named_parameters()) for m in copies]
+                for name in states[0]:
+                    holders = [k for k in alive if block(name) is None or rows[k, block(name)]]
+                    mean = sum(states[k][name] for k in holders) / len(holders)
+                    for k in holders:
+                        states[k][name].copy_(mean)
+    last = round_of(steps - 1)
+    final = {}
+    for name in copies[0].state_dict():  # each tensor from its lowest-ranked holder in the new world's order
+        src = next(k for k in WORKERS if block(name) is None or last[k, block(name)])
+        final[name] = copies[src].state_dict()[name]
+    return final, losses
 
 
 def restore_rows(prep) -> np.ndarray:

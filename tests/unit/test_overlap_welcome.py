@@ -1,8 +1,10 @@
 """What a worker that rejoins an overlap-averaging run receives (`welcome_holdings`, ``sdp train --mode overlap
 --max-rejoins``), and what survivors that restore the designed coverage take (`restore_holdings`, ``sdp train
 --mode overlap --restore-coverage``), planned in one process: the movers send each tensor a rank newly holds
-from its lowest-ranked holder (`sdp_train.parallel.schedule.plan_moves`). The launch:
-tests/distributed/test_worker_loss_applied.py."""
+from its lowest-ranked holder (`sdp_train.parallel.schedule.plan_moves`); and under a schedule, which round's
+holders a joiner takes from and which rounds survivors average again and go on in (`rounds_after_loss`,
+`Rounds.for_survivors`). The launches: tests/distributed/test_worker_loss_applied.py (static mask),
+tests/distributed/test_worker_loss_rounds.py (a schedule)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from masklab import Schedule
 from masklab.testing.strategies import masks
 from sdp_train.parallel.masking import describe
-from sdp_train.parallel.overlap import restore_holdings, welcome_holdings
+from sdp_train.parallel.overlap import restore_holdings, rounds_after_loss, trained_step, welcome_holdings
+from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.schedule import plan_moves
 
 
@@ -82,3 +86,77 @@ def test_a_survivor_gets_each_block_it_newly_holds_from_its_lowest_ranked_holder
 
     assert plan_moves(list(layout.tensors), old_held, held) == expected(list(layout.tensors))
     assert plan_moves(list(layout.parameter_names), old_held, held) == expected(list(layout.parameter_names))
+
+
+@settings(deadline=None, max_examples=80)
+@given(mask=masks(workers=st.integers(2, 6), max_blocks=5), data=st.data())
+def test_under_a_schedule_a_joiner_takes_values_from_the_round_last_trained_and_state_of_the_next(mask, data):
+    """`welcome_holdings` with the round last trained `trained` (whose holders have just averaged it) and the
+    next step's round `matrix` (another draw: a change of round at the admission's boundary): a joiner's
+    every tensor, and the optimizer state of exactly the parameters its row of `matrix` holds, come from the
+    lowest-ranked member holding the tensor in `trained`; a member receives nothing and loses no state, of
+    a block it holds in `matrix` only, or in `trained` only, too."""
+    members = list(range(mask.workers - data.draw(st.integers(1, mask.workers - 1))))
+    assume(mask.matrix[members].any(axis=0).all())
+    joiners = list(range(len(members), mask.workers))
+    nxt = np.array(data.draw(st.permutations(list(mask.matrix.tolist()))), dtype=int)  # a permute round
+    layout = describe(_model(mask.blocks), [f"blocks.{j}" for j in range(mask.blocks)], "block")
+    before, copies, held = welcome_holdings(layout, nxt, joiners, trained=mask.matrix)
+
+    def source(name: str) -> int:
+        block = layout.owning_block(name)
+        return members[0] if block is None else next(k for k in members
+                                                     if mask.matrix[k, layout.blocks.index(block)])
+
+    values = plan_moves(list(layout.tensors), before, copies)
+    assert [(name, src, receivers) for name, src, receivers in values] == [
+        (name, source(name), joiners) for name in layout.tensors]
+    state = plan_moves(list(layout.parameter_names), before, held)
+    expected = [(name, source(name), [k for k in joiners if name in layout.held(nxt[k])])
+                for name in layout.parameter_names]
+    assert state == [move for move in expected if move[2]]
+    assert all(held[k] == before[k] == copies[k] for k in members)  # nothing to or from a member's own state
+
+
+@settings(deadline=None, max_examples=80)
+@given(workers=st.integers(2, 5), blocks=st.integers(1, 4), kind=st.sampled_from(["permute", "cyclic"]),
+       local=st.integers(1, 3), rounds_of=st.integers(1, 3), data=st.data())
+def test_survivors_average_again_the_round_last_trained_and_go_on_in_the_designed_rounds_of_their_rows(
+        workers, blocks, kind, local, rounds_of, data):
+    """Overlap averaging under a schedule (R a multiple of H), a loss after `lost_at` steps, whether the rank
+    had entered the next round at that boundary or its average failed first: what the loss is checked
+    against (`rounds_after_loss`) is the same either way, the round last trained first and every later
+    round's first step after; the survivors' position (`Rounds.for_survivors`) averages again that round's
+    rows of theirs, then enters the next step's (`OverlapAveraging.enter_due`), and every later round is the
+    designed round restricted to their rows."""
+    rows = data.draw(st.lists(st.lists(st.integers(0, 1), min_size=blocks, max_size=blocks), min_size=workers,
+                              max_size=workers))
+    from masklab import Mask
+
+    assume(all(any(r) for r in rows) and all(any(r[j] for r in rows) for j in range(blocks)))
+    every, steps = local * rounds_of, 4 * local * rounds_of
+    mask = Mask(rows, schedule=Schedule(kind, every=every))
+    lost_at = data.draw(st.integers(0, steps - 1))
+    entered = data.draw(st.booleans())  # at a boundary: this rank's average had finished (the next round entered)
+    survivors = sorted(data.draw(st.sets(st.integers(0, workers - 1), min_size=1, max_size=workers - 1)))
+    position = Rounds(mask, 3, counts=True)
+    for _ in range(lost_at):  # as `OverlapAveraging.step_done`: a round's average, then the next round
+        position.step_done()
+        last = position.steps == lost_at and not entered
+        if position.steps % local == 0 and not last:
+            due = position.take_due()
+            if due is not None:
+                position.entered(due, position.steps)
+    checked = rounds_after_loss(position, steps)
+    designed = [mask.round_matrix(t, seed=3) for t in range(steps + 1)]
+    starts = [t for t in range(lost_at, steps) if t == lost_at or t % every == 0]
+    assert [(t, m.tolist()) for t, m in checked] == [(lost_at, designed[trained_step(lost_at)].tolist()),
+                                                     *((t, designed[t].tolist()) for t in starts)]
+    going_on = position.for_survivors(survivors)
+    assert going_on.round_matrix(trained_step(lost_at)).tolist() == designed[trained_step(lost_at)][survivors].tolist()
+    due = going_on.take_due()  # `enter_due`
+    if due is not None:
+        going_on.entered(due, going_on.steps)
+    assert going_on.matrix.tolist() == designed[lost_at][survivors].tolist() and going_on.due is None
+    for t in range(lost_at, steps):
+        assert going_on.round_matrix(t).tolist() == designed[t][survivors].tolist()

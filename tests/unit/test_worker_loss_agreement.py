@@ -108,7 +108,6 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
 
 @pytest.mark.parametrize("changes, message", [
     ({"mode": "ddp"}, "mode 'ddp': continuing is built for bsdp, nsdp, bbsdp, overlap"),
-    ({"schedule": "permute", "mode": "overlap"}, "a static mask in mode 'overlap'"),
     ({"schedule": "cyclic", "every": 3, "restore_coverage": True, "local_steps": 3},
      "got schedule='cyclic' (--schedule) in mode 'bsdp' with restore_coverage and local_steps=3"),
     ({"fsdp": True}, "a mask without fsdp (--fsdp): FSDP shards each block"),
@@ -116,10 +115,10 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
     ({"workers": 1}, "workers=1"),
     ({"on_worker_loss": "rejoin"}, "not one of ('stop', 'continue')"),
     ({"on_worker_loss": "stop", "restore_coverage": True}, "acts after a worker is lost"),
-    ({"mode": "overlap", "schedule": "permute", "restore_coverage": True}, "a static mask in mode 'overlap'"),
+    ({"mode": "overlap", "schedule": "permute", "restore_coverage": True},
+     "a static mask with restore_coverage (--restore-coverage) in mode 'overlap'"),
     ({"on_worker_loss": "stop", "max_rejoins": 1}, "max_rejoins=1 (--max-rejoins) acts after a worker is lost"),
     ({"mode": "ddp", "max_rejoins": 1}, "mode 'ddp': continuing is built for"),
-    ({"mode": "overlap", "schedule": "cyclic", "max_rejoins": 1}, "a static mask in mode 'overlap'"),
 ])
 def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(changes, message):
     with pytest.raises(ConfigError, match="on_worker_loss") as info:
@@ -130,6 +129,14 @@ def test_configs_that_cannot_continue_after_a_loss_are_refused_naming_why(change
 @pytest.mark.parametrize("local_steps", [1, 3])
 def test_overlap_averaging_with_a_static_mask_may_take_lost_workers_back(local_steps):
     config = TrainConfig(mode="overlap", workers=4, on_worker_loss="continue", max_rejoins=1, local_steps=local_steps)
+    assert config.max_rejoins == 1
+
+
+@pytest.mark.parametrize("local_steps", [1, 3])
+@pytest.mark.parametrize("schedule", ["permute", "cyclic"])
+def test_overlap_averaging_under_a_schedule_may_continue_and_take_lost_workers_back(schedule, local_steps):
+    config = TrainConfig(mode="overlap", workers=4, on_worker_loss="continue", max_rejoins=1, local_steps=local_steps,
+                         schedule=schedule, every=3 * local_steps)
     assert config.max_rejoins == 1
 
 
