@@ -9,6 +9,7 @@ tests/distributed/test_worker_loss_rounds.py (a schedule)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -160,3 +161,22 @@ def test_survivors_average_again_the_round_last_trained_and_go_on_in_the_designe
     assert going_on.matrix.tolist() == designed[lost_at][survivors].tolist() and going_on.due is None
     for t in range(lost_at, steps):
         assert going_on.round_matrix(t).tolist() == designed[t][survivors].tolist()
+
+
+@pytest.mark.parametrize("entered", [False, True])
+def test_a_loss_fatal_only_in_the_next_round_stops_the_survivors_in_one_line_whichever_round_they_are_in(entered):
+    """Two workers under a cyclic schedule that swaps their rows every 2 steps (averaging every 2): losing worker
+    1 in the average that ends round 0 leaves worker 0 every block of round 0 but not of round 1, so the
+    loss is refused at once (`agreement.decide` over `rounds_after_loss`), whether worker 0 had entered round 1."""
+    from masklab import Mask
+    from sdp_train.trainer.agreement import WorkerLossError, decide
+
+    mask = Mask([[1, 1], [0, 1]], schedule=Schedule("cyclic", every=2))
+    position = Rounds(mask, 0, counts=True)
+    position.step_done()
+    position.step_done()
+    if entered:
+        position.entered(position.take_due(), position.steps)
+    with pytest.raises(WorkerLossError, match=r"^step 1: lost worker \[1\] would hold every copy of block 0 "
+                                              r"\(block0\) in the round of step 2: continuing is impossible"):
+        decide(mask, [0, 1], {0: 2}, step=1, rounds=rounds_after_loss(position, 6))
