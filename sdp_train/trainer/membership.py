@@ -363,7 +363,8 @@ class Survival:
             else:
                 run.sync.close()
                 run.continue_with(change.mask, range(len(change.workers)), info)
-        elif self.scheduled and self.restore is not None:  # every round restored, the one in force at once
+        elif self.scheduled and self.restore is not None and run.steps_applied < run.cfg.steps:
+            # every round restored, the one of the next step at once (none after the run's last step)
             run.continue_with(change.mask, change.rows, info, restore=self.restore)
         else:
             run.continue_with(change.mask, change.rows, info)

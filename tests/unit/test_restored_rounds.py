@@ -134,3 +134,19 @@ def test_after_the_last_step_was_applied_no_round_follows_and_nothing_is_restore
     survival = Survival(None, 1, [0, 1, 2, 3], mask, restore={"coverage": 2, "seed": 0}, seed=0)
     change = decide(mask, [0, 1, 2, 3], {1: 3, 2: 3, 3: 3}, step=2, rounds=rounds.to_train(3))
     assert survival.restored(change, 2, report=True, rounds=rounds.to_train(3)) is change
+
+
+
+def test_a_round_after_the_run_that_no_survivor_could_train_is_not_restored_and_ends_the_run_quietly():
+    """`step_done` after the last step asks for the round of the step after it, which `decide` never checked:
+    where no survivor holds some block there, it is the designed rows, not a `MaskError` at the run's end."""
+    mask = Mask([[1, 0], [0, 1], [0, 1]], schedule=Schedule("cyclic", every=2))  # rows shift every 2 steps
+    survivors = [0, 2]  # worker 1 lost: rounds 0 and 1 (steps 0-3) covered, round 2 (step 4) not
+    assert [_covered(mask, s, survivors) for s in (0, 2, 4)] == [True, True, False]
+    rounds = Rounds(mask, seed=1, counts=True).for_survivors(survivors, restore={"coverage": 1, "seed": 0})
+    for _ in range(4):  # a run of 4 steps
+        rounds.step_done()
+        due = rounds.take_due()
+        if due is not None:
+            rounds.entered(due, rounds.steps)
+    assert rounds.round_matrix(4).tolist() == mask.round_matrix(4, seed=1)[survivors].tolist()
