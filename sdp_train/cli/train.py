@@ -55,7 +55,7 @@ _SWITCHES = {  # flag -> (TrainConfig field, help)
     "--restore-coverage": ("restore_coverage", "with --on-worker-loss continue (bsdp, nsdp, bbsdp): after a loss "
                                                "move to a mask for the survivors with the designed coverage, "
                                                "moving the blocks they gain from surviving holders (under "
-                                               "a schedule: every later round's, without --local-steps); "
+                                               "a schedule: every later round's); "
                                                "a replacement that rejoins (--max-rejoins) brings back "
                                                "the designed mask"),
     "--tensorboard": ("tensorboard", "also write the metrics for TensorBoard into --out/tensorboard "

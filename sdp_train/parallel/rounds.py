@@ -40,6 +40,9 @@ class Rounds:
         """Once survivors restore coverage under a schedule: `restored_round`'s keyword arguments, with which
         every round's mask is the one restoring its designed coverage for `rows` (None: the rows as they are)."""
         self._restored: dict[int, np.ndarray] = {}  # round index -> its restored mask, the latest few
+        self.restore_from = 0
+        """With `restore`: the first step trained under a restored mask (with local steps, the boundary after
+        the round a loss interrupted: `sdp_train.trainer.membership.restore_step`); before it the rows as they are."""
         self.steps = 0
         """Optimizer steps taken."""
         self.matrix = self.round_matrix(0)
@@ -59,7 +62,7 @@ class Rounds:
         ([2, 2, 2, 2], [2, 1, 1, 2])
         """
         designed = self.designed_rows(step)
-        if self.restore is None or self.rows is None or self.mask.schedule.is_static:
+        if self.restore is None or self.rows is None or self.mask.schedule.is_static or step < self.restore_from:
             return designed
         if not designed.any(axis=0).all():  # no survivor holds a block: a round the survivors never train (the
             return designed  # loss is refused where one is to be trained, `decide`), asked by `step_done` at the end
@@ -75,18 +78,21 @@ class Rounds:
         matrix = self.mask.round_matrix(step, seed=self.seed)
         return matrix if self.rows is None else matrix[self.rows]
 
-    def for_survivors(self, rows: Sequence[int], *, restore: Mapping[str, Any] | None = None) -> Rounds:
+    def for_survivors(self, rows: Sequence[int], *, restore: Mapping[str, Any] | None = None,
+                      restore_from: int | None = None) -> Rounds:
         """This position over the workers of `rows` (ranks of the current world, in their new order):
         every round's mask restricted to their rows (with `restore`, or a `restore` given at an earlier
-        loss: the mask restoring each round's designed coverage for them, `restored_round`), this
-        worker's state still in the round it was in, and the change to the round of the next step due
-        when that round differs (also when a loss interrupted the change that was being made; with
-        `restore`, whenever the restored round holds other blocks than the survivors' rows)."""
+        loss: the mask restoring each round's designed coverage for them, `restored_round`, from step
+        `restore_from` on, default the next), this worker's state still in the round it was in, and the
+        change to the round of the next step due when that round differs (also when a loss interrupted
+        the change that was being made; with `restore`, whenever the restored round holds other blocks
+        than the survivors' rows; with a later `restore_from`, once `step_done` reaches it)."""
         survivors = copy.copy(self)
         survivors.rows = np.asarray(rows) if self.rows is None else self.rows[list(rows)]
         if restore is not None:
             assert not self.mask.schedule.is_static, "a static mask restores coverage over a new mask: over"
             survivors.restore = dict(restore)
+            survivors.restore_from = self.steps if restore_from is None else restore_from
         survivors._restored = {}  # other workers: other restored rounds
         survivors.matrix = self.matrix[list(rows)]
         upcoming = survivors.round_matrix(self.steps)
@@ -112,7 +118,7 @@ class Rounds:
         """
         assert self.due is None, "a member makes the due change before workers join"
         joined = copy.copy(self)
-        joined.rows, joined.restore, joined._restored = np.asarray(workers), None, {}
+        joined.rows, joined.restore, joined._restored, joined.restore_from = np.asarray(workers), None, {}, 0
         joined.steps = self.steps if steps is None else steps
         joined.matrix, joined.mask_step = joined.round_matrix(joined.steps), joined.steps
         if in_force is not None and not np.array_equal(in_force, joined.matrix):

@@ -160,22 +160,21 @@ class TrainConfig:
     RELIABILITY.md)."""
     restore_coverage: bool = False
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, ``overlap``, static mask; modes
-    ``bsdp``, ``nsdp``, ``bbsdp`` under a schedule without `local_steps`):
-    after a loss, train on under a mask designed for the survivors with the designed coverage (the start
-    mask's least c_j, at most the survivors' number; `masklab.survivors.restored_mask`, which balances
-    the survivors' bytes where a built-in family's blocks differ in size), its rows matched to the
-    survivors so the fewest block bytes move, and move each block a survivor newly holds, with its
-    optimizer state, from its lowest-ranked surviving holder. Under a schedule every later round is
-    trained so, its mask designed from that round's rows of the survivors (`Rounds.round_matrix`,
-    `sdp_train.parallel.rounds.restored_round`): the round of the loss moves at once, each later change
-    of round between restored masks as the schedule moves blocks. With `local_steps` (``bsdp``, ``nsdp``,
-    ``overlap``) the move comes at a round's boundary, right after the holders' average: at once after
-    a loss in the average (overlap averaging with local_steps 1: at once), else at the end of the round
-    the loss interrupted, the survivors training it under their own rows. In ``overlap`` a survivor's
-    own copy of a block it newly holds is replaced by its holder's, and one it drops stays, untrained
-    and unaveraged. False: the lost rows are dropped and a block keeps its other holders only
-    (coverage falls). A replacement that rejoins (`max_rejoins`) gives the run its designed mask back
-    (under a schedule, the designed round's rows)."""
+    ``bsdp``, ``nsdp``, ``bbsdp`` under a schedule, ``bsdp`` and ``nsdp`` also with `local_steps`): after a loss,
+    train on under a mask designed for the survivors with the designed coverage (the start mask's least c_j, at most
+    the survivors' number; `masklab.survivors.restored_mask`, which balances the survivors' bytes where a built-in
+    family's blocks differ in size), its rows matched to the survivors so the fewest block bytes move, and move each
+    block a survivor newly holds, with its optimizer state, from its lowest-ranked surviving holder. Under a
+    schedule every later round is trained so, its mask designed from that round's rows of the survivors
+    (`Rounds.round_matrix`, `sdp_train.parallel.rounds.restored_round`): the round of the loss moves at once, each
+    later change of round between restored masks as the schedule moves blocks. With `local_steps` (``bsdp``,
+    ``nsdp``, ``overlap``; under a schedule ``bsdp`` and ``nsdp``) the move comes at a round's boundary, right after
+    the holders' average: at once after a loss in the average (overlap averaging with local_steps 1: at once), else
+    at the end of the round the loss interrupted, the survivors training it under their own rows. In ``overlap`` a
+    survivor's own copy of a block it newly holds is replaced by its holder's, and one it drops stays, untrained and
+    unaveraged. False: the lost rows are dropped and a block keeps its other holders only (coverage falls). A
+    replacement that rejoins (`max_rejoins`) gives the run its designed mask back (under a schedule, the designed
+    round's rows)."""
     restore_budgets: str | None = None
     """With `restore_coverage` at block level (modes ``bsdp``, ``bbsdp``, ``overlap``) and a built-in model: one
     memory budget per worker (``"80GB,80GB,24GB,24GB"``, as ``sdp plan --budgets`` reads them, as many as
@@ -347,11 +346,9 @@ class TrainConfig:
             why = ("a mask without fsdp (--fsdp): FSDP shards each block's parameters and optimizer state over its "
                    "holders, and the embedding and head over every worker, so a lost worker takes the only copy of "
                    "its shards; with fsdp a loss is survived by a checkpoint restart (--max-restarts)")
-        elif self.schedule not in (None, "static") and self.restore_coverage and (self.mode == "overlap"
-                                                                                  or self.local_steps > 1):
-            why = (f"a static mask with restore_coverage (--restore-coverage) in mode 'overlap' or with local_steps "
-                   f"(--local-steps), got schedule={self.schedule!r} (--schedule) in mode {self.mode!r} with "
-                   f"restore_coverage" + (f" and local_steps={self.local_steps}" if self.local_steps > 1 else ""))
+        elif self.schedule not in (None, "static") and self.restore_coverage and self.mode == "overlap":
+            why = (f"a static mask with restore_coverage (--restore-coverage) in mode 'overlap', got "
+                   f"schedule={self.schedule!r} (--schedule)")
         elif self.max_restarts:
             why = f"max_restarts={self.max_restarts}: a loss is survived by the survivors, not by a restart"
         elif self.workers < 2:

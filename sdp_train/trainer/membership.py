@@ -77,6 +77,10 @@ class Survival:
         """The run's mask has a schedule: a restore is every round's (`Rounds.for_survivors`), not one mask."""
         self.pending_restore: Mask | None = None
         """With local steps: the restored mask the survivors of a loss inside a round move to at its boundary."""
+        self.pending_round_restore: tuple[int, int] | None = None
+        """Under a schedule with local steps: the step at whose start the survivors of a loss inside a round are in
+        the restored round (the schedule's mover made that change after the round's average), and the bytes
+        the schedule had moved at the loss; `restore_due` records the change."""
         self.generation = 0
         self.changes: list[MembershipChange] = []
 
@@ -350,11 +354,22 @@ class Survival:
         except that with local steps a mask restoring coverage waits for a round's boundary, where every
         holder of a block has the same values. The survivors first go on under their own rows `dropped`
         (the round's average taken again when the last step ended it), then move to the restored mask at
-        once on a boundary, else at the next one (`pending_restore`, `restore_due`). Returns `change` as
-        recorded: with `restore_at` and the survivors' rows where the move waits."""
-        self.pending_restore = None  # a later loss designs from the rows in force
+        once on a boundary, else at the next one (`pending_restore`, `restore_due`). Under a schedule every
+        round from that boundary on is restored (`Run.continue_with` with ``restore``; the schedule's mover
+        makes the move, `restore_due` records it). Returns `change` as recorded: with `restore_at` and the
+        survivors' rows where the move waits."""
+        self.pending_restore = self.pending_round_restore = None  # a later loss designs from the rows in force
         local_steps = run.cfg.local_steps
-        if change.restored and local_steps > 1:
+        if self.scheduled and self.restore is not None and run.steps_applied < run.cfg.steps:
+            # every round restored from the next step's on (none after the run's last step), made by the schedule's
+            # mover at once, or with local steps at the boundary after the round the loss interrupted
+            at = restore_step(run.steps_applied, local_steps)
+            run.continue_with(dropped if at > run.steps_applied else change.mask, change.rows, info,
+                              restore=self.restore)
+            if at > run.steps_applied:
+                self.pending_round_restore = (at, run.mask_change_bytes)
+                change = dataclasses.replace(change, mask=dropped, restored=False, restore_at=at)
+        elif change.restored and local_steps > 1:
             run.continue_with(dropped, change.rows, info)
             at = restore_step(run.steps_applied, local_steps)
             if at > run.steps_applied:
@@ -363,9 +378,6 @@ class Survival:
             else:
                 run.sync.close()
                 run.continue_with(change.mask, range(len(change.workers)), info)
-        elif self.scheduled and self.restore is not None and run.steps_applied < run.cfg.steps:
-            # every round restored, the one of the next step at once (none after the run's last step)
-            run.continue_with(change.mask, change.rows, info, restore=self.restore)
         else:
             run.continue_with(change.mask, change.rows, info)
         self.workers, self.mask = change.workers, change.mask
@@ -376,8 +388,21 @@ class Survival:
         the mask that restores the designed coverage that a loss inside the last round left due
         (`pending_restore`), now that the round's average made every holder's copy the same; each
         survivor gains what its restored row gives it, with the AdamW state, from the lowest-ranked
-        holder (`Run.continue_with` with every worker kept: `MaskChanges.hand_over`). None when nothing
-        is due here."""
+        holder (`Run.continue_with` with every worker kept: `MaskChanges.hand_over`). Under a schedule
+        the schedule's mover has made that move already, right after the average that ended the last
+        step (`Rounds.restore_from`): only the record is made here (`pending_round_restore`; none where
+        the round's designed rows kept the coverage). None when nothing is due here."""
+        if self.pending_round_restore is not None and step == self.pending_round_restore[0]:
+            moved = run.mask_change_bytes - self.pending_round_restore[1]  # the one change since the loss
+            self.pending_round_restore = None
+            rounds = run.sync.schedule_rounds
+            self.mask = Mask(rounds.matrix, block_names=self.mask.block_names, block_sizes=self.mask.block_sizes)
+            if np.array_equal(rounds.matrix, rounds.designed_rows(step)):
+                return None  # no block fell below the coverage in this round: nothing was restored
+            change = MembershipChange(step, (), self.workers, tuple(range(len(self.workers))), self.mask,
+                                      restored=True, moved_bytes=moved)
+            self.changes.append(change)
+            return change
         if self.pending_restore is None or step % run.cfg.local_steps:
             return None
         began = time.perf_counter()

@@ -313,31 +313,33 @@ class SubnetworkSync(ModeSync):
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
                       optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None
                       ) -> SubnetworkSync:
-        """Every survivor keeps its blocks, so only the wrapper is new (its holder groups, buckets and
-        hooks); activation checkpointing is already inside the module. Under a schedule the new wrapper
-        goes on from the same position with every round's mask restricted to the survivors' rows
-        (`Rounds.for_survivors`; with `restore`, every round's mask restoring its designed coverage for
-        them), after the blocks built for a change that the loss interrupted are dropped again
-        (`MaskChanges.undo_gains`): the change is made again among the survivors when the next step
-        begins (`Run.continue_with` makes a restore's at once). When `mask` restores the designed
-        coverage (static masks), what a survivor newly holds first comes from its lowest-ranked
-        surviving holder (blocks or neuron groups, their optimizer state; `MaskChanges.hand_over`).
-        With local steps each survivor keeps its own copy and the step count; when the last step taken
-        ended a round and workers were lost, its average is taken again among the survivors, as overlap
-        averaging's survivors do (a loss during the average leaves some blocks averaged with the lost
-        copy and others not; averaging again what the survivors agree on changes nothing). A mask that
-        restores coverage comes only at a round's boundary, with every worker kept (`Survival`: holders
-        agree there), and the position goes on over it (`Rounds.over`). Under backward masking (Bb-SDP)
-        the new wrapper then sends each block's values from its lowest-ranked surviving holder to every
-        survivor: a loss during the broadcast that follows the optimizer step leaves some non-holders
-        with the new values and others with the old (docs/design.md §7)."""
+        """Every survivor keeps its blocks, so only the wrapper is new (its holder groups, buckets and hooks);
+        activation checkpointing is already inside the module. Under a schedule the new wrapper goes on from the
+        same position with every round's mask restricted to the survivors' rows (`Rounds.for_survivors`; with
+        `restore`, every round's mask restoring its designed coverage for them, with local steps from the boundary
+        after the round the loss interrupted), after the blocks built for a change that the loss interrupted are
+        dropped again (`MaskChanges.undo_gains`): the change is made again among the survivors when the next step
+        begins (`Run.continue_with` makes a restore's at once). When `mask` restores the designed coverage (static
+        masks), what a survivor newly holds first comes from its lowest-ranked surviving holder (blocks or neuron
+        groups, their optimizer state; `MaskChanges.hand_over`). With local steps each survivor keeps its own copy
+        and the step count; when the last step taken ended a round and workers were lost, its average is taken again
+        among the survivors, as overlap averaging's survivors do (a loss during the average leaves some blocks
+        averaged with the lost copy and others not; averaging again what the survivors agree on changes nothing). A
+        mask that restores coverage comes only at a round's boundary, with every worker kept (`Survival`: holders
+        agree there), and the position goes on over it (`Rounds.over`). Under backward masking (Bb-SDP) the new
+        wrapper then sends each block's values from its lowest-ranked surviving holder to every survivor: a loss
+        during the broadcast that follows the optimizer step leaves some non-holders with the new values and others
+        with the old (docs/design.md §7)."""
         old = self.sdp
         if self._fsdp is not None:
             return super().for_survivors(mask, rows, info, optimizer)
         kept = old.rounds.matrix[list(rows)]
         held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, 0, None
         if old.rounds.counts:  # a schedule or local steps: the position (steps taken, round) goes on
-            rounds = old.rounds.for_survivors(rows, restore=None if old.mask.schedule.is_static else restore)
+            # with local steps a restore waits for the boundary after the round the loss interrupted (`restore_step`)
+            restore_from = -(-old.rounds.steps // old.local_steps) * old.local_steps
+            rounds = old.rounds.for_survivors(rows, restore=None if old.mask.schedule.is_static else restore,
+                                              restore_from=restore_from)
         if not old.mask.schedule.is_static:
             old.changes.undo_gains(old.rounds.matrix)
             mask = old.mask

@@ -222,10 +222,10 @@ def _mask_for_model(cfg: TrainConfig, model_config: ModelConfig) -> Mask:
                           f"maskable blocks at level {cfg.level!r} (mode {cfg.mode})")
     mask = with_schedule(cfg, mask, model_config.neuron_groups if isinstance(model_config, LlamaConfig) else None)
     if cfg.on_worker_loss == "continue" and not mask.schedule.is_static and cfg.restore_coverage and (
-            cfg.mode == "overlap" or cfg.local_steps > 1):
+            cfg.mode == "overlap"):
         raise ConfigError(f"on_worker_loss='continue' (--on-worker-loss) with restore_coverage (--restore-coverage) "
-                          f"in mode 'overlap' or with local_steps (--local-steps) needs a static mask; the mask has a "
-                          f"{mask.schedule.kind!r} schedule (--schedule static replaces it)")
+                          f"in mode 'overlap' needs a static mask; the mask has a {mask.schedule.kind!r} schedule "
+                          "(--schedule static replaces it)")
     if cfg.restore_coverage and cfg.mode == "nsdp" and not isinstance(model_config, LlamaConfig):
         raise ConfigError(f"restore_coverage=True (--restore-coverage) in mode 'nsdp' re-cuts LLaMA MLPs and those of "
                           f"--model FILE.py:FACTORY, not the channels of {cfg.model!r}")

@@ -150,3 +150,43 @@ def test_a_round_after_the_run_that_no_survivor_could_train_is_not_restored_and_
         if due is not None:
             rounds.entered(due, rounds.steps)
     assert rounds.round_matrix(4).tolist() == mask.round_matrix(4, seed=1)[survivors].tolist()
+
+
+@settings(deadline=None, max_examples=40)
+@given(mask=masks(workers=st.integers(3, 6), max_blocks=6, schedule=True).filter(lambda m: not m.schedule.is_static),
+       data=st.data())
+def test_with_local_steps_the_restore_waits_for_the_boundary_after_the_interrupted_round(mask, data):
+    """Local steps: survivors of a loss after s steps train under their rows up to `restore_step(s, H)`, the
+    first boundary from s on (there every holder's copy is the average), and from there under every round's
+    restored mask; the change to it falls due exactly when `step_done` reaches that boundary."""
+    from sdp_train.trainer.membership import restore_step
+
+    lost = data.draw(st.integers(0, mask.workers - 1))
+    survivors = [w for w in range(mask.workers) if w != lost]
+    assume(all(_covered(mask, s, survivors) for s in range(STEPS)))
+    every = mask.schedule.every  # a multiple of local steps (`TrainConfig`)
+    local_steps = data.draw(st.sampled_from([h for h in range(1, every + 1) if every % h == 0]))
+    applied = data.draw(st.integers(0, STEPS - every - 1))
+    rounds = Rounds(mask, seed=1, counts=True)
+    for _ in range(applied):
+        rounds.step_done()
+        due = rounds.take_due()
+        if due is not None:
+            rounds.entered(due, rounds.steps)
+    at = restore_step(applied, local_steps)
+    restore = {"coverage": int(mask.coverage.min()), "seed": 1}
+    survivors_rounds = rounds.for_survivors(survivors, restore=restore, restore_from=at)
+    reference = Rounds(mask, seed=1, counts=True).for_survivors(survivors, restore=restore)  # restored from 0 on
+    for s in range(STEPS):
+        expected = reference.round_matrix(s) if s >= at else mask.round_matrix(s, seed=1)[survivors]
+        assert survivors_rounds.round_matrix(s).tolist() == expected.tolist()
+    while True:  # as the wrapper trains: the change that is due made before each step
+        due = survivors_rounds.take_due()
+        if due is not None:
+            assert survivors_rounds.steps == at  # no change inside the interrupted round, none before `at`
+            survivors_rounds.entered(due, survivors_rounds.steps)
+        if survivors_rounds.steps == at:
+            break
+        assert survivors_rounds.matrix.tolist() == mask.round_matrix(applied, seed=1)[survivors].tolist()
+        survivors_rounds.step_done()
+    assert survivors_rounds.matrix.tolist() == reference.round_matrix(at).tolist()

@@ -108,8 +108,6 @@ def test_a_worker_that_joins_after_the_decision_is_left_out_of_it(store):
 
 @pytest.mark.parametrize("changes, message", [
     ({"mode": "ddp"}, "mode 'ddp': continuing is built for bsdp, nsdp, bbsdp, overlap"),
-    ({"schedule": "cyclic", "every": 3, "restore_coverage": True, "local_steps": 3},
-     "got schedule='cyclic' (--schedule) in mode 'bsdp' with restore_coverage and local_steps=3"),
     ({"fsdp": True}, "a mask without fsdp (--fsdp): FSDP shards each block"),
     ({"max_restarts": 1}, "max_restarts=1"),
     ({"workers": 1}, "workers=1"),
@@ -194,9 +192,11 @@ def test_b_sdp_n_sdp_and_bb_sdp_under_a_schedule_may_restore_every_rounds_covera
 
 
 @pytest.mark.parametrize("mode", ["bsdp", "nsdp"])
-def test_b_sdp_and_n_sdp_with_local_steps_may_restore_the_designed_coverage_and_take_lost_workers_back(mode):
+@pytest.mark.parametrize("schedule", [None, "cyclic"])
+def test_b_sdp_and_n_sdp_with_local_steps_may_restore_the_designed_coverage_and_take_lost_workers_back(mode,
+                                                                                                       schedule):
     cfg = TrainConfig(mode=mode, workers=4, on_worker_loss="continue", restore_coverage=True, local_steps=3,
-                      max_rejoins=1)
+                      max_rejoins=1, schedule=schedule, every=3 if schedule else 1)
     assert cfg.restore_coverage and cfg.local_steps == 3
 
 
