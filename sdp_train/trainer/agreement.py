@@ -1,6 +1,7 @@
 """The survivors' agreement through the launcher's TCP store (``sdp train --on-worker-loss continue``):
 the store's keys, who is left and what they go on with (`agree`, `decide`), forming a new world
-(`gather`), which waiting workers join (`joiners_at`), and the errors that stop a run in one line.
+(`gather`), whether every survivor received a move that restores coverage (`moved_everywhere`), which
+waiting workers join (`joiners_at`), and the errors that stop a run in one line.
 `sdp_train.trainer.membership.Survival` drives them; why a store and not torchft: docs/design.md §7.
 """
 
@@ -232,6 +233,40 @@ def gather(store: dist.Store, generation: int, worker: int, workers: Sequence[in
         if time.monotonic() >= deadline:
             raise WorldNotFormed(f"worker(s) {absent} did not come to form the world of generation {generation} "
                                f"within {timeout.total_seconds():g} s")
+        time.sleep(0.02)
+
+
+def moved_everywhere(store: dist.Store, generation: int, step: int, worker: int, workers: Sequence[int], *,
+                     received: bool, timeout: timedelta) -> bool:
+    """Whether every worker of `workers` (this one included) received every part of the move that restores
+    coverage at `step` in the world of `generation`: the move is all or nothing, each survivor drops
+    anything only when this says True, and undoes what it received when False.
+
+    Each worker writes whether it `received` every part, once, and then reads the others': False as soon
+    as one wrote that it did not, or has an exit mark from the launcher without having written, or has
+    not written within `timeout`. Every key is written once, by a compare-and-set (the first write wins:
+    a worker that gives up on an absent one writes False for it), so every worker that asks reads the
+    same answers and decides alike; the exit marks are read before the answers, so one that wrote True
+    and then exited counts as having received."""
+    prefix = f"sdp/moved{generation}/{step}/"
+
+    def answer(w: int, value: str) -> bool:
+        return store.compare_set(f"{prefix}{w}", "", value) == b"1"
+
+    if not answer(worker, "1" if received else "0"):
+        return False
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        exited = {w for w in workers if store.check([exited_key(w)])}
+        answered = {w: store.get(f"{prefix}{w}") == b"1" for w in workers if store.check([f"{prefix}{w}"])}
+        if not all(answered.values()):
+            return False
+        absent = [w for w in workers if w not in answered]
+        if not absent:
+            return True
+        if (exited & set(absent)) or time.monotonic() >= deadline:
+            if not all(answer(w, "0") for w in absent):
+                return False
         time.sleep(0.02)
 
 
