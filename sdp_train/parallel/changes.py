@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ from sdp_train.parallel.masking import Cut, ModelLayout, drop_blocks
 from sdp_train.parallel.parts import apply_checkpointing
 from sdp_train.parallel.schedule import (
     OptimizerPlaces,
+    ReceivingUndo,
+    free_optimizer_state,
     gain_block,
     move_optimizer_state,
     recut_neurons,
@@ -32,6 +35,27 @@ from sdp_train.parallel.schedule import (
 )
 from sdp_train.parallel.sync import holder_set_groups
 from sdp_train.parallel.wire import ByteCount
+
+
+class MoveAbandoned(RuntimeError):
+    """A move to restore coverage that not every survivor received whole (`MoveVote`): this rank undid its part."""
+
+
+@dataclass(frozen=True)
+class MoveVote:
+    """All or nothing across the survivors for a move that restores coverage (`MaskChanges.hand_over`,
+    `sdp_train.parallel.overlap.OverlapAveraging.hand_over`): `agreed` is called once this rank holds
+    every part it gains, before it drops anything, and returns whether every survivor does (the move is
+    then made), else the rank undoes what it began to receive and raises `MoveAbandoned`. `began`, once
+    the values have been sent and before the optimizer state is (tests kill a worker there)."""
+
+    agreed: Callable[[], bool]
+    began: Callable[[], None] = lambda: None
+
+    def gate(self) -> None:
+        """Raise `MoveAbandoned` unless every survivor received every part of the move."""
+        if not self.agreed():
+            raise MoveAbandoned("another survivor did not receive every part of the move that restores coverage")
 
 
 class MaskChanges:
@@ -56,24 +80,31 @@ class MaskChanges:
 
     def enter(self, old_matrix: np.ndarray, matrix: np.ndarray, old_held: Sequence[dict[str, SliceSpec]],
               new_held: Sequence[dict[str, SliceSpec]], local_index: dict[str, SliceSpec], *,
-              move_state: bool) -> tuple[list[torch.Tensor], dict[str, SliceSpec]]:
+              move_state: bool, vote: MoveVote | None = None) -> tuple[list[torch.Tensor], dict[str, SliceSpec]]:
         """Change this worker's part from `old_matrix`'s round to `matrix`'s (every rank calls it); on
         resume (not `move_state`) only the shapes change and the loaded state fills them. Returns the
-        parameters that left the part and the new `local_index`; requires_grad follows the new mask."""
+        parameters that left the part and the new `local_index`; requires_grad follows the new mask.
+        `vote`: once every part has come, and before anything is dropped, whether to go on (`MoveVote`)."""
         optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
         old_rows, new_rows = old_matrix.astype(bool), matrix.astype(bool)
         if self.recuts:
+            if vote is not None:
+                vote.began()
             retired = recut_neurons(self.module, self.layout, old_rows, new_rows, self.rank, optimizers,
-                                    self.bytes, send=move_state)
+                                    self.bytes, send=move_state, gate=None if vote is None else vote.gate)
             if self.watch_clipping:
                 clip_guard.watch(self.module.parameters())
         elif self.moves_blocks:
-            retired = self._move_blocks(old_rows, new_rows, old_held, new_held, optimizers, move_state)
+            retired = self._move_blocks(old_rows, new_rows, old_held, new_held, optimizers, move_state, vote)
         else:
             retired = []
             if move_state:
                 move_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
-                                     self.rank, self.bytes)
+                                     self.rank, self.bytes, free=vote is None)
+                if vote is not None:
+                    vote.gate()
+                    free_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
+                                         self.rank)
         held = new_held[self.rank]
         for name, param in self.module.named_parameters():
             param.requires_grad_(name in held)
@@ -83,22 +114,40 @@ class MaskChanges:
 
     def hand_over(self, optimizer: torch.optim.Optimizer, old_matrix: np.ndarray, matrix: np.ndarray,
                   old_held: Sequence[dict[str, SliceSpec]], new_held: Sequence[dict[str, SliceSpec]],
-                  local_index: dict[str, SliceSpec]) -> dict[str, SliceSpec]:
+                  local_index: dict[str, SliceSpec], vote: MoveVote | None = None) -> dict[str, SliceSpec]:
         """Survivors of lost workers (this object built over their world): from `old_matrix`, their rows of
         the mask in force, to `matrix`, a mask that restores coverage, as `enter` changes rounds; every
         survivor calls it. Under backward masking every worker runs every block, but a block's values
         on a non-holder may be a step behind (a loss during the broadcast after the optimizer step), so
         the blocks a worker newly holds come from their lowest-ranked old holder too, and their
-        parameters join `optimizer`, which stepped the held ones only. Returns the new `local_index`."""
-        self.add_optimizer(optimizer, scheduled=True)
-        if not (self.moves_blocks or self.recuts):  # backward masking
-            self._places.add(optimizer, self.module, self.world_size)
-            gained = {n: p for n, p in self.module.named_parameters()
-                      if n in new_held[self.rank] and n not in old_held[self.rank]}
-            self._places.insert(gained, self.module)
-            send_blocks(self.module, self.layout.blocks, old_matrix.astype(bool), matrix.astype(bool), self.rank,
-                        self.device, self.bytes)
-        return self.enter(old_matrix, matrix, old_held, new_held, local_index, move_state=True)[1]
+        parameters join `optimizer`, which stepped the held ones only. Returns the new `local_index`.
+
+        All or nothing (`vote`: whether every survivor received every part): a worker keeps what it held
+        until every part it gains has come; when a collective of the move fails (another worker lost) or
+        the vote says another survivor's did, it drops what it began to receive (blocks built, values,
+        optimizer state: `undo_gains`, `ReceivingUndo`) and raises, exactly at its state before the move."""
+        gained_blocks = [b for j, b in enumerate(self.layout.blocks)
+                         if matrix[self.rank, j] and not old_matrix[self.rank, j]]
+        # backward masking overwrites a non-holder's own values of the blocks it gains: kept to undo
+        kept = [n for n in self.module.state_dict() if not (self.moves_blocks or self.recuts)
+                and any(n.startswith(f"{b}.") for b in gained_blocks)]
+        undo = ReceivingUndo(self.module, optimizer, kept)
+        try:
+            self.add_optimizer(optimizer, scheduled=True)
+            if not (self.moves_blocks or self.recuts):  # backward masking
+                self._places.add(optimizer, self.module, self.world_size)
+                gained = {n: p for n, p in self.module.named_parameters()
+                          if n in new_held[self.rank] and n not in old_held[self.rank]}
+                self._places.insert(gained, self.module)
+                send_blocks(self.module, self.layout.blocks, old_matrix.astype(bool), matrix.astype(bool), self.rank,
+                            self.device, self.bytes)
+                if vote is not None:
+                    vote.began()
+            return self.enter(old_matrix, matrix, old_held, new_held, local_index, move_state=True, vote=vote)[1]
+        except RuntimeError:  # forward masking: the blocks built for the move go; then values, groups and state
+            self.undo_gains(old_matrix)
+            undo.undo()
+            raise
 
     def welcome(self, optimizer: torch.optim.Optimizer, held: Sequence[dict[str, SliceSpec]],
                 joiners: Sequence[int]) -> None:
@@ -135,9 +184,10 @@ class MaskChanges:
             drop_blocks(self.module, [name], np.zeros(1, dtype=bool))
 
     def _move_blocks(self, old_rows: np.ndarray, new_rows: np.ndarray, old_held, new_held,
-                     optimizers: list[torch.optim.Optimizer], move_state: bool) -> list[torch.Tensor]:
+                     optimizers: list[torch.optim.Optimizer], move_state: bool, vote: MoveVote | None = None
+                     ) -> list[torch.Tensor]:
         """Build the blocks this worker gains, receive their values and optimizer state (`move_state`),
-        free those it drops."""
+        free those it drops (with a `vote`, only once every survivor received every part)."""
         blocks = self.layout.blocks
         gained = [b for j, b in enumerate(blocks) if new_rows[self.rank, j] and not old_rows[self.rank, j]]
         dropped = [b for j, b in enumerate(blocks) if old_rows[self.rank, j] and not new_rows[self.rank, j]]
@@ -151,8 +201,14 @@ class MaskChanges:
                 clip_guard.watch(owned.values())
         if move_state:
             send_blocks(self.module, blocks, old_rows, new_rows, self.rank, self.device, self.bytes)
+            if vote is not None:
+                vote.began()
             move_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
-                                 self.rank, self.bytes)
+                                 self.rank, self.bytes, free=vote is None)
+            if vote is not None:
+                vote.gate()
+                free_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
+                                     self.rank)
         retired: list[torch.Tensor] = []
         for name in dropped:
             block = self.module.get_submodule(name)

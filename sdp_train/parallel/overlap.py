@@ -54,7 +54,9 @@ from sdp_train.parallel.forwarding import ForwardWithModelSignature, signature_o
 from sdp_train.parallel.masking import ModelLayout, describe
 from sdp_train.parallel.parts import resolve_mask
 from sdp_train.parallel.rounds import Rounds
-from sdp_train.parallel.schedule import OptimizerPlaces, move_optimizer_state, send_parts
+from sdp_train.parallel.changes import MoveVote
+from sdp_train.parallel.schedule import (OptimizerPlaces, ReceivingUndo, free_optimizer_state, move_optimizer_state,
+                                         send_parts)
 from sdp_train.parallel.sync import _Bucket, holder_set_groups, plan_buckets, unpin_default_group
 from sdp_train.parallel.wire import ByteCount
 
@@ -261,7 +263,8 @@ class OverlapAveraging(nn.Module):
                                                  trained=self.round_matrix(trained_step(self.steps)))
         return self._move(optimizer, members, copies, held)
 
-    def hand_over(self, optimizer: torch.optim.Optimizer, old_matrix: np.ndarray) -> int:
+    def hand_over(self, optimizer: torch.optim.Optimizer, old_matrix: np.ndarray, vote: MoveVote | None = None
+                  ) -> int:
         """Survivors that restore the designed coverage, at a round's boundary (right after the holders'
         average, where they agree), this wrapper built over the restored mask: each block a rank's row now
         gives it and `old_matrix`'s row (its rows in force until now) did not, from the block's
@@ -269,22 +272,39 @@ class OverlapAveraging(nn.Module):
         is stale), with the `optimizer` state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``) of its
         parameters, which join `optimizer` where their holders keep them (`restore_holdings`). A block a
         rank no longer holds keeps its copy but loses its optimizer state, as any non-holder's. A
-        collective: every rank calls it. Returns the buffer bytes broadcast."""
+        collective: every rank calls it. Returns the buffer bytes broadcast.
+
+        All or nothing (`vote`, `sdp_train.parallel.changes.MoveVote`): when a collective of the move fails
+        or another survivor did not receive every part, this rank's copies of the blocks it gains, its
+        optimizer's groups and state are put back as they were before it, and the error raised."""
         old_held, new_held = restore_holdings(self.layout, old_matrix, self.round_matrix(self.steps))
-        places = OptimizerPlaces()
-        places.add(optimizer, self.module, self.world_size)
-        places.insert({n: p for n, p in self.module.named_parameters() if n in new_held[self.rank]}, self.module)
-        return self._move(optimizer, old_held, new_held, new_held)
+        undo = ReceivingUndo(self.module, optimizer, [n for n in new_held[self.rank] if n not in old_held[self.rank]])
+        try:
+            places = OptimizerPlaces()
+            places.add(optimizer, self.module, self.world_size)
+            places.insert({n: p for n, p in self.module.named_parameters() if n in new_held[self.rank]}, self.module)
+            return self._move(optimizer, old_held, new_held, new_held, vote)
+        except RuntimeError:
+            undo.undo()
+            raise
 
     def _move(self, optimizer: torch.optim.Optimizer, sources: list[dict[str, SliceSpec]],
-              values: list[dict[str, SliceSpec]], state: list[dict[str, SliceSpec]]) -> int:
+              values: list[dict[str, SliceSpec]], state: list[dict[str, SliceSpec]], vote: MoveVote | None = None
+              ) -> int:
         """Send each tensor of `values` and the `optimizer` state of each parameter of `state` that a rank
         newly holds from its lowest-ranked holder in `sources` (`sdp_train.parallel.schedule`'s movers);
-        returns the buffer bytes broadcast."""
+        returns the buffer bytes broadcast. With a `vote`, the state of what a rank drops goes only once
+        every survivor received every part."""
         tensors = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
         moved = ByteCount()
         send_parts(self.module, tensors, sources, values, [], self.rank, self._device, moved)
-        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, sources, state, self.rank, moved)
+        if vote is not None:
+            vote.began()
+        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, sources, state, self.rank, moved,
+                             free=vote is None)
+        if vote is not None:
+            vote.gate()
+            free_optimizer_state([optimizer], self.module, self.layout.parameter_names, sources, state, self.rank)
         return moved.buffer
 
     def step_done(self) -> None:

@@ -60,10 +60,10 @@ from sdp_train.parallel.wire import ByteCount
 @torch.no_grad()
 def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn.Module, names: Sequence[str],
                          old_held: Sequence[Mapping[str, SliceSpec]], new_held: Sequence[Mapping[str, SliceSpec]],
-                         rank: int, counter: ByteCount) -> None:
+                         rank: int, counter: ByteCount, *, free: bool = True) -> None:
     """Give every new holder of a parameter its state from the lowest-ranked old holder; free the
-    state of the parameters this rank no longer holds. A collective: every rank calls it with the
-    same arguments but `rank`.
+    state of the parameters this rank no longer holds (`free`; else call `free_optimizer_state` later).
+    A collective: every rank calls it with the same arguments but `rank`.
 
     Parameters
     ----------
@@ -107,12 +107,47 @@ def move_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn
     device = next(iter(params.values())).device  # this rank's (a rank may hold none of the moving tensors)
     broadcast_packed([(moves[e[0]][1], moves[e[0]][2], e[2], e[3], e) for e in entries], read, write, rank,
                      device, counter)
-    for name in names:  # a tensor this rank no longer holds: its state and gradient go
+    if free:
+        free_optimizer_state(optimizers, module, names, old_held, new_held, rank)
+
+
+def free_optimizer_state(optimizers: Sequence[torch.optim.Optimizer], module: nn.Module, names: Sequence[str],
+                         old_held: Sequence[Mapping[str, SliceSpec]], new_held: Sequence[Mapping[str, SliceSpec]],
+                         rank: int) -> None:
+    """The state and gradient of every parameter this rank holds under `old_held` and not `new_held` go."""
+    params = dict(module.named_parameters())
+    owner = {p: opt for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    for name in names:
         if name in old_held[rank] and name not in new_held[rank]:
             param = params[name]
             if param in owner:
                 owner[param].state.pop(param, None)
             param.grad = None
+
+
+class ReceivingUndo:
+    """What a worker needs to be back at its state from before it began to receive a move (to restore
+    coverage) that did not complete: the values of its tensors `names` that the move overwrites, and
+    `optimizer`'s parameter groups and which parameters had state. Take it before the move; `undo` after."""
+
+    @torch.no_grad()
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, names: Sequence[str]) -> None:
+        state = module.state_dict(keep_vars=True)
+        self.module, self.optimizer = module, optimizer
+        self.values = {n: state[n].detach().clone() for n in names if n in state}
+        self.groups = [list(g["params"]) for g in optimizer.param_groups]
+        self.had_state = {id(p) for p in optimizer.state}
+
+    @torch.no_grad()
+    def undo(self) -> None:
+        """The values back, the groups as they were, the state of each parameter that had none gone."""
+        state = self.module.state_dict(keep_vars=True)
+        for name, value in self.values.items():
+            state[name].copy_(value)
+        for group, params in zip(self.optimizer.param_groups, self.groups):
+            group["params"] = params
+        for param in [p for p in self.optimizer.state if id(p) not in self.had_state]:
+            del self.optimizer.state[param]
 
 
 def broadcast_packed(items: Sequence[tuple[int, Sequence[int], tuple, torch.dtype, Any]],
@@ -383,8 +418,8 @@ def gain_block(module: nn.Module, name: str, device: torch.device) -> nn.Module:
 
 @torch.no_grad()
 def recut_neurons(module: nn.Module, layout: Any, old_rows: np.ndarray, new_rows: np.ndarray, rank: int,
-                  optimizers: Sequence[torch.optim.Optimizer], counter: ByteCount, *, send: bool = True
-                  ) -> list[nn.Parameter]:
+                  optimizers: Sequence[torch.optim.Optimizer], counter: ByteCount, *, send: bool = True,
+                  gate: Callable[[], None] | None = None) -> list[nn.Parameter]:
     """N-SDP at a mask change: re-cut every MLP tensor to the neuron groups this worker holds now.
 
     A group this worker keeps keeps its rows (or columns); a group it gains comes, with the slices of
@@ -395,6 +430,8 @@ def recut_neurons(module: nn.Module, layout: Any, old_rows: np.ndarray, new_rows
     MLP tensor). Returns the parameters replaced. A collective; every rank holds some group of every
     block (`ModelLayout.held`), so every rank walks the same tensors. Without `send` nothing is
     communicated and gained groups are left uninitialised (a resume, whose loaded state fills them).
+    `gate`: called once every gained group has come, before anything is re-cut; what it raises leaves
+    this worker's tensors as they were (a move to restore coverage that not every survivor received).
     """
     groups = layout.neuron_groups
     old_held = [layout.held(r) for r in old_rows]
@@ -434,6 +471,8 @@ def recut_neurons(module: nn.Module, layout: Any, old_rows: np.ndarray, new_rows
     else:
         received = {key: torch.empty(shape, dtype=dtype, device=device) for _, receivers, shape, dtype, key in items
                     if rank in receivers}
+    if gate is not None:
+        gate()
     replaced = []
     for b, block in enumerate(layout.blocks):
         for name, dim in layout.neuron_tensors[block]:

@@ -4,7 +4,9 @@
 ``SDP_TEST_KILL_AT_STEP=S:R`` makes rank R SIGKILL itself at step S, after its gradient
 collectives and before the optimizer step; ``SDP_TEST_KILL_IN_RECOVERY=W`` makes worker W (of the
 first world) SIGKILL itself in its first recovery from a lost worker (``--on-worker-loss continue``),
-after the survivors' decision and before their new world forms; ``SDP_TEST_JOIN_AT_STEP=S`` makes
+after the survivors' decision and before their new world forms; ``SDP_TEST_KILL_IN_MOVE=W`` makes
+worker W SIGKILL itself in the first move of blocks to restore coverage (``--restore-coverage``) it takes
+part in, once the blocks' values have been sent and before their optimizer state is; ``SDP_TEST_JOIN_AT_STEP=S`` makes
 the members of a run that misses a worker (``--max-rejoins``) admit replacements at step S's
 boundary only (with ``--local-steps H``, a multiple of H: members admit nowhere else), waiting there
 until every missing worker's replacement waits to join, so that a test knows the step (a
@@ -28,6 +30,7 @@ from sdp_train.trainer.launch import restart_attempt
 NAN_VARIABLE = "SDP_TEST_INJECT_NAN"
 KILL_VARIABLE = "SDP_TEST_KILL_AT_STEP"
 RECOVERY_KILL_VARIABLE = "SDP_TEST_KILL_IN_RECOVERY"
+MOVE_KILL_VARIABLE = "SDP_TEST_KILL_IN_MOVE"
 JOIN_VARIABLE = "SDP_TEST_JOIN_AT_STEP"
 JOINER_KILL_VARIABLE = "SDP_TEST_KILL_JOINER"
 
@@ -46,6 +49,7 @@ class InjectedFaults:
     kill_in_recovery: int | None = None
     join_at: tuple[int, ...] | None = None
     kill_joiner: int | None = None
+    kill_in_move: int | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -61,8 +65,9 @@ class InjectedFaults:
         if (restart_attempt() if attempt is None else attempt) != 0:
             return cls()
         worker, join = environ.get(RECOVERY_KILL_VARIABLE), environ.get(JOIN_VARIABLE)
-        joiner = environ.get(JOINER_KILL_VARIABLE)
+        joiner, mover = environ.get(JOINER_KILL_VARIABLE), environ.get(MOVE_KILL_VARIABLE)
         for variable, value, what in ((RECOVERY_KILL_VARIABLE, worker, "a worker number, an integer >= 0"),
+                                      (MOVE_KILL_VARIABLE, mover, "a worker number, an integer >= 0"),
                                       (JOIN_VARIABLE, join, "steps (integers >= 0) separated by commas"),
                                       (JOINER_KILL_VARIABLE, joiner, "a step, an integer >= 0")):
             parts = [] if value is None else value.split(",") if variable == JOIN_VARIABLE else [value]
@@ -71,7 +76,7 @@ class InjectedFaults:
         return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE),
                    None if worker is None else int(worker),
                    None if join is None else tuple(int(s) for s in join.split(",")),
-                   None if joiner is None else int(joiner))
+                   None if joiner is None else int(joiner), None if mover is None else int(mover))
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""

@@ -13,7 +13,10 @@ survivors' mask (`masklab.failures.survivors_mask`, or with ``--restore-coverage
 later round's, `sdp_train.parallel.rounds.restored_round`; with local steps at a round's boundary, right
 after the holders' average: `restore_step`, `Survival.restore_due`). The run then reruns
 the interrupted step on its batch, unless every survivor had applied it (Bb-SDP and overlap averaging,
-lost while the new values were sent or averaged). Why the store and not torchft: docs/design.md §7.
+lost while the new values were sent or averaged). A worker lost while the survivors rebuild their sync
+or move blocks to restore coverage (all or nothing: `sdp_train.parallel.changes.MoveVote`,
+`agreement.moved_everywhere`) leaves each survivor at its state from before; those still alive agree
+again and go on (`Survival._go_on`). Why the store and not torchft: docs/design.md §7.
 
 With ``--max-rejoins N`` the launcher starts a replacement for a lost worker (the same worker number)
 once the survivors have agreed on the loss. The replacement announces itself in the store
@@ -41,6 +44,7 @@ import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -50,11 +54,12 @@ import torch.distributed as dist
 from masklab import Mask
 from masklab.errors import DesignError, MaskError
 from masklab.survivors import restored_mask
+from sdp_train.parallel.changes import MoveVote
 from sdp_train.parallel.dist import DistInfo, collective_timeout
 from sdp_train.parallel.rounds import restored_round
 from sdp_train.trainer.agreement import (MEMBERS_KEY, STEPS_DONE_KEY, MembershipChange, RunEnded, WorkerLossError,
                                          admission_key, agree, agreement_timeout, decide, exited_key, gather,
-                                         joiners_at, joining_fails, joining_key, release_frames)
+                                         joiners_at, joining_fails, joining_key, moved_everywhere, release_frames)
 from sdp_train.trainer.launch import _agent_store, destroy_distributed, restart_attempt
 
 
@@ -83,6 +88,10 @@ class Survival:
         the schedule had moved at the loss; `restore_due` records the change."""
         self.generation = 0
         self.changes: list[MembershipChange] = []
+        self.move: tuple[int, tuple[int, ...]] | None = None
+        """The move to restore coverage under way: its step and the workers of its world (`_vote`)."""
+        self.moved: bool | None = None
+        """Whether every survivor received that move (`moved_everywhere`); None before they answered."""
 
     @classmethod
     def for_run(cls, mask: Mask, info: DistInfo, *, restore: Mapping[str, Any] | None = None,
@@ -244,7 +253,7 @@ class Survival:
                       f"without {'them' if len(joined) > 1 else 'it'} ({time.perf_counter() - began:.2f} s)",
                       flush=True)
             return None
-        change = self._go_on(run, change, dropped, info)
+        change = self._go_on(run, change, dropped, info, step)
         change = dataclasses.replace(change, recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
@@ -300,7 +309,8 @@ class Survival:
         for them (every survivor calls it); re-raises `error` when no worker was lost.
 
         A loss during the recovery (a survivor that dies before the new world forms) makes the new
-        world's forming fail; the agreement then starts again with the workers still alive.
+        world's forming fail; the agreement then starts again with the workers still alive. So does a loss
+        while the survivors rebuild their sync, or move blocks to restore coverage (`_go_on`).
         """
         began = time.perf_counter()
         release_frames(error)
@@ -309,7 +319,7 @@ class Survival:
         change, dropped, info = self._agree_and_form(run, step, error, device, rounds)
         if info.is_main:
             self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
-        change = self._go_on(run, change, dropped, info)
+        change = self._go_on(run, change, dropped, info, step)
         change = dataclasses.replace(change, recovery_s=time.perf_counter() - began,
                                      moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
@@ -349,7 +359,7 @@ class Survival:
                 continue  # next agreement, over the same workers, leaves it out too
             return change, dropped, info
 
-    def _go_on(self, run, change: MembershipChange, dropped: Mask, info: DistInfo) -> MembershipChange:
+    def _go_on(self, run, change: MembershipChange, dropped: Mask, info: DistInfo, step: int) -> MembershipChange:
         """Rebuild `run`'s sync for the survivors of `change` in their new world (`info`): under `change.mask`,
         except that with local steps a mask restoring coverage waits for a round's boundary, where every
         holder of a block has the same values. The survivors first go on under their own rows `dropped`
@@ -357,31 +367,98 @@ class Survival:
         once on a boundary, else at the next one (`pending_restore`, `restore_due`). Under a schedule every
         round from that boundary on is restored (`Run.continue_with` with ``restore``; the schedule's mover
         makes the move, `restore_due` records it). Returns `change` as recorded: with `restore_at` and the
-        survivors' rows where the move waits."""
+        survivors' rows where the move waits.
+
+        With a static mask, a worker lost meanwhile (a collective of the new sync fails, or of the move that
+        restores coverage, which is all or nothing across the survivors: `MoveVote`, `moved_everywhere`)
+        leaves every survivor at its state from before: its rows `dropped`, the old sync. Those still alive
+        then agree again (the next generation), decide from those rows, restore coverage for themselves and
+        go on or move again (`_again`); the change recorded has every worker lost. A loss after every
+        survivor received the move, while they build their new sync, stops the run in one line
+        (`WorkerLossError`); under a schedule with a restore a loss here is not recovered (its error goes on)."""
         self.pending_restore = self.pending_round_restore = None  # a later loss designs from the rows in force
         local_steps = run.cfg.local_steps
-        if self.scheduled and self.restore is not None and run.steps_applied < run.cfg.steps:
-            # every round restored from the next step's on (none after the run's last step), made by the schedule's
-            # mover at once, or with local steps at the boundary after the round the loss interrupted
-            at = restore_step(run.steps_applied, local_steps)
-            run.continue_with(dropped if at > run.steps_applied else change.mask, change.rows, info,
-                              restore=self.restore)
-            if at > run.steps_applied:
-                self.pending_round_restore = (at, run.mask_change_bytes)
-                change = dataclasses.replace(change, mask=dropped, restored=False, restore_at=at)
-        elif change.restored and local_steps > 1:
-            run.continue_with(dropped, change.rows, info)
-            at = restore_step(run.steps_applied, local_steps)
-            if at > run.steps_applied:
-                self.pending_restore = change.mask
-                change = dataclasses.replace(change, mask=dropped, restored=False, restore_at=at)
-            else:
-                run.sync.close()
-                run.continue_with(change.mask, range(len(change.workers)), info)
-        else:
-            run.continue_with(change.mask, change.rows, info)
+        rows = change.rows  # the survivors' ranks in the world of `run.sync`
+        scheduled_restore = self.scheduled and self.restore is not None and run.steps_applied < run.cfg.steps
+        while True:
+            self.move, self.moved = None, None
+            try:
+                if scheduled_restore:
+                    # every round restored from the next step's on (none after the run's last step), made by the
+                    # schedule's mover at once, or with local steps at the boundary after the round the loss
+                    # interrupted
+                    at = restore_step(run.steps_applied, local_steps)
+                    run.continue_with(dropped if at > run.steps_applied else change.mask, rows, info,
+                                      restore=self.restore)
+                    if at > run.steps_applied:
+                        self.pending_round_restore = (at, run.mask_change_bytes)
+                        change = dataclasses.replace(change, mask=dropped, restored=False, restore_at=at)
+                    break
+                if change.restored and local_steps > 1 and change.lost:
+                    run.continue_with(dropped, rows, info)
+                    rows = tuple(range(len(change.workers)))
+                    at = restore_step(run.steps_applied, local_steps)
+                    if at > run.steps_applied:
+                        self.pending_restore = change.mask
+                        change = dataclasses.replace(change, mask=dropped, restored=False, restore_at=at)
+                        break
+                    run.sync.close()
+                run.continue_with(change.mask, rows, info, self._vote(run, step, change.workers, change.restored))
+                break
+            except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
+                if scheduled_restore:  # a loss during its move is not recovered: the error goes on as it is
+                    raise
+                change, dropped, info, rows = self._again(run, step, exc, change, dropped, rows)
+        self.move = None
         self.workers, self.mask = change.workers, change.mask
         return change
+
+    def _vote(self, run, step: int, workers: Sequence[int], restored: bool) -> MoveVote | None:
+        """The all-or-nothing answer of a move to restore coverage at `step` among `workers` (the new world's),
+        None where nothing moves (not `restored`). Tests only: ``SDP_TEST_KILL_IN_MOVE=W`` kills worker W
+        once the move's values have been sent, before its optimizer state is."""
+        self.move, self.moved = ((step, tuple(workers)) if restored else None), None
+        if not restored:
+            return None
+
+        def agreed() -> bool:
+            self.moved = moved_everywhere(self.store, self.generation, step, self.worker, workers, received=True,
+                                          timeout=agreement_timeout())
+            return self.moved
+
+        def began() -> None:
+            if run.faults.kill_in_move == self.worker:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return MoveVote(agreed, began)
+
+    def _again(self, run, step: int, error: BaseException, change: MembershipChange, dropped: Mask,
+               rows: Sequence[int]) -> tuple[MembershipChange, Mask, DistInfo, tuple[int, ...]]:
+        """After `error` interrupted the survivors of `change` going on (`_go_on`): every survivor is at its
+        rows `dropped` and `run.sync` is the old one, in whose world `rows` are their ranks. A move that every
+        survivor received (`moved`) is not undone: the run stops in one line. Otherwise this rank answers
+        that it did not receive the move (if it had not answered), the workers still alive agree again from
+        `dropped` and form their world; returns their change (every worker lost so far), their rows before
+        any restore, this rank's place and their ranks in `run.sync`'s world."""
+        if isinstance(error, WorkerLossError):
+            raise error
+        report = self.worker == min(change.workers)
+        if self.moved:
+            raise WorkerLossError(f"step {step}: a worker was lost after the blocks moved to restore coverage, while "
+                                  f"the survivors built their new sync ({type(error).__name__}): this is not "
+                                  "recovered; restart from a checkpoint (--resume)", report=report) from error
+        if self.move is not None and self.moved is None:  # the others stop waiting for this rank's answer
+            moved_everywhere(self.store, self.generation, self.move[0], self.worker, self.move[1], received=False,
+                             timeout=timedelta(0))
+        release_frames(error)
+        self.workers, self.mask = change.workers, dropped
+        rounds = run.sync.rounds_to_train(run.cfg.steps)
+        rounds = None if rounds is None else [(at, np.asarray(m)[list(rows)]) for at, m in rounds]
+        new, new_dropped, info = self._agree_and_form(run, step, error, run.device, rounds)
+        if info.is_main:
+            self.store.set(MEMBERS_KEY, ",".join(map(str, new.workers)))
+        rows = tuple(rows[r] for r in new.rows)
+        return dataclasses.replace(new, lost=(*change.lost, *new.lost), rows=rows), new_dropped, info, rows
 
     def restore_due(self, run, step: int) -> MembershipChange | None:
         """At the boundary before `step` (a step follows; every member calls it): with local steps, move to
@@ -391,7 +468,9 @@ class Survival:
         holder (`Run.continue_with` with every worker kept: `MaskChanges.hand_over`). Under a schedule
         the schedule's mover has made that move already, right after the average that ended the last
         step (`Rounds.restore_from`): only the record is made here (`pending_round_restore`; none where
-        the round's designed rows kept the coverage). None when nothing is due here."""
+        the round's designed rows kept the coverage). None when nothing is due here. With a static mask a
+        worker lost during the move is survived as in `recover` (`_go_on`): the change returned then has it
+        lost."""
         if self.pending_round_restore is not None and step == self.pending_round_restore[0]:
             moved = run.mask_change_bytes - self.pending_round_restore[1]  # the one change since the loss
             self.pending_round_restore = None
@@ -407,17 +486,10 @@ class Survival:
             return None
         began = time.perf_counter()
         mask, self.pending_restore = self.pending_restore, None
-        try:
-            run.sync.close()
-            run.continue_with(mask, range(len(self.workers)), run.info)
-        except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
-            raise WorkerLossError(f"step {step}: restoring the designed coverage failed ({type(exc).__name__}); a "
-                                  "loss while blocks move to restore coverage is not recovered: restart from a "
-                                  "checkpoint (--resume)", report=run.info.is_main) from exc
-        self.mask = mask
-        change = MembershipChange(step, (), self.workers, tuple(range(len(self.workers))), mask,
-                                  recovery_s=time.perf_counter() - began, restored=True,
-                                  moved_bytes=run.sync.moved_bytes)
+        change = MembershipChange(step, (), self.workers, tuple(range(len(self.workers))), mask, restored=True)
+        run.sync.close()
+        change = self._go_on(run, change, self.mask, run.info, step)
+        change = dataclasses.replace(change, recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
 

@@ -39,7 +39,7 @@ from sdp_train.errors import ConfigError
 from sdp_train.models import ModelConfig, block_map, build_model, family_of, model_class
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
 from sdp_train.parallel import grads
-from sdp_train.parallel.changes import MaskChanges
+from sdp_train.parallel.changes import MaskChanges, MoveVote
 from sdp_train.parallel.blockmap import on_meta
 from sdp_train.parallel.compile import compile_backend, compile_blocks
 from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
@@ -149,7 +149,8 @@ class ModeSync:
         return None
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
-                      optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None) -> ModeSync:
+                      optimizer: torch.optim.Optimizer, vote: MoveVote | None = None, *,
+                      restore: Mapping[str, Any] | None = None) -> ModeSync:
         """This mode's sync over a new world of the survivors (`sdp_train.trainer.membership`): `rows` are
         their ranks in the old world, in the order of their new ranks, `mask` the survivors' mask (the
         old one's `rows`, or one that restores the designed coverage). Called after `close`, on the new
@@ -157,7 +158,9 @@ class ModeSync:
         survivor that newly holds it (`optimizer` steps it). After a rejoin every worker "survives"
         (`rows` all of them) and `mask` is the designed one (`sdp_train.trainer.run.Run.welcome`).
         `restore`: under a schedule, restore every round's designed coverage for the survivors
-        (`Rounds.for_survivors`; the change to the restored round of the next step is then due)."""
+        (`Rounds.for_survivors`; the change to the restored round of the next step is then due). `vote`: a
+        move that restores a static mask's coverage is all or nothing across the survivors (`MoveVote`):
+        when it fails, this rank's state is what it was before this call, and this sync can be asked again."""
         raise ConfigError(f"{type(self).__name__} cannot continue after losing a worker (--on-worker-loss continue)")
 
     def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> ModeSync:
@@ -311,8 +314,8 @@ class SubnetworkSync(ModeSync):
         self.sdp.close()  # its gradient hooks live in C++ and hold the engine and its groups
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
-                      optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None
-                      ) -> SubnetworkSync:
+                      optimizer: torch.optim.Optimizer, vote: MoveVote | None = None, *,
+                      restore: Mapping[str, Any] | None = None) -> SubnetworkSync:
         """Every survivor keeps its blocks, so only the wrapper is new (its holder groups, buckets and hooks);
         activation checkpointing is already inside the module. Under a schedule the new wrapper goes on from the
         same position with every round's mask restricted to the survivors' rows (`Rounds.for_survivors`; with
@@ -321,10 +324,11 @@ class SubnetworkSync(ModeSync):
         dropped again (`MaskChanges.undo_gains`): the change is made again among the survivors when the next step
         begins (`Run.continue_with` makes a restore's at once). When `mask` restores the designed coverage (static
         masks), what a survivor newly holds first comes from its lowest-ranked surviving holder (blocks or neuron
-        groups, their optimizer state; `MaskChanges.hand_over`). With local steps each survivor keeps its own copy
-        and the step count; when the last step taken ended a round and workers were lost, its average is taken again
-        among the survivors, as overlap averaging's survivors do (a loss during the average leaves some blocks
-        averaged with the lost copy and others not; averaging again what the survivors agree on changes nothing). A
+        groups, their optimizer state; `MaskChanges.hand_over`, all or nothing: `vote`). With local steps each
+        survivor keeps its own copy and the step count; when the last step taken ended a round and workers were
+        lost, its average is taken again among the survivors, as overlap averaging's survivors do (a loss during
+        the average leaves some blocks averaged with the lost copy and others not; averaging again what the
+        survivors agree on changes nothing). A
         mask that restores coverage comes only at a round's boundary, with every worker kept (`Survival`: holders
         agree there), and the position goes on over it (`Rounds.over`). Under backward masking (Bb-SDP) the new
         wrapper then sends each block's values from its lowest-ranked surviving holder to every survivor: a loss
@@ -332,7 +336,7 @@ class SubnetworkSync(ModeSync):
         with the old (docs/design.md §7)."""
         old = self.sdp
         if self._fsdp is not None:
-            return super().for_survivors(mask, rows, info, optimizer)
+            return super().for_survivors(mask, rows, info, optimizer, vote)
         kept = old.rounds.matrix[list(rows)]
         held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, 0, None
         if old.rounds.counts:  # a schedule or local steps: the position (steps taken, round) goes on
@@ -348,7 +352,7 @@ class SubnetworkSync(ModeSync):
             new_held = [old.layout.held(row) for row in mask.matrix]
             changes = MaskChanges(old.module, old.layout, info.rank, info.world_size, old.device, cut=old.cut,
                                   activation_checkpointing=old.activation_checkpointing, watch_clipping=False)
-            local_index = changes.hand_over(optimizer, kept, mask.matrix, held_by_rank, new_held, local_index)
+            local_index = changes.hand_over(optimizer, kept, mask.matrix, held_by_rank, new_held, local_index, vote)
             held_by_rank = new_held
             moved = changes.bytes.buffer
         sdp = SubnetworkDataParallel.from_subnetwork(
@@ -453,7 +457,8 @@ class OverlapSync(ModeSync):
         self.overlap.close()
 
     def for_survivors(self, mask: Mask, rows: Sequence[int], info: DistInfo,
-                      optimizer: torch.optim.Optimizer, *, restore: Mapping[str, Any] | None = None) -> OverlapSync:
+                      optimizer: torch.optim.Optimizer, vote: MoveVote | None = None, *,
+                      restore: Mapping[str, Any] | None = None) -> OverlapSync:
         """The survivors' wrapper over the same copies and optimizer states (`OverlapAveraging.for_survivors`;
         under a schedule every later round's mask restricted to the survivors' rows, `Rounds.for_survivors`).
         If workers were lost and the last step taken ended a round, its average is taken again among the
@@ -469,12 +474,16 @@ class OverlapSync(ModeSync):
         old = self.overlap
         kept = old.round_matrix(trained_step(old.steps))[list(rows)]  # static: the rows in force
         overlap = old.for_survivors(mask, rows)
-        if len(rows) < old.world_size and overlap.steps and overlap.steps % overlap.local_steps == 0:
-            overlap.average(kept)
-        overlap.enter_due()
         survivors = OverlapSync(overlap, info)
-        if old.mask.schedule.is_static and not np.array_equal(mask.matrix, kept):  # coverage restored, or
-            survivors.moved_bytes = overlap.hand_over(optimizer, kept)  # after a rejoin the designed rows
+        try:
+            if len(rows) < old.world_size and overlap.steps and overlap.steps % overlap.local_steps == 0:
+                overlap.average(kept)
+            overlap.enter_due()
+            if old.mask.schedule.is_static and not np.array_equal(mask.matrix, kept):  # coverage restored, or
+                survivors.moved_bytes = overlap.hand_over(optimizer, kept, vote)  # after a rejoin the designed rows
+        except RuntimeError:  # a worker lost meanwhile: this wrapper's groups go (the survivors agree again)
+            overlap.close()
+            raise
         return survivors
 
     def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> OverlapSync:

@@ -216,17 +216,20 @@ class Run:
         self.optimizer.zero_grad(set_to_none=False)
         return self.applied_stats
 
-    def continue_with(self, mask, rows, info: DistInfo, *, restore=None) -> None:
+    def continue_with(self, mask, rows, info: DistInfo, vote=None, *, restore=None) -> None:
         """Train on in a new world of survivors (`sdp_train.trainer.membership.Survival.recover`, after the
         old sync's `close`): the mode's sync rebuilt for the survivors' `mask` (`ModeSync.for_survivors`),
-        the same model and optimizer, no gradient left of the interrupted step. `restore` (under a
+        the same model and optimizer, no gradient left of the interrupted step. `vote`: a move to restore
+        coverage (static masks) is all or nothing across the survivors (`sdp_train.parallel.changes.MoveVote`);
+        when it fails, the old sync stays, and so does this rank's state. `restore` (under a
         schedule, ``--restore-coverage``): every round from now on under the mask restoring its designed
         coverage for the survivors, the round in force's at once (`ModeSync.enter_next_round`: what a
         survivor newly holds, with its optimizer state, from its lowest-ranked surviving holder), its
         bytes in the sync's `moved_bytes`."""
-        self.retired_bytes += self.sync.bytes
         kwargs = {} if restore is None else {"restore": restore}
-        self.sync = self.sync.for_survivors(mask, rows, info, self.optimizer, **kwargs)
+        sync = self.sync.for_survivors(mask, rows, info, self.optimizer, vote, **kwargs)
+        self.retired_bytes += self.sync.bytes
+        self.sync = sync
         self.info, self.mask = info, mask
         self.model, self.train_model = self.sync.model, self.sync.train_model
         self.sync.attach(self.optimizer)

@@ -241,8 +241,12 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             change = None
             if survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
                 restored = survival.restore_due(run, step)  # a restore a loss inside a round left due
-                if restored is not None:
-                    report_change(restored, run.info, cfg.steps)
+                if restored is not None:  # (a worker lost while the blocks moved: survived, rank 0 too)
+                    info = run.info
+                    if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
+                        metrics_file, history = open_metrics(out, start)
+                        metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
+                    report_change(restored, info, cfg.steps)
                 joined = survival.admit(run, step, device)  # then joiners (a failed admission: a member lost)
                 if joined is not None:
                     info = run.info

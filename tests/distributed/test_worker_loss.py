@@ -136,7 +136,7 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     simulated update: blocks, neuron slices and shared parameters alike), clipped as a whole. A block
     a survivor newly holds has one AdamW state here, which the run moves from its old holder. Every
     worker's batch stream moves with the steps, a member's or not: a worker that rejoins reads the
-    batch of the step it joins at."""
+    batch of the step it joins at. `extra` flags may change the run's (``--workers``: that many workers)."""
     from sdp_train.cli import build_parser
     from sdp_train.cli.train import config_from_args
     from sdp_train.data import build_batches
@@ -153,7 +153,8 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=3) for k in range(3)]
+    batches = [build_batches(prep.data, split="train", seed=cfg.seed, rank=k, world_size=cfg.workers)
+               for k in range(cfg.workers)]
     losses = []
     for step in range(cfg.steps):
         members, matrix = (members_of or (lambda prep, step: members_rows(mode, prep, step)))(prep, step)

@@ -52,7 +52,7 @@ class _Run:
         if self.lost_in == "welcome":
             raise dist.DistBackendError("Connection closed by peer")
 
-    def continue_with(self, mask, rows, info) -> None:
+    def continue_with(self, mask, rows, info, vote=None) -> None:
         self.went_on.append((mask.matrix.tolist(), list(rows), info.world_size))
         self.sync = _Sync()
 

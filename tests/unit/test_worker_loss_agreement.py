@@ -412,7 +412,7 @@ class _Run:
         self.cfg, self.steps_applied, self.info = SimpleNamespace(local_steps=local_steps), applied, DistInfo(0, 2, 0)
         self.sync, self.went_on = _Sync(), []
 
-    def continue_with(self, mask, rows, info) -> None:
+    def continue_with(self, mask, rows, info, vote=None) -> None:
         self.went_on.append((mask.matrix.tolist(), list(rows)))
         self.sync = _Sync()
 
@@ -433,7 +433,7 @@ def test_survivors_restore_coverage_at_once_on_a_round_boundary_and_else_at_the_
     restored = change.mask.matrix.tolist()
     assert change.restored and (change.mask.coverage == 2).all()
     run = _Run(applied, local_steps)
-    recorded = survival._go_on(run, change, dropped, run.info)
+    recorded = survival._go_on(run, change, dropped, run.info, applied)
     at = restore_step(applied, local_steps)
     assert at % local_steps == 0 and applied <= at < applied + local_steps
     if local_steps == 1:
@@ -451,3 +451,52 @@ def test_survivors_restore_coverage_at_once_on_a_round_boundary_and_else_at_the_
         assert (made.step, made.lost, made.joined, made.restored) == (at, (), (), True)
         assert run.went_on[1:] == [(restored, [0, 1])] and survival.mask.matrix.tolist() == restored
     assert survival.pending_restore is None and survival.restore_due(run, at + local_steps) is None
+
+
+_MOVE_FATES = st.sampled_from(["received", "failed", "died", "received then died"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(fates=st.lists(_MOVE_FATES, min_size=2, max_size=4), delays=st.lists(st.floats(0, 0.05), min_size=4,
+                                                                             max_size=4))
+def test_every_live_survivor_decides_the_same_on_a_move_and_makes_it_only_if_every_one_received_it(fates, delays):
+    """The all-or-nothing answer of a move that restores coverage (`moved_everywhere`), through a real TCP
+    store: whatever each survivor's fate (received every part; failed in a collective of the move; died
+    before answering, the launcher marking its exit; answered received, then died; alive but never
+    answering: `test_a_survivor_that_never_answers_abandons_the_move_for_all_and_cannot_answer_later`), every
+    live survivor that asks gets the same answer, True exactly when every survivor answered that it received
+    every part (one that answered so and then died counts)."""
+    from sdp_train.trainer.agreement import moved_everywhere
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    workers = tuple(range(len(fates)))
+    for w, fate in enumerate(fates):
+        if fate == "received then died":  # its answer, as `moved_everywhere` writes it, before its exit mark
+            store.compare_set(f"sdp/moved1/5/{w}", "", "1")
+        if fate in ("died", "received then died"):
+            store.set(exited_key(w), "-9")
+    results: dict[int, bool] = {}
+
+    def answer(worker: int, received: bool) -> None:
+        threading.Event().wait(delays[worker])
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+        results[worker] = moved_everywhere(client, 1, 5, worker, workers, received=received,
+                                           timeout=timedelta(seconds=30))
+
+    live = {w: fate == "received" for w, fate in enumerate(fates) if fate in ("received", "failed")}
+    threads = [threading.Thread(target=answer, args=item) for item in live.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = all(fate in ("received", "received then died") for fate in fates)
+    assert results == {w: every for w in live}
+
+
+def test_a_survivor_that_never_answers_abandons_the_move_for_all_and_cannot_answer_later(store):
+    """Past the timeout a survivor gives up on one that neither answered nor exited (a hung node), and writes
+    that it did not receive the move for it: its late answer then reads the same, False."""
+    from sdp_train.trainer.agreement import moved_everywhere
+
+    assert moved_everywhere(store, 2, 7, 0, (0, 1), received=True, timeout=timedelta(seconds=0.2)) is False
+    assert moved_everywhere(store, 2, 7, 1, (0, 1), received=True, timeout=timedelta(seconds=10)) is False
