@@ -60,9 +60,20 @@ def _agent_store(addr: str, port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore(addr, port, world_size, is_master=False, timeout=collective_timeout())
 
 
+STARTUP_TIMEOUT_S = 300  # the least a rank waits for the others of its attempt to start
+
+
+def startup_timeout() -> timedelta:
+    """How long the attempt agreement waits for the other ranks to come: the collective timeout, but at
+    least `STARTUP_TIMEOUT_S`. Ranks start seconds apart (imports, a loaded machine), and a short
+    collective timeout is for a stuck collective, not for a start; a rank that dies before it comes
+    is the elastic agent's to see, which stops the group."""
+    return max(collective_timeout(), timedelta(seconds=STARTUP_TIMEOUT_S))
+
+
 @functools.cache  # one agreement per process (its launcher's environment does not change)
 def _agreed_attempt(addr: str, port: int, rank: int, world_size: int) -> int:
-    return agree_attempt(_agent_store(addr, port, world_size), rank, world_size, timeout=collective_timeout())
+    return agree_attempt(_agent_store(addr, port, world_size), rank, world_size, timeout=startup_timeout())
 
 
 _OPENED = "sdp/attempts_opened"
@@ -85,7 +96,7 @@ def agree_attempt(store: dist.Store, rank: int, world_size: int, *, timeout: tim
             store.wait([f"sdp/attempt{attempt}/joined{r}" for r in range(1, world_size)], timeout)
         except dist.DistStoreError:
             raise TimeoutError(f"rank 0: not every rank of attempt {attempt} joined it in the elastic agent's store "
-                               f"within {timeout.total_seconds():g} s (SDP_COLLECTIVE_TIMEOUT_S)") from None
+                               f"within {timeout.total_seconds():g} s") from None
         store.set(f"sdp/attempt{attempt}/ready", "1")
         return attempt
     deadline = time.monotonic() + timeout.total_seconds()
@@ -99,7 +110,7 @@ def agree_attempt(store: dist.Store, rank: int, world_size: int, *, timeout: tim
             return looked_at
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank}: rank 0 of this attempt did not show up in the elastic agent's store "
-                               f"within {timeout.total_seconds():g} s (SDP_COLLECTIVE_TIMEOUT_S)")
+                               f"within {timeout.total_seconds():g} s")
         time.sleep(0.02)
 
 

@@ -82,6 +82,30 @@ def test_restart_attempt_under_the_agent_store_is_the_agreed_number_not_the_node
     assert (restart_attempt(), restart_attempt()) == (0, 0)
 
 
+def test_a_short_collective_timeout_does_not_time_out_a_rank_that_starts_late(store, monkeypatch):
+    """The attempt agreement waits for ranks to start (import torch, build the model), not for a
+    collective: a collective timeout of 0.5 s (a test's stall check) must not fail a rank whose rank 0
+    comes 1.5 s later, as on a loaded machine (seen: `rank 0 of this attempt did not show up ... within
+    3 s` in tests/distributed/test_timeouts.py while other work ran)."""
+    from sdp_train.trainer import launch
+
+    monkeypatch.setenv("SDP_COLLECTIVE_TIMEOUT_S", "0.5")
+    results = {}
+
+    def rank1():
+        try:
+            results[1] = launch._agreed_attempt.__wrapped__("127.0.0.1", store.port, 1, 2)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion
+            results[1] = exc
+    thread = threading.Thread(target=rank1, daemon=True)
+    thread.start()
+    time.sleep(1.5)
+    results[0] = agree_attempt(dist.TCPStore("127.0.0.1", store.port, is_master=False), 0, 2, timeout=TIMEOUT)
+    thread.join(timeout=20)
+    assert results == {0: 0, 1: 0}
+    assert launch.startup_timeout() == timedelta(seconds=launch.STARTUP_TIMEOUT_S)  # the floor, above 0.5 s
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_launch_exits_128_plus_the_signal_with_one_line(monkeypatch, capsys, sig, code):
     from torch.distributed.elastic.multiprocessing.api import SignalException
