@@ -13,8 +13,9 @@ every worker runs, with their values and AdamW state). Bb-SDP's survivors fail i
 sending the new values after the optimizer step: they agree that they applied it, send every block
 again from its lowest-ranked surviving holder and go on with step STEP + 1. Overlap averaging's fail
 in step STEP's average: they take it again among themselves, then each takes the blocks it newly holds
-(values, AdamW state) from the other and goes on with step STEP + 1. One launch per mode
-checks: exit 0; the membership change recorded at the failing step in summary.json and its metrics
+(values, AdamW state) from the other and goes on with step STEP + 1. This module launches N-SDP;
+test_worker_loss_applied.py Bb-SDP and overlap averaging; test_worker_loss_recovery.py B-SDP (4 ranks,
+a second worker lost in the move). One launch per mode checks: exit 0; the membership change recorded at the failing step in summary.json and its metrics
 line, every step's line once; the holders of every tensor (N-SDP: every row or column; Bb-SDP:
 every tensor; overlap averaging: every block both hold) identical at the end (each survivor's rank
 file of the final checkpoint, written after the last step); and the final model, and every step's
@@ -63,7 +64,9 @@ RESTORE_AND_REJOIN = ("--restore-coverage", *REJOIN)
 REJOINS = {"nsdp": RESTORE_AND_REJOIN, "overlap": RESTORE_AND_REJOIN}
 
 
-@pytest.fixture(scope="module", params=["bsdp", "nsdp"])  # bbsdp, overlap: test_worker_loss_applied.py
+# bbsdp, overlap: test_worker_loss_applied.py; B-SDP's --restore-coverage launch is the 4-rank one of
+# test_worker_loss_recovery.py (a second worker lost in the move: the same checks, and more)
+@pytest.fixture(scope="module", params=["nsdp"])
 def run(request, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
     return launch(request.param, tmp_path_factory)
 
