@@ -137,3 +137,25 @@ def wait(work: dist.Work, device: torch.device) -> None:
         reason = check()
         if reason is not None:
             raise RuntimeError(f"gave up waiting for a collective: {reason}")
+
+
+def all_gather_objects(value: object, device: torch.device) -> list[object]:
+    """Every rank's `value` (picklable; this process's own data, never a peer's input to trust), in rank order: a
+    collective over the default group whose waits are watched (`wait`), so that on CPU a rank blocked on a peer
+    that failed out of it gives up once a worker loss is being recovered from; on a GPU ``all_gather_object``."""
+    import pickle
+
+    world_size = dist.get_world_size()
+    if device.type != "cpu":
+        values: list[object] = [None] * world_size
+        dist.all_gather_object(values, value)
+        return values
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    wait(dist.all_gather(sizes, size, async_op=True), device)
+    padded = torch.zeros(int(max(s.item() for s in sizes)), dtype=torch.uint8)
+    padded[:data.numel()] = data
+    parts = [torch.zeros_like(padded) for _ in range(world_size)]
+    wait(dist.all_gather(parts, padded, async_op=True), device)
+    return [pickle.loads(p[:int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes)]

@@ -98,11 +98,15 @@ class MembershipChange:
     """Workers that joined: the mask they receive their parts under, the members' rows in force (the
     survivors' restored rows after ``--restore-coverage``) then the joiners' designed rows; every worker
     goes on to `mask` from it (`sdp_train.trainer.run.Run.welcome`)."""
+    during: str | None = None
+    """A loss outside a training step: what the workers were doing (``evaluating``, ``checkpointing``,
+    ``saving the final model``), which the survivors do again; `step` is then the next step to train (the
+    steps applied). None: the loss came inside step `step`."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "lost": list(self.lost), "joined": list(self.joined), "workers": list(self.workers),
                 "recovery_s": self.recovery_s, "coverage_restored": self.restored, "moved_bytes": self.moved_bytes,
-                "restore_at": self.restore_at, "mask": mask_to_dict(self.mask)}
+                "restore_at": self.restore_at, "during": self.during, "mask": mask_to_dict(self.mask)}
 
 
 def decide(mask: Mask, workers: Sequence[int], joined: Mapping[int, int], *, step: int,

@@ -25,6 +25,10 @@ Rotation: with ``keep_checkpoints = N > 0``, rank 0 deletes, after each complete
 Shared directory: on several nodes the checkpoints need one ``--out`` that every node sees;
 `check_out_shared` refuses, before the first step, a run whose ranks do not.
 
+After a membership change (``--on-worker-loss continue``) the manifest records the workers of the
+first world that wrote it (``workers``, rank order) and their world size; resuming from it is refused
+(`check_resumable`, docs/design.md §7).
+
 Not here: converting a checkpoint between masks or world sizes (refused), or assembling the
 full model (``Run.full_state`` does that).
 """
@@ -37,6 +41,7 @@ import pickle
 import shutil
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,7 +53,7 @@ from masklab.io import atomic_write
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.grads import is_dtensor
 from sdp_train.parallel.grads import local as _local
-from sdp_train.parallel.dist import DistInfo, get_dist_info, under_torchrun
+from sdp_train.parallel.dist import DistInfo, all_gather_objects, get_dist_info, under_torchrun, wait
 from sdp_train.trainer.launch import run_id
 from sdp_train.trainer.rundir import LOCK_NAME, LOCKED_ENV
 
@@ -201,6 +206,11 @@ def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mas
     a restarted attempt that failed after its final checkpoint only has to validate and summarise.
     """
     manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    if "workers" in manifest:  # written after a membership change (`save_checkpoint`)
+        raise ConfigError(f"cannot resume from {path}: it was written by workers {manifest['workers']} (in rank order) "
+                          f"of the run's {manifest.get('config', {}).get('workers')} after a worker loss or rejoin "
+                          "(--on-worker-loss continue); resuming from it is not built: resume from a checkpoint "
+                          "written before the change")
     current = identity(cfg, model_config, mask)
     diffs = [f"{key}: checkpoint {manifest['identity'].get(key)!r}, this run {value!r}"
              for key, value in current.items() if manifest["identity"].get(key) != value]
@@ -216,13 +226,19 @@ def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mas
     return manifest
 
 
-def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, keep: int = 0) -> Path:
+def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, keep: int = 0,
+                    workers: Sequence[int] | None = None, after_write: Callable[[], None] | None = None) -> Path:
     """Write every rank's state after ``step`` steps to ``root/step_{step}``; collective.
 
     Rank files first (each rank sends rank 0 its file's size and sha256), then rank 0 writes the
     manifest and, with ``keep > 0``, deletes older ``step_N`` beyond the `keep` newest complete ones.
-    A manifest left in ``step_{step}`` by an earlier attempt is removed before any rank file is
-    replaced, so a write interrupted now cannot pass for complete.
+    A manifest left in ``step_{step}`` by an earlier attempt, or by a world that lost a worker while it
+    wrote, is removed before any rank file is replaced, so a write interrupted now cannot pass for
+    complete; so are the rank files (and temporary files) of ranks beyond this world's. `workers`: the
+    workers of the first world this world's ranks are, in rank order (``--on-worker-loss continue``);
+    where they are not all of them in their order (survivors of a loss, or a world that workers
+    rejoined) the manifest records them and its world size is this world's, and `check_resumable`
+    refuses it. `after_write` (tests only: `sdp_train.trainer.faults`) runs once this rank's file is written.
     """
     path = root / f"step_{step}"
     name = f"rank{run.info.rank}.pt"
@@ -232,7 +248,11 @@ def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, k
                 link.unlink()
         path.mkdir(parents=True, exist_ok=True)
         (path / MANIFEST).unlink(missing_ok=True)
-    _barrier()
+        for stale in [*path.glob("rank*.pt"), *path.glob(".rank*.pt.*")]:  # of a larger world that lost a worker
+            rank = stale.name.lstrip(".").removeprefix("rank").split(".")[0]
+            if not rank.isdigit() or int(rank) >= run.info.world_size:
+                stale.unlink(missing_ok=True)
+    _barrier(run.device)
     for stale in path.glob(f".{name}.*"):  # temporary file of a write that a killed attempt left behind
         stale.unlink(missing_ok=True)
     state = {
@@ -244,17 +264,20 @@ def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, k
         "schedule": run.schedule_state(),  # mode overlap: the optimizer steps that fix the round and its mask
     }
     files = {name: _write_atomic(path / name, lambda f: torch.save(state, f))}
+    if after_write is not None:
+        after_write()
     if dist.is_initialized():
-        gathered: list[dict[str, Any]] = [{}] * dist.get_world_size()
-        dist.all_gather_object(gathered, files)
-        files = {k: v for part in gathered for k, v in part.items()}
+        files = {k: v for part in all_gather_objects(files, run.device) for k, v in part.items()}
     if run.info.is_main:
         manifest = {"step": step, "run_id": run_id(), "identity": identity(run.cfg, run.model_config, run.mask),
                     "config": run.cfg.to_dict(), "files": files}
+        if workers is not None and list(workers) != list(range(run.cfg.workers)):
+            manifest["workers"] = list(workers)
+            manifest["identity"]["world_size"] = run.info.world_size
         _write_atomic(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         if keep > 0:
             _rotate(root, step, keep)
-    _barrier()
+    _barrier(run.device)
     return path
 
 
@@ -280,9 +303,10 @@ def _step_of(path: Path) -> int | None:
     return int(digits) if path.name.startswith("step_") and digits.isascii() and digits.isdigit() else None
 
 
-def _barrier() -> None:
+def _barrier(device: torch.device) -> None:
+    """Every rank of the default group here (its wait watched: `sdp_train.parallel.dist.wait`)."""
     if dist.is_initialized():
-        dist.barrier()
+        wait(dist.barrier(async_op=True), device)
 
 
 _warned: set[str] = set()

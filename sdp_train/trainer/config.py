@@ -155,7 +155,10 @@ class TrainConfig:
     schedule's mask change: not rerunning a step every survivor applied, whose new values are sent or
     averaged again, or whose change is made again: in ``overlap`` the round's average among the survivors,
     then the next round's blocks train), without a checkpoint; a loss that leaves a block without holder,
-    now or in a round still to train, stops the run; the designed coverage may be restored:
+    now or in a round still to train, stops the run; a loss outside a step, while the workers evaluate, write
+    a checkpoint or save the final model, is recovered alike and that work done again by the survivors
+    (a checkpoint written after a change records them and is refused by `resume`; survivors at different
+    points of the run stop); the designed coverage may be restored:
     `restore_coverage`; replacements may rejoin: `max_rejoins`; `sdp_train.trainer.membership`,
     RELIABILITY.md)."""
     restore_coverage: bool = False

@@ -13,7 +13,11 @@ until every missing worker's replacement waits to join, so that a test knows the
 replacement's start takes seconds); ``S,T,...`` admits at each of those steps (a second replacement,
 after the first was lost while it joined); ``SDP_TEST_KILL_JOINER=S`` makes the replacement admitted at
 step S SIGKILL itself once its new world has formed, before its parts come (the members are then
-sending them). All act on the first attempt of a
+sending them); ``SDP_TEST_KILL_OUTSIDE=POINT:N:W`` makes worker W (its number in the first world) SIGKILL
+itself outside a training step, after N steps: at the start of an evaluation (``evaluating``, the final one
+too), in ``save_checkpoint`` of ``step_N`` once its rank file is written (``checkpointing``), in the final
+evaluation once rank 0 has saved the model (``saving``; another rank: before the result comes), or once its
+part of the run is done (``finished``, N the run's steps). All act on the first attempt of a
 job only: a restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
 the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
 lists the tests that use them.
@@ -22,6 +26,7 @@ lists the tests that use them.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,6 +38,8 @@ RECOVERY_KILL_VARIABLE = "SDP_TEST_KILL_IN_RECOVERY"
 MOVE_KILL_VARIABLE = "SDP_TEST_KILL_IN_MOVE"
 JOIN_VARIABLE = "SDP_TEST_JOIN_AT_STEP"
 JOINER_KILL_VARIABLE = "SDP_TEST_KILL_JOINER"
+OUTSIDE_KILL_VARIABLE = "SDP_TEST_KILL_OUTSIDE"
+OUTSIDE_POINTS = ("evaluating", "checkpointing", "saving", "finished")
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class InjectedFaults:
     join_at: tuple[int, ...] | None = None
     kill_joiner: int | None = None
     kill_in_move: int | None = None
+    kill_outside: tuple[str, int, int] | None = None
+    """``(point, steps, worker)``: ``SDP_TEST_KILL_OUTSIDE``."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -73,10 +82,18 @@ class InjectedFaults:
             parts = [] if value is None else value.split(",") if variable == JOIN_VARIABLE else [value]
             if not all(v.isascii() and v.isdigit() for v in parts):
                 raise ValueError(f"{variable}={value!r} must be {what}")
+        outside = environ.get(OUTSIDE_KILL_VARIABLE)
+        if outside is not None:
+            point, _, spec = outside.partition(":")
+            steps, _, worker_of = spec.partition(":")
+            if point not in OUTSIDE_POINTS or not all(v.isascii() and v.isdigit() for v in (steps, worker_of)):
+                raise ValueError(f"{OUTSIDE_KILL_VARIABLE}={outside!r} must be POINT:STEPS:WORKER, POINT one of "
+                                 f"{', '.join(OUTSIDE_POINTS)}, STEPS and WORKER integers >= 0")
+            outside = (point, int(steps), int(worker_of))
         return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE),
                    None if worker is None else int(worker),
                    None if join is None else tuple(int(s) for s in join.split(",")),
-                   None if joiner is None else int(joiner), None if mover is None else int(mover))
+                   None if joiner is None else int(joiner), None if mover is None else int(mover), outside)
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""
@@ -85,6 +102,15 @@ class InjectedFaults:
     def kill(self, step: int, rank: int) -> bool:
         """True where this rank is to SIGKILL itself at this step."""
         return self.kill_at == (step, rank)
+
+    def kill_at_point(self, point: str, steps: int, worker: int) -> None:
+        """SIGKILL this process where ``SDP_TEST_KILL_OUTSIDE`` asks for it: at `point` after `steps` steps, on
+        worker `worker`; a no-op elsewhere.
+
+        >>> InjectedFaults(kill_outside=("evaluating", 4, 2)).kill_at_point("evaluating", 4, 1)
+        """
+        if self.kill_outside == (point, steps, worker):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _spec(environ: Mapping[str, str], variable: str) -> tuple[int, int] | None:

@@ -16,7 +16,9 @@ the interrupted step on its batch, unless every survivor had applied it (Bb-SDP 
 lost while the new values were sent or averaged). A worker lost while the survivors rebuild their sync
 or move blocks to restore coverage (all or nothing: `sdp_train.parallel.changes.MoveVote`,
 `agreement.moved_everywhere`) leaves each survivor at its state from before; those still alive agree
-again and go on (`Survival._go_on`). Why the store and not torchft: docs/design.md §7.
+again and go on (`Survival._go_on`). After a loss outside a step (an evaluation, a checkpoint, the
+final save) the run does that work again; survivors that were at different points of the run
+(`Survival.where`) stop. Why the store and not torchft: docs/design.md §7.
 
 With ``--max-rejoins N`` the launcher starts a replacement for a lost worker (the same worker number)
 once the survivors have agreed on the loss. The replacement announces itself in the store
@@ -42,8 +44,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -92,6 +93,9 @@ class Survival:
         """The move to restore coverage under way: its step and the workers of its world (`_vote`)."""
         self.moved: bool | None = None
         """Whether every survivor received that move (`moved_everywhere`); None before they answered."""
+        self.where = "the start"
+        """Where in the run this worker is (the loop sets it: a step, or work outside one), which the survivors
+        of a loss must share to go on together (`_agree_and_form`)."""
 
     @classmethod
     def for_run(cls, mask: Mask, info: DistInfo, *, restore: Mapping[str, Any] | None = None,
@@ -134,27 +138,6 @@ class Survival:
                                   welcome_mask=_welcome_mask(designed, admitted["rows"], joined, step, seed))
         survival.changes.append(change)
         return survival, info, change
-
-    @contextmanager
-    def losses_stop(self, what: str, *, mark_wait: float = 2.0) -> Iterator[None]:
-        """Around work outside a training step (`what`: evaluating, checkpointing, saving the model): a
-        collective that fails there because a worker of this world was lost (the launcher marked its
-        exit, within `mark_wait` seconds) stops the run with one line (`WorkerLossError`, printed by the
-        lowest-numbered survivor) rather than a traceback; only a loss inside a step is survived. Other
-        errors go through as they are."""
-        try:
-            yield
-        except RuntimeError as exc:
-            if isinstance(exc, WorkerLossError):
-                raise
-            deadline = time.monotonic() + mark_wait
-            while not (lost := [w for w in self.workers if self.store.check([exited_key(w)])]):
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.05)
-            raise WorkerLossError(f"lost worker(s) {lost} while {what}: --on-worker-loss continue survives a loss "
-                                  "inside a training step only; restart from the last checkpoint (--resume)",
-                                  report=self.worker == min(set(self.workers) - set(lost))) from exc
 
     def loss_begun(self) -> str | None:
         """Why to give up a collective that waits (`sdp_train.parallel.dist.watch_waits`): another member
@@ -304,13 +287,18 @@ class Survival:
             return change
         return dataclasses.replace(change, mask=mask, restored=True)
 
-    def recover(self, run, step: int, error: BaseException, device: torch.device) -> MembershipChange:
+    def recover(self, run, step: int, error: BaseException, device: torch.device, *, during: str | None = None
+                ) -> MembershipChange:
         """After `error` interrupted `step`: agree on the survivors and re-form the world and `run`'s sync
-        for them (every survivor calls it); re-raises `error` when no worker was lost.
+        for them (every survivor calls it); re-raises `error` when no worker was lost. `during`: the error
+        came outside a step, while the workers were doing that (evaluating, checkpointing, saving the final
+        model), `step` being the next step to train; the survivors then do it again (`train_prepared`).
 
         A loss during the recovery (a survivor that dies before the new world forms) makes the new
         world's forming fail; the agreement then starts again with the workers still alive. So does a loss
-        while the survivors rebuild their sync, or move blocks to restore coverage (`_go_on`).
+        while the survivors rebuild their sync, or move blocks to restore coverage (`_go_on`). Survivors
+        that were at different points of the run (`where`: one had finished an evaluation that another had
+        not) stop, `WorkerLossError`.
         """
         began = time.perf_counter()
         release_frames(error)
@@ -321,7 +309,7 @@ class Survival:
             self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
         change = self._go_on(run, change, dropped, info, step)
         change = dataclasses.replace(change, recovery_s=time.perf_counter() - began,
-                                     moved_bytes=run.sync.moved_bytes)
+                                     moved_bytes=run.sync.moved_bytes, during=during)
         self.changes.append(change)
         return change
 
@@ -335,11 +323,19 @@ class Survival:
         while True:
             destroy_distributed()  # closes this rank's connections: a peer waiting on one of them fails now
             self.generation += 1
+            self.store.set(f"sdp/loss{self.generation}/where{self.worker}", self.where)  # before it joins
             joined = agree(self.store, self.generation, self.worker, self.workers, run.steps_applied,
                            timeout=agreement_timeout())
             if self.worker not in joined:
                 raise WorkerLossError(f"step {step}: worker {self.worker} joined the survivors after they had "
                                       "decided without it; it stops") from error
+            keys = {w: f"sdp/loss{self.generation}/where{w}" for w in sorted(joined)}  # each set it before joining
+            where = {w: self.store.get(key).decode() for w, key in keys.items() if self.store.check([key])}
+            if len(set(where.values())) > 1:
+                raise WorkerLossError(f"the survivors {sorted(joined)} of a worker loss were at different points of "
+                                      f"the run ({'; '.join(f'worker {w}: {p}' for w, p in where.items())}): they "
+                                      "cannot go on together; restart from a checkpoint (--resume)",
+                                      report=self.worker == min(joined)) from error
             try:
                 change = decide(self.mask, self.workers, joined, step=step, rounds=rounds)
             except WorkerLossError as exc:

@@ -18,7 +18,9 @@ evaluation (``eval_every``) and `val_history` also carry as ``consensus_distance
 schedule in B-SDP, N-SDP and Bb-SDP ``mask_change_bytes``: buffer bytes of what this rank's mask
 changes moved (rank 0's; not in ``comm_bytes``);
 with ``--on-worker-loss continue`` ``membership_changes``: per loss of workers, the step the
-survivors reran, the workers lost and those left (workers of the original run), the recovery's
+survivors reran (a loss outside a step, while they evaluated, checkpointed or saved the final model:
+``during`` says which, which they did again, and the step is the next to train), the workers lost and
+those left (workers of the original run), the recovery's
 seconds, the survivors' mask, whether it restores the designed coverage (``restore_coverage``) and
 the buffer bytes rank 0 moved for it (with local steps, a loss inside a round has ``restore_at``, the
 step whose start makes the move, recorded then as a change of its own with no worker lost), and per
@@ -55,7 +57,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,7 @@ from sdp_train.data import IMAGE_DATASETS, build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import block_map, model_class
 from sdp_train.parallel.blockmap import BlockMap, on_meta
-from sdp_train.parallel.dist import default_device, get_dist_info, print0, watch_waits
+from sdp_train.parallel.dist import all_gather_objects, default_device, get_dist_info, print0, wait, watch_waits
 from sdp_train.parallel.grads import local
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import WIRE_MODEL
@@ -200,6 +202,38 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     records: list[dict[str, Any]] = []
     val_history: list[dict[str, float]] = []
     consecutive_skips = 0
+    worker = info.rank if survival is None else survival.worker  # its number in the first world (test faults)
+    carried: MembershipChange | None = None  # a loss outside a step, for the next step's metrics line
+
+    def outside_step(during: str, work: Callable[[], Any]) -> Any:
+        """`work()` outside a training step (`during`: evaluating, checkpointing, saving the final model). With
+        `survival`, a worker lost in it is recovered from as in a step (`Survival.recover`: the survivors
+        agree, form their world and go on under their mask), with no step to rerun, and the survivors do
+        `work` again in their new world; a loss that leaves a block without holder still stops the run."""
+        nonlocal info, metrics_file, history, carried
+        if survival is None:
+            return work()
+        survival.where = f"{during} after step {run.steps_applied}"
+        while True:
+            try:
+                return work()
+            except RuntimeError as exc:  # a collective with a lost peer fails; other errors re-raise
+                if isinstance(exc, WorkerLossError):
+                    raise
+                change = survival.recover(run, run.steps_applied, exc, device, during=during)
+            info = run.info
+            if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
+                metrics_file, history = open_metrics(out, start)
+                metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
+            report_change(change, info, cfg.steps)
+            carried = change
+
+    def evaluated(*, save_to: Path | None = None) -> tuple[float, float | None, dict[str, float] | None]:
+        """`evaluate` and, in mode overlap, the consensus distance (collectives)."""
+        run.faults.kill_at_point("evaluating", run.steps_applied, worker)  # tests only
+        val_loss, val_accuracy = evaluate(run, prep, save_to=save_to, before_result=None if save_to is None else
+                                          lambda: run.faults.kill_at_point("saving", run.steps_applied, worker))
+        return val_loss, val_accuracy, run.consensus_distance()
 
     def close_step(step: int, record: dict[str, Any], stats) -> None:
         """Read `step`'s values (a host synchronisation), then its evaluation, metrics line and checkpoint."""
@@ -207,12 +241,12 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
         values = run.finish(step, stats)  # nonfinite='stop' raises here, on every rank
         record.update(loss=values["loss"], lr=values["lr"], grad_norm=values["grad_norm"], skipped=values["skipped"])
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            val_loss, val_accuracy = evaluate(run, prep)
+            val_loss, val_accuracy, consensus = outside_step("evaluating", evaluated)
             val_history.append({"step": step, "val_loss": val_loss})
             record["val_loss"] = val_loss
             if val_accuracy is not None:
                 val_history[-1]["val_accuracy"] = record["val_accuracy"] = val_accuracy
-            if (consensus := run.consensus_distance()) is not None:  # mode overlap (a collective)
+            if consensus is not None:  # mode overlap
                 val_history[-1]["consensus_distance"] = record["consensus_distance"] = consensus
         records.append(record)
         consecutive_skips = consecutive_skips + 1 if values["skipped"] else 0
@@ -224,7 +258,10 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             metrics_file.flush()
         # after the metrics line: a checkpoint at step + 1 implies the lines of every step before it
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-            save_checkpoint(run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints)
+            outside_step("checkpointing", lambda: save_checkpoint(
+                run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints,
+                workers=None if survival is None else survival.workers,
+                after_write=lambda: run.faults.kill_at_point("checkpointing", step + 1, worker)))
         log.update(record, meter.peak.get("total"))
 
     def must_close_now(step: int) -> bool:
@@ -239,6 +276,8 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
         for step in range(start, cfg.steps):
             inputs, targets = (t.to(device) for t in next(batches))
             change = None
+            if survival is not None:
+                survival.where = f"step {step}"
             if survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
                 restored = survival.restore_due(run, step)  # a restore a loss inside a round left due
                 if restored is not None:  # (a worker lost while the blocks moved: survived, rank 0 too)
@@ -255,6 +294,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                         metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
                     report_change(joined, info, cfg.steps)
                 change = joined or restored  # the step's metrics line has the last
+            change, carried = change or carried, None
             while True:  # once, unless workers are lost during the step (`survival`)
                 bytes_before, wire_before = run.comm_bytes, run.wire_bytes
                 measured = meter.measure() if step - start < cfg.memory_steps else nullcontext()
@@ -286,23 +326,26 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                 record["membership"] = {"lost": list(change.lost), "joined": list(change.joined),
                                         "workers": list(change.workers), "recovery_s": change.recovery_s,
                                         "coverage_restored": change.restored}
-            closing = f"evaluating or checkpointing at step {step}"
-            with nullcontext() if survival is None else survival.losses_stop(closing):
-                if pending is not None:
-                    close_step(*pending)
-                pending = (step, record, stats)
-                if must_close_now(step):
-                    close_step(*pending)
-                    pending = None
+                if change.during is not None:
+                    record["membership"]["during"] = change.during
+            if pending is not None:
+                close_step(*pending)
+            pending = (step, record, stats)
+            if must_close_now(step):
+                close_step(*pending)
+                pending = None
         if survival is not None:  # no boundary is left to admit a replacement at (`Survival.join`, the launcher)
             survival.store.set(STEPS_DONE_KEY, "1")
-        with nullcontext() if survival is None else survival.losses_stop("evaluating and saving the final model"):
-            val_loss, val_accuracy = evaluate(run, prep, save_to=out if cfg.save_model else None)
-            final_consensus = run.consensus_distance()
-            mask_change_bytes = run.mask_change_bytes
-            log.final(val_loss, val_accuracy)
+
+        def finish_run() -> tuple[tuple[float, float | None, dict[str, float] | None], list[dict[str, Any]]]:
+            """The final evaluation, the model file and every rank's figures (collectives)."""
+            values = evaluated(save_to=out if cfg.save_model else None)
             trained = sum(p.numel() for p in _optimizer_params(run))
-            per_rank = _gather({"peak": meter.peak, "trained": trained}, info.world_size)
+            return values, _gather({"peak": meter.peak, "trained": trained}, run.info.world_size, device)
+
+        (val_loss, val_accuracy, final_consensus), per_rank = outside_step("saving the final model", finish_run)
+        mask_change_bytes = run.mask_change_bytes
+        log.final(val_loss, val_accuracy)
         num_params_local = sum(p.numel() for p in run.model.parameters())
     finally:
         log.close()
@@ -310,7 +353,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             metrics_file.close()
         run.close()  # its hooks and groups go now, before `train` destroys the process groups
     if not info.is_main:
-        _finished(survival)
+        _finished(survival, run.faults, cfg.steps)
         return None
     history += [_json_safe(r) for r in records]  # the steps of earlier attempts, then this one's
     timed = records[1:] or records or history  # this attempt's first step pays one-off warm-up costs
@@ -351,7 +394,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     if survival is not None:
         summary["membership_changes"] = [c.to_dict() for c in survival.changes]
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    _finished(survival)
+    _finished(survival, run.faults, cfg.steps)
     final = summary["final_train_loss"]
     accuracy = "" if val_accuracy is None else f", val accuracy {val_accuracy:.2%}"
     print0(f"done: final train loss {'n/a' if final is None else f'{final:.4f}'}, val loss {val_loss:.4f}{accuracy}, "
@@ -362,11 +405,12 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     return summary
 
 
-def _finished(survival: Survival | None) -> None:
+def _finished(survival: Survival | None, faults, steps: int) -> None:
     """Tell the launcher (``--on-worker-loss continue``) that this worker's part of the run is done, so that an
     exit after this point (a kill during teardown) does not fail the launch."""
     if survival is not None:
         survival.store.set(finished_key(survival.worker), "1")
+        faults.kill_at_point("finished", steps, survival.worker)  # tests only
 
 
 def coverage_to_restore(prep: Prepared) -> dict[str, Any] | None:
@@ -409,7 +453,8 @@ def holder_bytes(bmap: BlockMap, names: Sequence[str], mode: str) -> int:
 
 def report_change(change: MembershipChange, info, steps: int, *, applied: bool = False) -> None:
     """Print, on the new rank 0, who was lost, who trains on and the survivors' mask with its certificate
-    (`applied`: every survivor had applied the step, which is not rerun)."""
+    (`applied`: every survivor had applied the step, which is not rerun; a loss outside a step,
+    `change.during`: what the survivors do again)."""
     if not info.is_main:
         return
     from masklab import analyze
@@ -431,9 +476,12 @@ def report_change(change: MembershipChange, info, steps: int, *, applied: bool =
     lost = ", ".join(map(str, change.lost))
     later = ("" if change.restore_at is None else
              f", until the round's boundary before step {change.restore_at + 1} restores the designed coverage")
-    print(f"sdp train: step {change.step + 1}/{steps}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
+    where = (f"step {change.step + 1}/{steps}" if change.during is None else
+             f"after step {change.step}/{steps}, while {change.during}")
+    print(f"sdp train: {where}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
           f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), "
-          + ("having applied this step, from the next step" if applied else "rerunning this step")
+          + ("having applied this step, from the next step" if applied else "rerunning this step"
+             if change.during is None else f"{change.during} again")
           + (f" under a mask that restores the designed coverage ({change.moved_bytes / 1e6:.3f} MB moved by "
              "this rank):" if change.restored else f" under the survivors' mask{later}:"), flush=True)
     print("\n".join(mask_lines(change.mask, analyze(change.mask))), flush=True)
@@ -522,22 +570,22 @@ def _optimizer_params(run: Run) -> list[torch.Tensor]:
     return [local(p) for p in params]
 
 
-def _gather(value: Any, world_size: int) -> list[Any]:
-    """Every rank's `value` (a picklable object), in rank order (a collective)."""
+def _gather(value: Any, world_size: int, device: torch.device) -> list[Any]:
+    """Every rank's `value` (a picklable object), in rank order (a collective, its waits watched)."""
     if world_size == 1:
         return [value]
-    values: list[Any] = [None] * world_size
-    dist.all_gather_object(values, value)
-    return values
+    return all_gather_objects(value, device)
 
 
 @torch.no_grad()
-def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> tuple[float, float | None]:
+def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None,
+             before_result: Callable[[], None] | None = None) -> tuple[float, float | None]:
     """Mean validation loss of the full assembled model, and its top-1 accuracy on image data (None on
     text), evaluated on rank 0 only; every rank gets both.
 
     With `save_to`, rank 0 also writes that full model to ``save_to/model.safetensors``
     (`sdp_train.trainer.outputs.save_model`): the file holds exactly the model this loss scores.
+    `before_result` (tests only: `sdp_train.trainer.faults`) runs on every rank before rank 0 sends the result.
 
     Rank 0 assembles the full model (`Run.full_state`) and scores the validation shards of every
     rank (``eval_batches`` each), so no other rank ever holds a full model copy; under SDP, rank 0
@@ -565,8 +613,10 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None) -> tuple[
             save_model(save_to, full, config=getattr(model, "config", None))
         total += validation_sums(model, prep, prep.config.workers, run.device)  # every worker's shard, lost or not
         del model, full
-    if info.world_size > 1:
-        dist.broadcast(total, src=0)
+    if before_result is not None:
+        before_result()
+    if info.world_size > 1:  # watched: a survivor blocked here gives up once a loss is being recovered from
+        wait(dist.broadcast(total, src=0, async_op=True), total.device)
     return float(total[0] / total[1]), (float(total[2] / total[3]) if total[3] else None)
 
 

@@ -24,6 +24,13 @@ members of the step, with 3 workers
 up to step STEP and workers 1 and 2 from step STEP + 1 on, with their rows of the mask in force
 (float32 rounding).
 
+B-SDP's launch goes on (``--eval-every 2``, ``SDP_TEST_KILL_OUTSIDE=evaluating:4:1``): worker 1, rank 0 of the
+survivors' world, SIGKILLs itself at the start of the evaluation after step 4's update, outside a training step.
+Worker 2, which holds every block under the survivors' restored mask, fails in that evaluation's collectives,
+recovers alone (the change has ``during: evaluating`` and the next step, 4), evaluates again as the new rank 0
+(the metrics file is now its to write) and trains steps 4 and 5 alone under its row, all ones: the reference's
+members are then worker 2 only (`OUTSIDE`).
+
 N-SDP's launch goes on (``--max-rejoins 1``, ``SDP_TEST_JOIN_AT_STEP=JOIN_STEP``): worker 0's replacement
 rejoins at JOIN_STEP, receives its neuron groups under the survivors' restored rows, and every worker then
 goes back to its designed row (`check_rejoined`, shared with tests/distributed/test_worker_loss_rejoin.py:
@@ -62,6 +69,8 @@ REJOIN = ("--max-rejoins", "1")
 RESTORE_AND_REJOIN = ("--restore-coverage", *REJOIN)
 # launched with a replacement for worker 0 that rejoins (`check_rejoined`) after --restore-coverage
 REJOINS = {"nsdp": RESTORE_AND_REJOIN, "overlap": RESTORE_AND_REJOIN}
+# a second loss, outside a step: worker 1 killed at the start of the evaluation after this many steps
+OUTSIDE, OUTSIDE_WORKER = {"bsdp": 4}, 1
 
 
 # bbsdp, overlap: test_worker_loss_applied.py; B-SDP's --restore-coverage launch is the 4-rank one of
@@ -75,6 +84,9 @@ def launch(mode: str, tmp_path_factory) -> tuple[str, subprocess.CompletedProces
     """`run_mode`, for `REJOINS` with a replacement for worker 0 that rejoins at JOIN_STEP."""
     if mode in REJOINS:
         return run_mode(mode, tmp_path_factory, REJOINS[mode], {"SDP_TEST_JOIN_AT_STEP": str(JOIN_STEP)})
+    if mode in OUTSIDE:
+        return run_mode(mode, tmp_path_factory, ("--restore-coverage", "--eval-every", "2"),
+                        {"SDP_TEST_KILL_OUTSIDE": f"evaluating:{OUTSIDE[mode]}:{OUTSIDE_WORKER}"})
     return run_mode(mode, tmp_path_factory)
 
 
@@ -95,13 +107,18 @@ def run_mode(mode: str, tmp_path_factory, extra: tuple[str, ...] = (), faults: d
 
 def members_rows(mode: str, prep, step: int) -> tuple[list[int], np.ndarray]:
     """The members of `step` (worker numbers) and a (3, B) matrix with their rows of the mask in force
-    (the others zero): `survivors_rows` once KILL_RANK is lost; under a schedule, the round's rows."""
+    (the others zero): `survivors_rows` once KILL_RANK is lost; under a schedule, the round's rows; from
+    `OUTSIDE`'s step on, worker 2 alone with its row of them."""
     members = [0, 1, 2] if step <= KILL_STEP else [k for k in range(3) if k != KILL_RANK]
+    if mode in OUTSIDE and step >= OUTSIDE[mode]:
+        members = [k for k in members if k != OUTSIDE_WORKER]
     matrix = np.zeros_like(prep.mask.matrix, dtype=bool)
     if not prep.mask.schedule.is_static:
         matrix[members] = prep.mask.round_matrix(step, seed=prep.config.seed)[members]
     else:
-        matrix[members] = prep.mask.matrix[members] if step <= KILL_STEP else survivors_rows(mode, prep)
+        survivors = [k for k in range(3) if k != KILL_RANK]
+        rows = survivors_rows(mode, prep)[[survivors.index(k) for k in members]] if step > KILL_STEP else None
+        matrix[members] = prep.mask.matrix[members] if step <= KILL_STEP else rows
     return members, matrix
 
 
@@ -369,21 +386,25 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
 
     from masklab.io import mask_from_dict
 
-    (change,) = summary["membership_changes"]
-    assert (change["step"], change["lost"], change["workers"]) == (CHANGE_STEP[mode], lost, survivors)
+    change, *outside = summary["membership_changes"]
+    assert (change["step"], change["lost"], change["workers"], change["during"]) == (CHANGE_STEP[mode], lost,
+                                                                                     survivors, None)
     rows = survivors_rows(mode, prepared(mode))
     assert mask_from_dict(change["mask"]).matrix.tolist() == rows.tolist()
     assert change["coverage_restored"] == (mode in RESTORES)
     if mode in RESTORES:  # the start's coverage 2 on the 2 survivors: each gained what it lacked
         assert rows.all() and change["moved_bytes"] > 0
         assert "under a mask that restores the designed coverage" in proc.stdout
-    assert summary["world_size"] == 2
     assert [m["step"] for m in metrics] == list(range(STEPS))  # every step once: none recomputed before the loss
-    assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode]]
     assert metrics[CHANGE_STEP[mode]]["membership"]["workers"] == survivors
     assert f"lost worker {KILL_RANK}; workers 1, 2 continue without rollback" in proc.stdout
     assert ("having applied this step, from the next step" in proc.stdout) == (CHANGE_STEP[mode] == KILL_STEP)
     assert f"lost rank {KILL_RANK} (exit code -9)" in proc.stderr
+    if mode in OUTSIDE:  # and worker 1, in the evaluation after OUTSIDE[mode] steps: worker 2 goes on alone
+        check_outside(mode, proc, out, outside, metrics, summary)
+        return
+    assert not outside and summary["world_size"] == 2
+    assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode]]
 
     # holders identical: each survivor's copy of every tensor it holds, from the checkpoint after the last step
     final = out / "checkpoints" / f"step_{STEPS}"
@@ -409,6 +430,40 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
     atol = 5e-5 if mode in ("bbsdp", "overlap") else 1e-5
     for name, value in expected.items():
         torch.testing.assert_close(model[name], value, rtol=1e-4, atol=atol, msg=name)
+    assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
+
+
+def check_outside(mode: str, proc: subprocess.CompletedProcess, out: Path, outside: list[dict], metrics: list[dict],
+                  summary: dict) -> None:
+    """What B-SDP's run shows after its second loss, worker 1 at the start of the evaluation after OUTSIDE[mode]
+    steps (module doc): the change outside a step, worker 2 alone evaluating again, writing the metrics lines
+    and the final checkpoint, which records it and which `--resume` refuses; the final model and every step's
+    loss as the reference whose members are worker 2 alone from that step on."""
+    from safetensors.torch import load_file
+
+    steps = OUTSIDE[mode]
+    (second,) = outside
+    assert (second["step"], second["lost"], second["workers"], second["during"]) == (steps, [OUTSIDE_WORKER], [2],
+                                                                                     "evaluating")
+    assert summary["world_size"] == 1
+    assert [m["step"] for m in metrics if "membership" in m] == [CHANGE_STEP[mode], steps]
+    assert metrics[steps]["membership"]["during"] == "evaluating"
+    # the survivor's evaluation is logged, on the line of the step it follows, and in val_history
+    assert [m["step"] for m in metrics if "val_loss" in m] == [1, 3]
+    assert [v["step"] for v in summary["val_history"]] == [1, 3]
+    assert summary["val_history"][1]["val_loss"] == metrics[3]["val_loss"]
+    assert (f"sdp train: after step {steps}/{STEPS}, while evaluating: lost worker {OUTSIDE_WORKER}; workers 2 "
+            "continue without rollback") in proc.stdout and "evaluating again" in proc.stdout
+    assert "rank 1 (exit code -9); ranks 2 finished the run" in proc.stderr and "Traceback" not in proc.stderr
+    final = out / "checkpoints" / f"step_{STEPS}"
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["workers"] == [2] and manifest["identity"]["world_size"] == 1 and not (final / "rank1.pt").exists()
+
+    expected, losses = reference(mode)
+    model = load_file(out / "model.safetensors")
+    assert set(model) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
 
 

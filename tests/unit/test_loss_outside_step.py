@@ -1,49 +1,124 @@
-"""A worker lost outside a training step (``--on-worker-loss continue``): the survivors' failed collective
-in an evaluation, a checkpoint or the final save stops the run in one line (`Survival.losses_stop`), not a
-traceback; a failure with no worker lost goes through as it is."""
+"""A worker lost outside a training step (``--on-worker-loss continue``), in one process: survivors that were at
+different points of the run stop in one line; a checkpoint whose write a loss interrupted never passes for
+complete, and the one the survivors write again records them and is refused by ``--resume`` in one line;
+the test hook that kills a rank there reads its variable strictly. The launch (a worker killed while the
+survivors of a first loss evaluate) is tests/distributed/test_worker_loss.py's B-SDP run."""
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
+import torch
 import torch.distributed as dist
 
 from masklab import Mask
+from sdp_train.data import build_batches
+from sdp_train.errors import ConfigError
+from sdp_train.parallel.dist import DistInfo
 from sdp_train.trainer.agreement import WorkerLossError, exited_key
+from sdp_train.trainer.checkpoint import (MANIFEST, check_resumable, checkpoint_problem, latest_valid_checkpoint,
+                                         save_checkpoint)
+from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.faults import InjectedFaults
 from sdp_train.trainer.membership import Survival
+from sdp_train.trainer.prepare import prepare
+from sdp_train.trainer.run import Run
 
 MASK = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
 
 
-def _survival(store: dist.Store) -> Survival:
-    return Survival(store, 1, [0, 1, 2], MASK)
-
-
-def test_a_collective_failed_by_a_lost_worker_outside_a_step_stops_in_one_line():
-    store = dist.HashStore()
-    store.set(exited_key(2), "-9")
-    with pytest.raises(WorkerLossError, match=r"^lost worker\(s\) \[2\] while checkpointing: --on-worker-loss "
-                                              r"continue survives a loss inside a training step only; restart ") as got:
-        with _survival(store).losses_stop("checkpointing"):
-            raise RuntimeError("Connection reset by peer")
-    assert not got.value.report  # worker 0 survives and says it, once
+def test_survivors_at_different_points_of_the_run_stop_in_one_line():
+    """Workers 1 and 2 survive worker 0, one in the evaluation after step 4, the other already in step 4 (it had
+    the evaluation's result when worker 0 died): they cannot redo the same work, so each stops (`WorkerLossError`),
+    worker 1 saying why, before any world forms."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     store.set(exited_key(0), "-9")
-    with pytest.raises(WorkerLossError, match=r"^lost worker\(s\) \[0, 2\] while") as got:
-        with _survival(store).losses_stop("checkpointing"):
-            raise RuntimeError("Connection reset by peer")
-    assert got.value.report
+    run = SimpleNamespace(steps_applied=4, faults=InjectedFaults())
+    errors: dict[int, BaseException] = {}
+
+    def survive(worker: int, where: str) -> None:
+        survival = Survival(store, worker, [0, 1, 2], MASK)
+        survival.where = where
+        try:
+            survival._agree_and_form(run, 4, RuntimeError("Connection reset by peer"), torch.device("cpu"), None)
+        except WorkerLossError as exc:
+            errors[worker] = exc
+
+    threads = [threading.Thread(target=survive, args=(1, "evaluating after step 4")),
+               threading.Thread(target=survive, args=(2, "step 4"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(errors) == [1, 2] and [w for w, e in errors.items() if e.report] == [1]
+    assert str(errors[1]) == ("the survivors [1, 2] of a worker loss were at different points of the run (worker 1: "
+                              "evaluating after step 4; worker 2: step 4): they cannot go on together; restart from "
+                              "a checkpoint (--resume)")
 
 
-def test_a_failure_with_no_worker_lost_goes_through_as_it_is():
-    with pytest.raises(RuntimeError, match="^a bug$"):
-        with _survival(dist.HashStore()).losses_stop("checkpointing", mark_wait=0.1):
-            raise RuntimeError("a bug")
-    with pytest.raises(ValueError):  # not a collective's failure: never read as a loss
-        store = dist.HashStore()
-        store.set(exited_key(0), "-9")
-        with _survival(store).losses_stop("checkpointing"):
-            raise ValueError("bad input")
-    with _survival(dist.HashStore()).losses_stop("checkpointing"):
-        pass
+TINY = {"model": "llama-debug", "model_overrides": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},
+        "mode": "ddp", "workers": 3, "steps": 8, "batch_size": 2, "seq_len": 16, "max_data_bytes": 20_000,
+        "warmup_steps": 1, "memory_steps": 0, "eval_batches": 1, "checkpoint_every": 2}
+
+
+def _survivor_run(tmp_path: Path):
+    """Rank 0 of a world of 1 in a run of 3 workers (what is left after losing 2; DDP, whose one rank holds the
+    model), with its batches."""
+    prep = prepare(TrainConfig(**{**TINY, "out": str(tmp_path)}))
+    return Run(prep, DistInfo(0, 1, 0), torch.device("cpu")), build_batches(prep.data, split="train", seed=0, rank=0,
+                                                                            world_size=1), prep
+
+
+def test_a_checkpoint_a_loss_interrupted_is_never_complete_and_the_survivors_one_is_refused_in_one_line(tmp_path):
+    run, batches, prep = _survivor_run(tmp_path)
+    root = tmp_path / "checkpoints"
+
+    def lost() -> None:  # the collective after this rank's file fails: a worker was lost
+        raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(RuntimeError):
+        save_checkpoint(run, batches, 4, root, workers=[0, 1, 2], after_write=lost)
+    assert (root / "step_4" / "rank0.pt").is_file() and not (root / "step_4" / MANIFEST).exists()
+    assert checkpoint_problem(root / "step_4") == f"it has no {MANIFEST}, so its write was interrupted"
+    assert latest_valid_checkpoint(root, warn=False) is None
+
+    # what the larger world left there, then the survivor writes step_4 again, as rank 0 of its world
+    for name in ("rank1.pt", "rank2.pt", ".rank2.pt.tmp1234"):
+        (root / "step_4" / name).write_bytes(b"partial")
+    save_checkpoint(run, batches, 4, root, workers=[2])
+    assert sorted(p.name for p in (root / "step_4").iterdir()) == [MANIFEST, "rank0.pt"]
+    manifest = _manifest(root / "step_4")
+    assert manifest["workers"] == [2] and manifest["identity"]["world_size"] == 1
+    assert checkpoint_problem(root / "step_4") is None
+    message = (f"cannot resume from {root / 'step_4'}: it was written by workers [2] (in rank order) of the run's 3 "
+               "after a worker loss or rejoin (--on-worker-loss continue); resuming from it is not built: resume "
+               "from a checkpoint written before the change")
+    with pytest.raises(ConfigError) as got:
+        check_resumable(root / "step_4", prep.config, prep.model_config, prep.mask)
+    assert str(got.value) == message
+    with pytest.raises(ConfigError) as got:  # `--resume DIR` takes the newest complete one, and says so
+        prepare(TrainConfig(**{**TINY, "out": str(tmp_path / "again"), "resume": str(root)}))
+    assert str(got.value) == message
+
+
+def _manifest(path: Path) -> dict:
+    import json
+
+    return json.loads((path / MANIFEST).read_text())
+
+
+@pytest.mark.parametrize("value", ["eval:4:2", "evaluating:4", "evaluating:a:2", "evaluating:4:2:1", "saving::"])
+def test_the_kill_hook_outside_a_step_refuses_a_malformed_value_in_one_line(value):
+    with pytest.raises(ValueError) as got:
+        InjectedFaults.from_environment({"SDP_TEST_KILL_OUTSIDE": value}, attempt=0)
+    assert str(got.value) == (f"SDP_TEST_KILL_OUTSIDE={value!r} must be POINT:STEPS:WORKER, POINT one of evaluating, "
+                              "checkpointing, saving, finished, STEPS and WORKER integers >= 0")
+    assert InjectedFaults.from_environment({"SDP_TEST_KILL_OUTSIDE": "checkpointing:4:2"}, attempt=0).kill_outside == (
+        "checkpointing", 4, 2)
 
 
 def test_a_recovery_releases_what_the_failed_collectives_frames_held():
