@@ -24,8 +24,9 @@ members of the step, with 3 workers
 up to step STEP and workers 1 and 2 from step STEP + 1 on, with their rows of the mask in force
 (float32 rounding).
 
-B-SDP's launch goes on (``--eval-every 2``, ``SDP_TEST_KILL_OUTSIDE=evaluating:4:1``): worker 1, rank 0 of the
-survivors' world, SIGKILLs itself at the start of the evaluation after step 4's update, outside a training step.
+Bb-SDP's launch (tests/distributed/test_worker_loss_applied.py) goes on (``--eval-every 2``,
+``SDP_TEST_KILL_OUTSIDE=evaluating:4:1``): worker 1, rank 0 of the survivors' world, SIGKILLs itself at the start
+of the evaluation after step 4's update, outside a training step.
 Worker 2, which holds every block under the survivors' restored mask, fails in that evaluation's collectives,
 recovers alone (the change has ``during: evaluating`` and the next step, 4), evaluates again as the new rank 0
 (the metrics file is now its to write) and trains steps 4 and 5 alone under its row, all ones: the reference's
@@ -70,7 +71,7 @@ RESTORE_AND_REJOIN = ("--restore-coverage", *REJOIN)
 # launched with a replacement for worker 0 that rejoins (`check_rejoined`) after --restore-coverage
 REJOINS = {"nsdp": RESTORE_AND_REJOIN, "overlap": RESTORE_AND_REJOIN}
 # a second loss, outside a step: worker 1 killed at the start of the evaluation after this many steps
-OUTSIDE, OUTSIDE_WORKER = {"bsdp": 4}, 1
+OUTSIDE, OUTSIDE_WORKER = {"bbsdp": 4}, 1
 
 
 # bbsdp, overlap: test_worker_loss_applied.py; B-SDP's --restore-coverage launch is the 4-rank one of
@@ -435,7 +436,7 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
 
 def check_outside(mode: str, proc: subprocess.CompletedProcess, out: Path, outside: list[dict], metrics: list[dict],
                   summary: dict) -> None:
-    """What B-SDP's run shows after its second loss, worker 1 at the start of the evaluation after OUTSIDE[mode]
+    """What Bb-SDP's run shows after its second loss, worker 1 at the start of the evaluation after OUTSIDE[mode]
     steps (module doc): the change outside a step, worker 2 alone evaluating again, writing the metrics lines
     and the final checkpoint, which records it and which `--resume` refuses; the final model and every step's
     loss as the reference whose members are worker 2 alone from that step on."""
@@ -462,8 +463,8 @@ def check_outside(mode: str, proc: subprocess.CompletedProcess, out: Path, outsi
     expected, losses = reference(mode)
     model = load_file(out / "model.safetensors")
     assert set(model) == set(expected)
-    for name, value in expected.items():
-        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for name, value in expected.items():  # Bb-SDP's tolerance, as `check_survivors`
+        torch.testing.assert_close(model[name], value, rtol=1e-4, atol=5e-5, msg=name)
     assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5)
 
 

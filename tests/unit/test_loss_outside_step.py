@@ -2,7 +2,7 @@
 different points of the run stop in one line; a checkpoint whose write a loss interrupted never passes for
 complete, and the one the survivors write again records them and is refused by ``--resume`` in one line;
 the test hook that kills a rank there reads its variable strictly. The launch (a worker killed while the
-survivors of a first loss evaluate) is tests/distributed/test_worker_loss.py's B-SDP run."""
+survivors of a first loss evaluate) is tests/distributed/test_worker_loss_applied.py's Bb-SDP run."""
 
 from __future__ import annotations
 
