@@ -17,7 +17,8 @@ every holder of every tensor bit-identical at the end (each rank's file of the f
 final model, and every step's loss, equal to the single-process reference whose members are workers 0, 1
 and 2 up to step 2, workers 1 and 2 at steps 3 and 4 and all three again from step 5 on, each with its
 designed row, the rejoined worker 0 on its batch of that step (float32 rounding): the reference that
-admitted the second replacement, never the first.
+admitted the second replacement, never the first. Last, worker 1 SIGKILLs itself once its part of the run is
+done (``SDP_TEST_KILL_OUTSIDE=finished:6:1``): the launch still exits 0, with a note saying so.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ SECOND_JOIN = JOIN_STEP + 1  # where the second replacement joins, after the fir
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess, Path]:
     return run_mode("bsdp", tmp_path_factory, ("--max-rejoins", "2"),
-                    {"SDP_TEST_JOIN_AT_STEP": f"{JOIN_STEP},{SECOND_JOIN}", "SDP_TEST_KILL_JOINER": str(JOIN_STEP)})
+                    {"SDP_TEST_JOIN_AT_STEP": f"{JOIN_STEP},{SECOND_JOIN}", "SDP_TEST_KILL_JOINER": str(JOIN_STEP),
+                     "SDP_TEST_KILL_OUTSIDE": "finished:6:1"})
 
 
 @pytest.mark.slow
@@ -46,4 +48,6 @@ def test_a_replacement_lost_while_it_joins_leaves_the_members_going_on_and_the_n
                                                  f"while joining (") and "workers 1, 2 go on from this step" in lost[0]
     assert "(1 more allowed)" in proc.stderr and "(0 more allowed)" in proc.stderr  # two replacements
     assert "Traceback" not in proc.stderr
+    assert ("sdp: note: rank 1 (exit code -9) ended after it had finished its part of the run, which is complete"
+            in proc.stderr.splitlines())
     check_rejoined(mode, proc, out, restored=False, join_step=SECOND_JOIN)
