@@ -201,6 +201,24 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     return model.state_dict(), losses
 
 
+def copy_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch, cfg, step: int, *, steps: bool) -> float:
+    """One worker's own copy in an overlap-averaging reference: its loss on `batch` and, with `steps`,
+    its clipped AdamW step at `step`'s learning rate (the parameters it trains are those that require
+    a gradient)."""
+    from sdp_train.trainer.run import loss_fn, lr_at
+
+    x, y = batch
+    loss = loss_fn(model(x), y)
+    if steps:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.step()
+        opt.zero_grad()
+    return loss.item()
+
+
 def _overlap_reference(cfg, prep, *, rejoin: bool = False, restored: bool = False
                        ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Overlap averaging on one process: a copy and an AdamW per worker (over every parameter; those of the
@@ -218,7 +236,6 @@ def _overlap_reference(cfg, prep, *, rejoin: bool = False, restored: bool = Fals
 
     from sdp_train.data import build_batches
     from sdp_train.testing import from_sdp_train
-    from sdp_train.trainer.run import loss_fn, lr_at
 
     base, _, _ = from_sdp_train(prep.model_config, "block", seed=cfg.seed)
     matrix = prep.mask.matrix.astype(bool)
@@ -258,16 +275,7 @@ def _overlap_reference(cfg, prep, *, rejoin: bool = False, restored: bool = Fals
         values = []
         drawn = [next(b) for b in batches]  # a worker's stream moves with the steps: a joiner reads its step's
         for k in (range(3) if step <= KILL_STEP else members):
-            x, y = drawn[k]
-            loss = loss_fn(copies[k](x), y)
-            values.append(loss.item())
-            if k in stepping:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for p in copies[k].parameters() if p.requires_grad], cfg.grad_clip)
-                for group in opts[k].param_groups:
-                    group["lr"] = lr_at(step, cfg)
-                opts[k].step()
-                opts[k].zero_grad()
+            values.append(copy_step(copies[k], opts[k], drawn[k], cfg, step, steps=k in stepping))
         losses.append(sum(values) / len(values))
         with torch.no_grad():
             states = [dict(m.named_parameters()) for m in copies]

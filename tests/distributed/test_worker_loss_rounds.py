@@ -62,7 +62,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed.test_worker_loss import KILL_RANK, KILL_STEP, prepared, reference, run_mode
+from tests.distributed.test_worker_loss import KILL_RANK, KILL_STEP, copy_step, prepared, reference, run_mode
 
 REJOIN = ("--max-rejoins", "1")
 SCHEDULE_STEPS = 12  # rounds of 3 steps: changes at steps 3, 6 and 9
@@ -239,7 +239,6 @@ def overlap_schedule_reference(prep, *, kill_step: int = KILL_STEP, join_step: i
 
     from sdp_train.data import build_batches
     from sdp_train.testing import from_sdp_train
-    from sdp_train.trainer.run import loss_fn, lr_at
 
     cfg = prep.config
     base, _, _ = from_sdp_train(prep.model_config, "block", seed=cfg.seed)
@@ -284,15 +283,7 @@ def overlap_schedule_reference(prep, *, kill_step: int = KILL_STEP, join_step: i
             for name, p in copies[k].named_parameters():
                 p.requires_grad_(block(name) is None or bool(rows[k, block(name)]))
                 p.grad = None
-            x, y = drawn[k]
-            loss = loss_fn(copies[k](x), y)
-            values.append(loss.item())
-            if k in alive:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for p in copies[k].parameters() if p.requires_grad], cfg.grad_clip)
-                for group in opts[k].param_groups:
-                    group["lr"] = lr_at(step, cfg)
-                opts[k].step()
+            values.append(copy_step(copies[k], opts[k], drawn[k], cfg, step, steps=k in alive))
         losses.append(sum(values) / len(values))
         if (step + 1) % cfg.local_steps == 0:
             with torch.no_grad():
