@@ -47,6 +47,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -201,6 +202,18 @@ def reference(mode: str, extra: tuple[str, ...] = (), members_of=None) -> tuple[
     return model.state_dict(), losses
 
 
+@torch.no_grad()
+def average_holders(copies: Sequence[torch.nn.Module], members: Sequence[int], rows: np.ndarray, block) -> None:
+    """Overlap averaging's average in a reference: each parameter of `copies`, the mean over the `members`
+    whose row of `rows` holds its block (`block(name)`; None: a shared parameter, every member's)."""
+    states = [dict(m.named_parameters()) for m in copies]
+    for name in states[0]:
+        holders = [k for k in members if block(name) is None or rows[k, block(name)]]
+        mean = sum(states[k][name] for k in holders) / len(holders)
+        for k in holders:
+            states[k][name].copy_(mean)
+
+
 def copy_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch, cfg, step: int, *, steps: bool) -> float:
     """One worker's own copy in an overlap-averaging reference: its loss on `batch` and, with `steps`,
     its clipped AdamW step at `step`'s learning rate (the parameters it trains are those that require
@@ -277,13 +290,7 @@ def _overlap_reference(cfg, prep, *, rejoin: bool = False, restored: bool = Fals
         for k in (range(3) if step <= KILL_STEP else members):
             values.append(copy_step(copies[k], opts[k], drawn[k], cfg, step, steps=k in stepping))
         losses.append(sum(values) / len(values))
-        with torch.no_grad():
-            states = [dict(m.named_parameters()) for m in copies]
-            for name in states[0]:
-                holders = [k for k in members if block(name) is None or rows[k, block(name)]]
-                mean = sum(states[k][name] for k in holders) / len(holders)
-                for k in holders:
-                    states[k][name].copy_(mean)
+        average_holders(copies, members, rows, block)
         if restored and step == KILL_STEP:  # the survivors' restored rows, at the boundary after this average
             new = np.zeros_like(rows)
             new[survivors] = survivors_rows("overlap", prep)

@@ -62,7 +62,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed.test_worker_loss import KILL_RANK, KILL_STEP, copy_step, prepared, reference, run_mode
+from tests.distributed.test_worker_loss import (KILL_RANK, KILL_STEP, average_holders, copy_step, prepared,
+                                                reference, run_mode)
 
 REJOIN = ("--max-rejoins", "1")
 SCHEDULE_STEPS = 12  # rounds of 3 steps: changes at steps 3, 6 and 9
@@ -286,13 +287,7 @@ def overlap_schedule_reference(prep, *, kill_step: int = KILL_STEP, join_step: i
             values.append(copy_step(copies[k], opts[k], drawn[k], cfg, step, steps=k in alive))
         losses.append(sum(values) / len(values))
         if (step + 1) % cfg.local_steps == 0:
-            with torch.no_grad():
-                states = [dict(m.named_parameters()) for m in copies]
-                for name in states[0]:
-                    holders = [k for k in alive if block(name) is None or rows[k, block(name)]]
-                    mean = sum(states[k][name] for k in holders) / len(holders)
-                    for k in holders:
-                        states[k][name].copy_(mean)
+            average_holders(copies, alive, rows, block)
     last = round_of(steps - 1)
     final = {}
     for name in copies[0].state_dict():  # each tensor from its lowest-ranked holder in the new world's order
