@@ -156,9 +156,11 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
             signal.signal(signal.SIGTERM, previous)
         refused = _refused(errors, [codes[r] for r in ranks], ranks.start)
         if refused is not None:
+            tick.done()
             print(refused, file=sys.stderr, flush=True)
             return EXIT_USAGE
-    code, lines = launch_outcome(store, codes, nproc)
+    code, lines = launch_outcome(store, codes, nproc)  # before `done`: the store's host may then end
+    tick.done()
     for line in lines:
         print(line, file=sys.stderr, flush=True)
     return code
@@ -274,6 +276,7 @@ def serve_store(nodes: int, port: int, *, ready: Callable[[int], None] = lambda 
         world_size = int(store.get(WORLD_KEY).decode())
         watch = _Nodes(store, Node(nodes, 0, external=True), world_size, watcher=True)
         codes = watch.run_ended({})
+        watch.done()
     except KeyboardInterrupt as exc:
         sig = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
         print(f"sdp store: interrupted ({sig.name})", file=sys.stderr, flush=True)
@@ -337,7 +340,7 @@ class _Nodes:
 
     def run_ended(self, codes: dict[int, int]) -> dict[int, int | str]:
         """Every rank's exit code (a lost node's: `NODE_LOST`) once every worker of the last membership has
-        an exit mark; the store's host returns after every other node has read them or is lost."""
+        an exit mark. Read what else the outcome needs from the store (`launch_outcome`), then call `done`."""
         if self.node.nodes == 1:
             return codes
         while True:
@@ -348,14 +351,20 @@ class _Nodes:
             time.sleep(0.05)
         marks = {r: self.store.get(exited_key(r)).decode() if self.store.check([exited_key(r)]) else NODE_LOST
                  for r in range(self.world_size)}
-        if not self.watcher:
-            self.store.set(done_key(self.node.rank), "1")
-        else:
-            while not all(n in self.lost or self.store.check([done_key(n)]) for n in self.seen):
-                self()
-                time.sleep(0.05)
         return {r: codes[r] if r in codes else (NODE_LOST if mark == NODE_LOST else int(mark))
                 for r, mark in marks.items()}
+
+    def done(self) -> None:
+        """This node has read the run's outcome (`done_key`); the store's host returns once every other node
+        has, or is lost. A node must read nothing from the store after it: the host may then end."""
+        if self.node.nodes == 1:
+            return
+        if not self.watcher:
+            self.store.set(done_key(self.node.rank), "1")
+            return
+        while not all(n in self.lost or self.store.check([done_key(n)]) for n in self.seen):
+            self()
+            time.sleep(0.05)
 
 
 def node_timeout() -> float:
