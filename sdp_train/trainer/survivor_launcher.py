@@ -262,8 +262,8 @@ def serve_store(nodes: int, port: int, *, ready: Callable[[int], None] = lambda 
     (``sdp store``), on a host that trains nothing, so that losing any node, node 0 included, is a lost
     set of workers. It watches every node's beat as node 0's launcher otherwise does (`_Nodes`), and
     returns once every node has read the run's outcome or is lost: 0 when every worker of the last
-    membership exited 0 or had finished its part (`launch_outcome`), 1 otherwise, 128 + the signal's number when interrupted. `ready` gets the
-    port (any free one for `port` 0) once the store listens."""
+    membership exited 0 or had finished its part (`launch_outcome`), 1 otherwise, 128 + the signal's
+    number when interrupted. `ready` gets the port (any free one for `port` 0) once the store listens."""
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=collective_timeout())
     store.set(RUN_ID_KEY, uuid.uuid4().hex)
     store.set(NODES_KEY, str(nodes))

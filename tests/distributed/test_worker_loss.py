@@ -15,12 +15,12 @@ again from its lowest-ranked surviving holder and go on with step STEP + 1. Over
 in step STEP's average: they take it again among themselves, then each takes the blocks it newly holds
 (values, AdamW state) from the other and goes on with step STEP + 1. This module launches N-SDP;
 test_worker_loss_applied.py Bb-SDP and overlap averaging; test_worker_loss_recovery.py B-SDP (4 ranks,
-a second worker lost in the move). One launch per mode checks: exit 0; the membership change recorded at the failing step in summary.json and its metrics
-line, every step's line once; the holders of every tensor (N-SDP: every row or column; Bb-SDP:
-every tensor; overlap averaging: every block both hold) identical at the end (each survivor's rank
-file of the final checkpoint, written after the last step); and the final model, and every step's
-loss, equal to a single-process reference that averages each entry over its holders among the
-members of the step, with 3 workers
+a second worker lost in the move). One launch per mode checks: exit 0; the membership change
+recorded at the failing step in summary.json and its metrics line, every step's line once; the
+holders of every tensor (N-SDP: every row or column; Bb-SDP: every tensor; overlap averaging: every
+block both hold) identical at the end (each survivor's rank file of the final checkpoint, written
+after the last step); and the final model, and every step's loss, equal to a single-process
+reference that averages each entry over its holders among the members of the step, with 3 workers
 up to step STEP and workers 1 and 2 from step STEP + 1 on, with their rows of the mask in force
 (float32 rounding).
 
