@@ -298,7 +298,8 @@ def _lost(rank: int, code: int | str) -> str:
 
 
 class _Nodes:
-    """What a launcher does beside its own ranks when there are several nodes (nothing on one): the nodes
+    """What a launcher does beside its own ranks when there are several nodes or an ``sdp store`` (nothing
+    on one node that hosts its store): the nodes
     that do not host the store beat (`beat_key`) every `_wait_all` round; its host (node 0's launcher, or
     `serve_store`'s process: `watcher`) watches the beats, marks a silent node's ranks `NODE_LOST`, and at
     the end waits until every live node has read the outcome (`done_key`)."""
@@ -311,8 +312,13 @@ class _Nodes:
         self.seen = {n: (-1, time.monotonic()) for n in watched}  # node -> (beat, when it changed)
         self.lost: set[int] = set()
 
+    @property
+    def alone(self) -> bool:
+        """One node on a store its launcher hosts: nobody to beat for or to watch."""
+        return self.node.nodes == 1 and not self.node.external
+
     def __call__(self) -> None:
-        if self.node.nodes == 1:
+        if self.alone:
             return
         if not self.watcher:
             self.store.add(beat_key(self.node.rank), 1)
@@ -341,7 +347,7 @@ class _Nodes:
     def run_ended(self, codes: dict[int, int]) -> dict[int, int | str]:
         """Every rank's exit code (a lost node's: `NODE_LOST`) once every worker of the last membership has
         an exit mark. Read what else the outcome needs from the store (`launch_outcome`), then call `done`."""
-        if self.node.nodes == 1:
+        if self.alone:
             return codes
         while True:
             members = _members(self.store) or range(self.world_size)
@@ -357,7 +363,7 @@ class _Nodes:
     def done(self) -> None:
         """This node has read the run's outcome (`done_key`); the store's host returns once every other node
         has, or is lost. A node must read nothing from the store after it: the host may then end."""
-        if self.node.nodes == 1:
+        if self.alone:
             return
         if not self.watcher:
             self.store.set(done_key(self.node.rank), "1")

@@ -280,3 +280,19 @@ def test_the_watch_takes_back_a_lost_node_whose_replacement_beats(store, monkeyp
     other()  # the replacement's launcher beats
     watch()
     assert watch.lost == set()
+
+
+def test_the_store_process_of_a_single_node_run_ends_with_its_outcome(capsys):
+    """`sdp store --nnodes 1`: its one launcher beats and says it is done as on several nodes (before:
+    the store's process read no exit mark and failed at the end)."""
+    thread, ended, client = _serving(1)
+    launcher = _Nodes(client, Node(1, 0, external=True), 2)
+    assert _join_store(client, Node(1, 0, external=True), 2) is None
+    launcher()
+    client.set(exited_key(0), "0")
+    client.set(exited_key(1), "0")
+    assert launcher.run_ended({0: 0, 1: 0}) == {0: 0, 1: 0}
+    launcher.done()
+    thread.join(timeout=10)
+    assert ended == {"code": 0}
+    assert "sdp store: the run ended: ranks 0, 1 of 2 finished it" in capsys.readouterr().err
