@@ -130,7 +130,8 @@ def launch_keeping_survivors(module_argv: Sequence[str], nproc: int, *, max_rejo
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         tick = _Nodes(store, node, nproc)
         try:
-            codes = dict(zip(ranks, _wait_all(procs, store, lambda rank: start(rank, True), max_rejoins, tick=tick)))
+            codes = dict(zip(ranks, _wait_all(procs, store, lambda rank: start(rank, True), max_rejoins, tick=tick,
+                                                  world_size=nproc)))
             codes = tick.run_ended(codes)
         except KeyboardInterrupt as exc:
             for p in procs.values():
@@ -409,11 +410,12 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, max_rejoins: int, *,
-              tick: Callable[[], None] = lambda: None) -> list[int]:
+              tick: Callable[[], None] = lambda: None, world_size: int | None = None) -> list[int]:
     """Every rank's exit code (its last process's), in rank order, each marked in the store as soon as its
     process ends; a failed rank is replaced (``procs[rank] = replace(rank)``, at most `max_rejoins` times
-    in all) once the survivors' membership leaves it out, while another rank still runs. `tick` runs
-    every round (`_Nodes`)."""
+    in all) once the survivors' membership leaves it out, while another worker of the run (`world_size`
+    ranks on every node; None: `procs` are all of them) still runs. `tick` runs every round (`_Nodes`)."""
+    workers = sorted(procs) if world_size is None else range(world_size)
     codes: dict[int, int] = {}
     to_replace: set[int] = set()
     while len(codes) < len(procs) or to_replace:
@@ -427,7 +429,8 @@ def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, ma
                 if p.returncode not in (0, EXIT_USAGE) and max_rejoins > 0:
                     to_replace.add(rank)
         for rank in sorted(to_replace):
-            if all(r in codes for r in procs if r != rank) or store.check([STEPS_DONE_KEY]):  # nothing left to join
+            running = [w for w in (_members(store) or workers) if w != rank and not store.check([exited_key(w)])]
+            if not running or store.check([STEPS_DONE_KEY]):  # nothing left to join
                 to_replace.discard(rank)
             elif store.check([MEMBERS_KEY]) and rank not in _members(store):  # the survivors agreed on the loss
                 to_replace.discard(rank)

@@ -394,6 +394,33 @@ def test_the_launcher_replaces_a_lost_rank_once_the_survivors_left_it_out_and_at
     assert codes == [[-9, 0, 0]] and len(started) == 1
 
 
+def test_a_node_replaces_its_only_rank_while_the_other_nodes_ranks_run(store):
+    """One rank per node: node 2's launcher replaces its lost rank 2 once the survivors (ranks 0 and 1, on
+    other nodes, with no exit mark) left it out. Before, the launcher judged the run over from its own
+    node's ranks alone (none left) and never replaced it."""
+    from sdp_train.trainer.agreement import MEMBERS_KEY
+    from sdp_train.trainer.survivor_launcher import _wait_all
+
+    procs = {2: _Process(-9)}
+    started: list[_Process] = []
+
+    def replace(rank: int) -> _Process:
+        started.append(_Process())
+        return started[-1]
+
+    codes: list[list[int]] = []
+    waiting = threading.Thread(target=lambda: codes.append(_wait_all(procs, store, replace, 1, world_size=3)))
+    waiting.start()
+    threading.Event().wait(0.3)
+    assert not started and not codes  # the survivors have not decided yet
+    store.set(MEMBERS_KEY, "0,1")
+    threading.Event().wait(0.3)
+    assert len(started) == 1 and procs[2] is started[0]
+    started[0].returncode = 0
+    waiting.join(timeout=10)
+    assert codes == [[0]]
+
+
 class _Sync:
     moved_bytes = 0
 
