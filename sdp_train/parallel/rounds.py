@@ -42,7 +42,7 @@ class Rounds:
         self._restored: dict[int, np.ndarray] = {}  # round index -> its restored mask, the latest few
         self.restore_from = 0
         """With `restore`: the first step trained under a restored mask (with local steps, the boundary after
-        the round a loss interrupted: `sdp_train.trainer.membership.restore_step`); before it the rows as they are."""
+        the round a loss interrupted: `restore_step`); before it the rows as they are."""
         self.steps = 0
         """Optimizer steps taken."""
         self.matrix = self.round_matrix(0)
@@ -228,3 +228,14 @@ def restored_round(matrix: np.ndarray, workers: Sequence[int], restore: Mapping[
 def _count(value) -> bool:
     """Whether `value` is a count of steps: an integer >= 0 (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def restore_step(steps_applied: int, local_steps: int) -> int:
+    """The step at whose start survivors that applied `steps_applied` steps move to a mask restoring the
+    designed coverage: at once on a round's boundary (every `local_steps`-th step, right after the
+    holders' average, where every holder of a block has the same values), else at the next one.
+
+    >>> restore_step(3, 3), restore_step(4, 3), restore_step(5, 1)
+    (3, 6, 5)
+    """
+    return -(-steps_applied // local_steps) * local_steps

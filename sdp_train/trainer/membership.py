@@ -57,7 +57,7 @@ from masklab.errors import DesignError, MaskError
 from masklab.survivors import restored_mask
 from sdp_train.parallel.changes import MoveVote
 from sdp_train.parallel.dist import DistInfo, collective_timeout
-from sdp_train.parallel.rounds import restored_round
+from sdp_train.parallel.rounds import restore_step, restored_round
 from sdp_train.trainer.agreement import (MEMBERS_KEY, STEPS_DONE_KEY, MembershipChange, RunEnded, WorkerLossError,
                                          admission_key, agree, agreement_timeout, decide, exited_key, gather,
                                          joiners_at, joining_fails, joining_key, moved_everywhere, release_frames)
@@ -531,17 +531,6 @@ def _design_fits(survivors: int, blocks: int, workers: Sequence[int], restore: M
     matrix[np.arange(blocks) % survivors, np.arange(blocks)] = 1
     matrix[np.arange(survivors), np.arange(survivors) % blocks] = 1
     restored_round(matrix, workers, restore, mask)
-
-
-def restore_step(steps_applied: int, local_steps: int) -> int:
-    """The step at whose start survivors that applied `steps_applied` steps move to a mask restoring the
-    designed coverage: at once on a round's boundary (every `local_steps`-th step, right after the
-    holders' average, where every holder of a block has the same values), else at the next one.
-
-    >>> restore_step(3, 3), restore_step(4, 3), restore_step(5, 1)
-    (3, 6, 5)
-    """
-    return -(-steps_applied // local_steps) * local_steps
 
 
 def _welcome_mask(designed: Mask, rows: Sequence[Sequence[int]], joined: Sequence[int], step: int, seed: int

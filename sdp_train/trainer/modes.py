@@ -48,7 +48,7 @@ from sdp_train.parallel.dist import DistInfo
 from sdp_train.parallel.masking import Cut, ModelLayout, describe, shared_inside
 from sdp_train.parallel.overlap import OverlapAveraging, trained_step
 from sdp_train.parallel.parallelize import parallelize
-from sdp_train.parallel.rounds import Rounds
+from sdp_train.parallel.rounds import Rounds, restore_step
 from sdp_train.parallel.wire import ByteCount
 from sdp_train.parallel.wrapper import SubnetworkDataParallel
 from sdp_train.trainer.config import BASELINES
@@ -340,10 +340,9 @@ class SubnetworkSync(ModeSync):
         kept = old.rounds.matrix[list(rows)]
         held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, 0, None
         if old.rounds.counts:  # a schedule or local steps: the position (steps taken, round) goes on
-            # with local steps a restore waits for the boundary after the round the loss interrupted (`restore_step`)
-            restore_from = -(-old.rounds.steps // old.local_steps) * old.local_steps
+            # with local steps a restore waits for the boundary after the round the loss interrupted
             rounds = old.rounds.for_survivors(rows, restore=None if old.mask.schedule.is_static else restore,
-                                              restore_from=restore_from)
+                                              restore_from=restore_step(old.rounds.steps, old.local_steps))
         if not old.mask.schedule.is_static:
             old.changes.undo_gains(old.rounds.matrix)
             mask = old.mask

@@ -226,8 +226,7 @@ class Run:
         coverage for the survivors, the round in force's at once (`ModeSync.enter_next_round`: what a
         survivor newly holds, with its optimizer state, from its lowest-ranked surviving holder), its
         bytes in the sync's `moved_bytes`."""
-        kwargs = {} if restore is None else {"restore": restore}
-        sync = self.sync.for_survivors(mask, rows, info, self.optimizer, vote, **kwargs)
+        sync = self.sync.for_survivors(mask, rows, info, self.optimizer, vote, restore=restore)
         self.retired_bytes += self.sync.bytes
         self.sync = sync
         self.info, self.mask = info, mask
