@@ -122,7 +122,7 @@ def test_under_a_schedule_a_joiner_takes_values_from_the_round_last_trained_and_
 @settings(deadline=None, max_examples=80)
 @given(workers=st.integers(2, 5), blocks=st.integers(1, 4), kind=st.sampled_from(["permute", "cyclic"]),
        local=st.integers(1, 3), rounds_of=st.integers(1, 3), data=st.data())
-def test_survivors_average_again_the_round_last_trained_and_go_on_in_the_designed_rounds_of_their_rows(
+def test_survivor_rounds_and_the_loss_check_are_the_designed_rows_of_the_survivors_whatever_the_boundary_state(
         workers, blocks, kind, local, rounds_of, data):
     """Overlap averaging under a schedule (R a multiple of H), a loss after `lost_at` steps, whether the rank
     had entered the next round at that boundary or its average failed first: what the loss is checked
