@@ -58,6 +58,20 @@ class MoveVote:
             raise MoveAbandoned("another survivor did not receive every part of the move that restores coverage")
 
 
+def move_state_voted(vote: MoveVote | None, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module,
+                     names: Sequence[str], old_held: Sequence[dict[str, SliceSpec]],
+                     new_held: Sequence[dict[str, SliceSpec]], rank: int, count: ByteCount) -> None:
+    """`move_optimizer_state` from `old_held` to `new_held`. With a `vote`, all or nothing: `vote.began()`
+    first, and the state of what this rank drops is freed only once every survivor received every part
+    (`MoveVote.gate`, which raises `MoveAbandoned` otherwise, nothing freed)."""
+    if vote is not None:
+        vote.began()
+    move_optimizer_state(optimizers, module, names, old_held, new_held, rank, count, free=vote is None)
+    if vote is not None:
+        vote.gate()
+        free_optimizer_state(optimizers, module, names, old_held, new_held, rank)
+
+
 class MaskChanges:
     """Changes of this worker's part of `module` (cut by `cut`) from one round's
     mask to the next; `watch_clipping` says whether new parameters join `clip_guard`'s watch."""
@@ -99,12 +113,8 @@ class MaskChanges:
         else:
             retired = []
             if move_state:
-                move_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
-                                     self.rank, self.bytes, free=vote is None)
-                if vote is not None:
-                    vote.gate()
-                    free_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
-                                         self.rank)
+                move_state_voted(vote, optimizers, self.module, self.layout.parameter_names, old_held, new_held,
+                                 self.rank, self.bytes)
         held = new_held[self.rank]
         for name, param in self.module.named_parameters():
             param.requires_grad_(name in held)
@@ -141,8 +151,6 @@ class MaskChanges:
                 self._places.insert(gained, self.module)
                 send_blocks(self.module, self.layout.blocks, old_matrix.astype(bool), matrix.astype(bool), self.rank,
                             self.device, self.bytes)
-                if vote is not None:
-                    vote.began()
             return self.enter(old_matrix, matrix, old_held, new_held, local_index, move_state=True, vote=vote)[1]
         except RuntimeError:  # forward masking: the blocks built for the move go; then values, groups and state
             self.undo_gains(old_matrix)
@@ -201,14 +209,8 @@ class MaskChanges:
                 clip_guard.watch(owned.values())
         if move_state:
             send_blocks(self.module, blocks, old_rows, new_rows, self.rank, self.device, self.bytes)
-            if vote is not None:
-                vote.began()
-            move_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
-                                 self.rank, self.bytes, free=vote is None)
-            if vote is not None:
-                vote.gate()
-                free_optimizer_state(optimizers, self.module, self.layout.parameter_names, old_held, new_held,
-                                     self.rank)
+            move_state_voted(vote, optimizers, self.module, self.layout.parameter_names, old_held, new_held,
+                             self.rank, self.bytes)
         retired: list[torch.Tensor] = []
         for name in dropped:
             block = self.module.get_submodule(name)

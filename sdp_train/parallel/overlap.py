@@ -54,9 +54,8 @@ from sdp_train.parallel.forwarding import ForwardWithModelSignature, signature_o
 from sdp_train.parallel.masking import ModelLayout, describe
 from sdp_train.parallel.parts import resolve_mask
 from sdp_train.parallel.rounds import Rounds
-from sdp_train.parallel.changes import MoveVote
-from sdp_train.parallel.schedule import (OptimizerPlaces, ReceivingUndo, free_optimizer_state, move_optimizer_state,
-                                         send_parts)
+from sdp_train.parallel.changes import MoveVote, move_state_voted
+from sdp_train.parallel.schedule import OptimizerPlaces, ReceivingUndo, send_parts
 from sdp_train.parallel.sync import _Bucket, holder_set_groups, plan_buckets, unpin_default_group
 from sdp_train.parallel.wire import ByteCount
 
@@ -278,11 +277,12 @@ class OverlapAveraging(nn.Module):
         or another survivor did not receive every part, this rank's copies of the blocks it gains, its
         optimizer's groups and state are put back as they were before it, and the error raised."""
         old_held, new_held = restore_holdings(self.layout, old_matrix, self.round_matrix(self.steps))
-        undo = ReceivingUndo(self.module, optimizer, [n for n in new_held[self.rank] if n not in old_held[self.rank]])
+        gained = [n for n in new_held[self.rank] if n not in old_held[self.rank]]
+        undo = ReceivingUndo(self.module, optimizer, gained)
         try:
             places = OptimizerPlaces()
             places.add(optimizer, self.module, self.world_size)
-            places.insert({n: p for n, p in self.module.named_parameters() if n in new_held[self.rank]}, self.module)
+            places.insert({n: p for n, p in self.module.named_parameters() if n in gained}, self.module)
             return self._move(optimizer, old_held, new_held, new_held, vote)
         except RuntimeError:
             undo.undo()
@@ -298,13 +298,7 @@ class OverlapAveraging(nn.Module):
         tensors = {n: t for n, t in self.layout.tensors.items() if n not in self.layout.aliases}  # a tie moves once
         moved = ByteCount()
         send_parts(self.module, tensors, sources, values, [], self.rank, self._device, moved)
-        if vote is not None:
-            vote.began()
-        move_optimizer_state([optimizer], self.module, self.layout.parameter_names, sources, state, self.rank, moved,
-                             free=vote is None)
-        if vote is not None:
-            vote.gate()
-            free_optimizer_state([optimizer], self.module, self.layout.parameter_names, sources, state, self.rank)
+        move_state_voted(vote, [optimizer], self.module, self.layout.parameter_names, sources, state, self.rank, moved)
         return moved.buffer
 
     def step_done(self) -> None:

@@ -61,16 +61,17 @@ class Rounds:
         >>> rounds.round_matrix(1).sum(axis=0).tolist(), rounds.designed_rows(1).sum(axis=0).tolist()
         ([2, 2, 2, 2], [2, 1, 1, 2])
         """
-        designed = self.designed_rows(step)
         if self.restore is None or self.rows is None or self.mask.schedule.is_static or step < self.restore_from:
-            return designed
+            return self.designed_rows(step)
+        index = step // self.mask.schedule.every
+        if index in self._restored:
+            return self._restored[index]
+        designed = self.designed_rows(step)
         if not designed.any(axis=0).all():  # no survivor holds a block: a round the survivors never train (the
             return designed  # loss is refused where one is to be trained, `decide`), asked by `step_done` at the end
-        index = step // self.mask.schedule.every
-        if index not in self._restored:
-            if len(self._restored) >= RESTORED_ROUNDS_KEPT:
-                del self._restored[min(self._restored)]
-            self._restored[index] = restored_round(designed, self.rows, self.restore, self.mask)
+        if len(self._restored) >= RESTORED_ROUNDS_KEPT:
+            del self._restored[min(self._restored)]
+        self._restored[index] = restored_round(designed, self.rows, self.restore, self.mask)
         return self._restored[index]
 
     def designed_rows(self, step: int) -> np.ndarray:

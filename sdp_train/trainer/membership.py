@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -61,6 +60,7 @@ from sdp_train.parallel.rounds import restore_step, restored_round
 from sdp_train.trainer.agreement import (MEMBERS_KEY, STEPS_DONE_KEY, MembershipChange, RunEnded, WorkerLossError,
                                          admission_key, agree, agreement_timeout, decide, exited_key, gather,
                                          joiners_at, joining_fails, joining_key, moved_everywhere, release_frames)
+from sdp_train.trainer.faults import die
 from sdp_train.trainer.launch import _agent_store, destroy_distributed, restart_attempt
 
 
@@ -348,7 +348,7 @@ class Survival:
             workers = self.workers if change is None else change.workers
             info = DistInfo(workers.index(self.worker), len(workers), 0)
             if run.faults.kill_in_recovery == self.worker and self.generation == 1:  # tests only
-                os.kill(os.getpid(), signal.SIGKILL)
+                die()
             try:
                 self._form_world(info, device, workers)
             except RuntimeError:  # DistError and timeouts included: another worker was lost meanwhile; the
@@ -424,7 +424,7 @@ class Survival:
 
         def began() -> None:
             if run.faults.kill_in_move == self.worker:
-                os.kill(os.getpid(), signal.SIGKILL)
+                die()
 
         return MoveVote(agreed, began)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,7 +32,7 @@ from sdp_train.parallel.dist import DistInfo, wait
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import ByteCount
 from sdp_train.trainer.config import TrainConfig
-from sdp_train.trainer.faults import InjectedFaults
+from sdp_train.trainer.faults import InjectedFaults, die
 from sdp_train.trainer.modes import ModeSync, build_sync
 from sdp_train.trainer.prepare import Prepared
 from sdp_train.trainer.user_model import UserModel, logits_of
@@ -197,7 +196,7 @@ class Run:
             wait(dist.all_reduce(stats, async_op=True), stats.device)
             self.run_bytes.add("all_reduce", stats.numel() * stats.element_size(), self.info.world_size)
         if self.faults.kill(step, self.info.rank):
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
         grad_norm, clip_sq = sync.norms(stats[1], own_sq)
         nonfinite = ~torch.isfinite(stats).all()
         if cfg.grad_clip > 0:

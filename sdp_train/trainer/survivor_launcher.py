@@ -33,6 +33,7 @@ import torch.distributed as dist
 from sdp_train.errors import EXIT_USAGE
 from sdp_train.parallel.dist import collective_timeout
 from sdp_train.trainer.agreement import JOIN_ENV, MEMBERS_KEY, STEPS_DONE_KEY, exited_key, finished_key
+from sdp_train.trainer.faults import die
 from sdp_train.trainer.launch import LAUNCHER_ENV, input_error_line
 
 
@@ -424,7 +425,7 @@ def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, ma
             if rank not in codes and p.poll() is not None:
                 codes[rank] = p.returncode
                 if p.returncode < 0 and os.environ.get(TEST_NODE_DIES_ENV) == "1":  # tests only: a lost node
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    die()
                 store.set(exited_key(rank), str(p.returncode))
                 if p.returncode not in (0, EXIT_USAGE) and max_rejoins > 0:
                     to_replace.add(rank)

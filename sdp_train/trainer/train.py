@@ -53,7 +53,6 @@ import importlib
 import json
 import math
 import os
-import signal
 import statistics
 import sys
 import time
@@ -84,6 +83,7 @@ from sdp_train.trainer.checkpoint import (
     save_checkpoint,
 )
 from sdp_train.trainer.config import TrainConfig
+from sdp_train.trainer.faults import die
 from sdp_train.trainer.launch import LAUNCHER_ENV, destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
 from sdp_train.trainer.membership import Survival
@@ -186,7 +186,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     batches = build_batches(prep.data, split="train", seed=cfg.seed, rank=shard[0], world_size=shard[1])
     if admitted is not None:  # the step, the learning rate's schedule and the data go on from the members'
         if run.faults.kill_joiner == admitted.step:  # tests only: lost while the members send its parts
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
         with joining_fails(survival.worker, admitted.step):
             run.welcome(range(len(admitted.rows), len(admitted.workers)), admitted.mask)
         run.steps_applied = admitted.step
@@ -205,12 +205,22 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     worker = info.rank if survival is None else survival.worker  # its number in the first world (test faults)
     carried: MembershipChange | None = None  # a loss outside a step, for the next step's metrics line
 
+    def changed(change: MembershipChange, *, applied: bool = False) -> None:
+        """After a membership change: this rank's new `info`; where rank 0 was lost, the new rank 0 takes over
+        metrics.jsonl (the lines so far, from `records`); the change printed (`report_change`)."""
+        nonlocal info, metrics_file, history
+        info = run.info
+        if info.is_main and metrics_file is None:
+            metrics_file, history = open_metrics(out, start)
+            metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
+        report_change(change, info, cfg.steps, applied=applied)
+
     def outside_step(during: str, work: Callable[[], Any]) -> Any:
         """`work()` outside a training step (`during`: evaluating, checkpointing, saving the final model). With
         `survival`, a worker lost in it is recovered from as in a step (`Survival.recover`: the survivors
         agree, form their world and go on under their mask), with no step to rerun, and the survivors do
         `work` again in their new world; a loss that leaves a block without holder still stops the run."""
-        nonlocal info, metrics_file, history, carried
+        nonlocal carried
         if survival is None:
             return work()
         survival.where = f"{during} after step {run.steps_applied}"
@@ -221,11 +231,7 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                 if isinstance(exc, WorkerLossError):
                     raise
                 change = survival.recover(run, run.steps_applied, exc, device, during=during)
-            info = run.info
-            if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
-                metrics_file, history = open_metrics(out, start)
-                metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
-            report_change(change, info, cfg.steps)
+            changed(change)
             carried = change
 
     def evaluated(*, save_to: Path | None = None) -> tuple[float, float | None, dict[str, float] | None]:
@@ -281,18 +287,10 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             if survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
                 restored = survival.restore_due(run, step)  # a restore a loss inside a round left due
                 if restored is not None:  # (a worker lost while the blocks moved: survived, rank 0 too)
-                    info = run.info
-                    if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
-                        metrics_file, history = open_metrics(out, start)
-                        metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
-                    report_change(restored, info, cfg.steps)
+                    changed(restored)
                 joined = survival.admit(run, step, device)  # then joiners (a failed admission: a member lost)
                 if joined is not None:
-                    info = run.info
-                    if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
-                        metrics_file, history = open_metrics(out, start)
-                        metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
-                    report_change(joined, info, cfg.steps)
+                    changed(joined)
                 change = joined or restored  # the step's metrics line has the last
             change, carried = change or carried, None
             while True:  # once, unless workers are lost during the step (`survival`)
@@ -307,12 +305,8 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                     if survival is None:
                         raise
                     change = survival.recover(run, step, exc, device)
-                    info = run.info
-                    if info.is_main and metrics_file is None:  # rank 0 was lost: this rank writes now
-                        metrics_file, history = open_metrics(out, start)
-                        metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
                     applied = run.steps_applied == step + 1  # lost while Bb-SDP sent the step's new values
-                    report_change(change, info, cfg.steps, applied=applied)
+                    changed(change, applied=applied)
                     if applied:  # every survivor applied this step (they agreed on it): go on, do not rerun
                         stats = run.applied_stats
                         break
