@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from sdp_train.trainer.survivor_launcher import replaces_node_0
 
     cfg = config_from_args(args)
+    refuse_survival_on_cuda(cfg)
     node = node_of(args, cfg)
     if under_torchrun():
         die_with_parent()  # a SIGKILLed launcher takes its ranks with it
@@ -224,6 +225,20 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def refuse_survival_on_cuda(cfg: TrainConfig) -> None:
+    """Refuse ``--on-worker-loss continue`` where the ranks would train on CUDA: their collectives would be NCCL's,
+    whose path through a loss is not built (docs/design.md §7, "NCCL"), so that a loss would end every
+    survivor after the collective timeout instead of the run going on."""
+    import torch
+
+    if cfg.on_worker_loss == "continue" and torch.cuda.is_available():
+        raise ConfigError("on_worker_loss='continue' (--on-worker-loss) is built for gloo, on CPU: on this machine's "
+                          "CUDA devices the ranks would use NCCL, whose path through a lost worker (its watchdog, "
+                          "shrink_group) is not built, so a loss would end every survivor after the collective "
+                          "timeout; on GPUs survive a loss with checkpoints and restarts (--checkpoint-every N "
+                          "--max-restarts M)")
 
 
 def node_of(args: argparse.Namespace, cfg: TrainConfig):

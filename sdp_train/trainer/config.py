@@ -149,7 +149,7 @@ class TrainConfig:
     """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
     restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp`` and
     ``overlap`` with a static mask or a schedule, ``bsdp`` and ``nsdp`` also with `local_steps`; not with
-    `fsdp`: the survivors agree on who is left, train on with the dead rows dropped from the mask (a
+    `fsdp`, nor where the ranks would use CUDA's NCCL (`sdp train` refuses both): the survivors agree on who is left, train on with the dead rows dropped from the mask (a
     schedule's every later round restricted to the survivors; in ``overlap`` each keeps its own copy and
     AdamW state), rerunning only the interrupted step (Bb-SDP, overlap, local steps, or a loss during a
     schedule's mask change: not rerunning a step every survivor applied, whose new values are sent or

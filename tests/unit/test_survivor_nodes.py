@@ -296,3 +296,20 @@ def test_the_store_process_of_a_single_node_run_ends_with_its_outcome(capsys):
     thread.join(timeout=10)
     assert ended == {"code": 0}
     assert "sdp store: the run ended: ranks 0, 1 of 2 finished it" in capsys.readouterr().err
+
+
+
+def test_continuing_after_a_loss_is_refused_in_one_line_where_the_ranks_would_use_nccl(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from sdp_train.cli import main
+    from sdp_train.cli.train import refuse_survival_on_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    code = main(["train", "--model", "llama-debug", "--workers", "2", "--on-worker-loss", "continue",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and not (tmp_path / "run").exists()
+    assert err.startswith("sdp train: error: on_worker_loss='continue' (--on-worker-loss) is built for gloo")
+    assert "NCCL" in err
+    refuse_survival_on_cuda(config_from_args(build_parser(["train"]).parse_args(["train", "--workers", "2"])))  # stop
