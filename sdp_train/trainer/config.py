@@ -206,7 +206,11 @@ class TrainConfig:
     too; under a schedule each from its holders of the round that just ended, and the optimizer state of
     what it holds in the next), the shared parameters, buffers and optimizer state from their lowest-ranked
     holders and reads the lost worker's data from the step it joins at; no checkpoint is loaded
-    (`sdp_train.trainer.membership`)."""
+    (`sdp_train.trainer.membership`). A worker lost while others join: the members go on without the joiners
+    where their own state is still theirs (the new world not formed yet, or only sending the joiners' parts
+    with their rows in force their designed ones, under a schedule too: a change of round a loss left due
+    is made first, in the members' world, a member lost there recovered from as any loss); while members
+    whose rows were restored go back to their designed ones the run stops."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With

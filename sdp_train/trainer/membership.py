@@ -156,13 +156,16 @@ class Survival:
         The members and the joiners then form a new world (joiners last), each joiner receives its part
         under the members' rows in force and its designed row, and the run goes back to the designed
         mask's rows of its workers (`Run.admit`: members whose rows were restored for the survivors
-        gain and drop parts). Under a schedule the designed round's rows, at the same position, after
-        the members made a change a loss left due. With local steps only at a round's boundary, right
-        after the holders' average: inside a round their copies differ (every member skips the others
-        alike, reading nothing). When the admission fails and the members' state is still what it was
-        (`members_state_kept`: a static mask, and the failure came before the new world formed or while the
-        members only sent the joiners' parts) they go on without the joiners (`_without_joiners`; None, or
-        the change when a member was lost meanwhile); else every member stops, `WorkerLossError`."""
+        gain and drop parts). Under a schedule the designed round's rows, at the same position; a change
+        of round that a loss left due the members first make among themselves, in their world, before
+        anything of the admission is written: a member lost there is a loss as any other (`recover`; its
+        change is returned and the joiners wait for a later boundary). With local steps only at a round's
+        boundary, right after the holders' average: inside a round their copies differ (every member skips
+        the others alike, reading nothing). When the admission fails and the members' state is still what
+        it was (`members_state_kept`: the failure came before the new world formed or while the members
+        only sent the joiners' parts, their rows in force their designed ones) they go on without the
+        joiners (`_without_joiners`; None, or the change when a member was lost meanwhile); else every
+        member stops, `WorkerLossError`."""
         if self.designed is None or len(self.workers) == self.designed.workers or step % run.cfg.local_steps:
             return None
         missing = [w for w in range(self.designed.workers) if w not in self.workers]
@@ -174,6 +177,14 @@ class Survival:
         if not joined:
             return None
         began = time.perf_counter()
+        if self.scheduled:  # a change of round a loss left due, made in the members' world before the admission
+            try:
+                run.enter_next_round()
+            except RuntimeError as exc:  # a member lost: a loss as any other; the joiners wait for a later boundary
+                if isinstance(exc, WorkerLossError):
+                    raise
+                return self.recover(run, step, exc, device)
+        trained = run.sync.rounds_to_train(run.cfg.steps)  # what a member lost in the admission is checked against
         workers = (*self.workers, *joined)
         mask = _rows(self.designed, workers, step, self.seed)
         # the members' rows in force: as the survivors left them (restored, static masks); under a schedule the
@@ -193,7 +204,6 @@ class Survival:
                                                              "rows": rows}))
         welcoming = False
         try:
-            run.enter_next_round()  # a change a loss left due, among the members: their rows become the designed
             run.sync.close()  # its hooks hold the groups
             destroy_distributed()
             self.generation += 1
@@ -201,12 +211,11 @@ class Survival:
             welcoming = True
             run.admit(mask, workers, range(len(self.workers), len(workers)), info, welcome_mask=welcome)
         except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
-            kept = members_state_kept(mask, welcome, len(self.workers), scheduled=not self.designed.schedule.is_static,
-                                      welcoming=welcoming)
+            kept = members_state_kept(mask, welcome, len(self.workers), welcoming=welcoming)
             if kept is not None:
                 raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}) "
                                       f"{kept}: restart from a checkpoint (--resume)", report=info.is_main) from exc
-            return self._without_joiners(run, step, joined, exc, device, began)
+            return self._without_joiners(run, step, joined, exc, device, began, trained)
         change = MembershipChange(step, (), workers, tuple(range(len(self.workers))), mask,
                                   recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes,
                                   joined=tuple(joined), welcome_mask=welcome)
@@ -215,21 +224,26 @@ class Survival:
         return change
 
     def _without_joiners(self, run, step: int, joined: Sequence[int], error: BaseException, device: torch.device,
-                         began: float) -> MembershipChange | None:
+                         began: float, rounds: Sequence[tuple[int, np.ndarray]] | None) -> MembershipChange | None:
         """After admitting `joined` at the boundary before `step` failed (`error`) while the members' state was
         still theirs (`members_state_kept`): the members agree among themselves (a new generation, as after a
-        loss: one that died meanwhile is lost, fatal or not), form their world again and go on from `step`
-        with the rows they had, without the joiners, whose admission the new rank 0 takes back (the launcher
-        may then start another replacement). Returns the change when a member was lost, else None. A static
-        mask only: the members' rows in force are what a loss is checked against."""
+        loss: one that died meanwhile is lost, fatal or not, checked against `rounds`, the members'
+        `rounds_to_train` before the admission), form their world again and go on from `step` with the rows
+        they had, without the joiners, whose admission the new rank 0 takes back (the launcher may then start
+        another replacement). Under a schedule the position goes on over the members' rows (`Rounds.for_survivors`;
+        after ``--restore-coverage`` every round restored for them again, the same design, so nothing moves).
+        Returns the change when a member was lost, else None."""
         run.sync.close()  # the new world's, where it was built
-        change, dropped, info = self._agree_and_form(run, step, error, device, None, keep_all=True)
+        change, dropped, info = self._agree_and_form(run, step, error, device, rounds, keep_all=True)
         if info.is_main:
             for w in joined:  # a replacement started from now on waits for an admission of its own
                 self.store.delete_key(admission_key(w))
             self.store.set(MEMBERS_KEY, ",".join(map(str, self.workers if change is None else change.workers)))
         if change is None:
-            run.continue_with(self.mask, range(len(self.workers)), info)
+            # the new world's wrapper (members first) has the welcome mask's position: a schedule's restore is
+            # the members' own again (the same rows: the same restored rounds)
+            restore = self.restore if self.scheduled and run.steps_applied < run.cfg.steps else None
+            run.continue_with(self.mask, range(len(self.workers)), info, restore=restore)
             if info.is_main:
                 print(f"sdp train: step {step + 1}/{run.cfg.steps}: worker(s) {list(joined)} lost while joining "
                       f"({type(error).__name__}); workers {', '.join(map(str, self.workers))} go on from this step "
@@ -490,33 +504,30 @@ class Survival:
         return change
 
 
-def members_state_kept(mask: Mask, welcome: Mask, members: int, *, scheduled: bool, welcoming: bool) -> str | None:
+def members_state_kept(mask: Mask, welcome: Mask, members: int, *, welcoming: bool) -> str | None:
     """Why the members of an admission that failed must stop (the words that say so), or None when their
     values, buffers and optimizer state are still those they had before it, so that they go on without
     the joiners (`Survival.admit`). `mask`: the designed rows of the new world's workers, the `members`
-    members first; `welcome`: the admission's welcome mask (the members' rows in force first);
-    `scheduled`: the run's mask is a schedule; `welcoming`: the failure came once the new world had
-    formed, while the joiners were given their parts (`Run.admit`), else before.
+    members first (under a schedule, of the round in force); `welcome`: the admission's welcome mask (the
+    members' rows in force first); `welcoming`: the failure came once the new world had formed, while the
+    joiners were given their parts (`Run.admit`), else before.
 
-    Before the world forms nothing of a member's has changed, but under a schedule, where the members first
-    make a change of round that a loss left due (`Run.enter_next_round`). While the joiners receive their
-    parts a member only sends (`send_parts`, `move_optimizer_state`: what a member held before, it holds
-    after), unless its rows in force are not its designed ones (restored for the survivors of a loss): it
-    then goes on to gain and drop parts (`Run.welcome`).
+    Before the world forms nothing of a member's has changed (under a schedule the members made a change
+    of round that a loss left due before the admission began, `Survival.admit`). While the joiners receive
+    their parts a member only sends (`send_parts`, `move_optimizer_state`: what a member held before, it
+    holds after), unless its rows in force are not its designed ones (restored for the survivors of a
+    loss): it then goes on to gain and drop parts (`Run.welcome`).
 
     >>> designed = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
     >>> mask = Mask(designed.matrix[[1, 2, 0]])  # workers 1 and 2 admit worker 0
-    >>> members_state_kept(mask, mask, 2, scheduled=False, welcoming=True) is None
+    >>> members_state_kept(mask, mask, 2, welcoming=True) is None
     True
     >>> restored = Mask([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
-    >>> members_state_kept(mask, restored, 2, scheduled=False, welcoming=False) is None
+    >>> members_state_kept(mask, restored, 2, welcoming=False) is None
     True
-    >>> members_state_kept(mask, restored, 2, scheduled=False, welcoming=True).split(";")[0]
+    >>> members_state_kept(mask, restored, 2, welcoming=True).split(";")[0]
     'while the members went from their restored rows to their designed ones'
     """
-    if scheduled:
-        return ("under a schedule, where the members first made a change of round; a loss while workers join "
-                "under a schedule is not recovered")
     if welcoming and not np.array_equal(welcome.matrix[:members], mask.matrix[:members]):
         return ("while the members went from their restored rows to their designed ones; a loss while members "
                 "gain and drop parts is not recovered")

@@ -24,6 +24,7 @@ from sdp_train.trainer.membership import Survival, members_state_kept
 DESIGNED = Mask([[1, 1, 0], [1, 1, 1], [0, 1, 1]])  # workers 1 and 2 admit worker 0's replacement
 RESTORED = np.array([[1, 1, 1], [1, 1, 1]])  # the members' rows after --restore-coverage
 STEP = 4
+SCHEDULE = Schedule("cyclic", 6)  # under a schedule: step 4 in round 0, where worker 1 alone holds every block
 
 
 class _Sync:
@@ -40,20 +41,25 @@ class _Sync:
 class _Run:
     """What `Survival.admit` asks of the members' run; `admit` (the joiners' parts) fails when `lost_in` says so."""
 
-    def __init__(self, lost_in: str) -> None:
+    def __init__(self, lost_in: str, store=None) -> None:
         self.cfg, self.faults = SimpleNamespace(local_steps=1, steps=8), SimpleNamespace(join_at=None,
                                                                                         kill_in_recovery=None)
         self.lost_in, self.steps_applied, self.sync, self.went_on = lost_in, STEP, _Sync(), []
+        self.store, self.rounds_entered, self.restores = store, [], []
 
     def enter_next_round(self) -> None:
-        pass
+        """A change of round a loss left due (a collective): whether the joiner's admission was written then."""
+        self.rounds_entered.append(self.store is not None and self.store.check([admission_key(0)]))
+        if self.lost_in == "round":
+            raise dist.DistBackendError("Connection closed by peer")
 
     def admit(self, mask, workers, joiners, info, *, welcome_mask=None) -> None:
         if self.lost_in == "welcome":
             raise dist.DistBackendError("Connection closed by peer")
 
-    def continue_with(self, mask, rows, info, vote=None) -> None:
+    def continue_with(self, mask, rows, info, vote=None, *, restore=None) -> None:
         self.went_on.append((mask.matrix.tolist(), list(rows), info.world_size))
+        self.restores.append(restore)
         self.sync = _Sync()
 
 
@@ -66,9 +72,9 @@ def server() -> dist.TCPStore:
 MEMBERS_GO_ON = {
     ("forming", False, False): True, ("forming", True, False): True, ("welcome", False, False): True,
     ("welcome", True, False): False,  # the members began going back from their restored rows
-    # under a schedule the admission changes the members' state
-    ("forming", False, True): False, ("forming", True, True): False,
-    ("welcome", False, True): False, ("welcome", True, True): False,
+    # under a schedule the same: a change of round a loss left due is made before the admission
+    ("forming", False, True): True, ("forming", True, True): True,
+    ("welcome", False, True): True, ("welcome", True, True): False,  # (before 2026-12-08: all False)
 }
 
 
@@ -81,14 +87,16 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
     """Worker 0's replacement is lost before the new world forms or while the members send its parts (with
     worker 2, a member, lost too or not). The members go on, re-formed among themselves a generation later,
     with the rows in force and every member's rank kept, or without worker 2 as after any loss, exactly
-    when their state is still theirs: a static mask, and no restored rows going back to the designed ones
-    while the parts were sent. Else every member stops in one line, as before. Either way the admission
-    is taken back from the launcher's view only when they go on (`MEMBERS_KEY` without the joiner again)."""
+    when their state is still theirs: no restored rows going back to the designed ones while the parts were
+    sent (under a schedule, the round's rows in force; restored ones are the members' again, `restore`). Else
+    every member stops in one line, as before. Either way the admission is taken back from the launcher's
+    view only when they go on (`MEMBERS_KEY` without the joiner again)."""
     prefix = f"t{lost_in}{restored}{scheduled}{member_lost}/"
     store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", server.port, is_master=False))
-    designed = Mask(DESIGNED.matrix, schedule=Schedule("cyclic", 2) if scheduled else None)
-    rows = RESTORED if restored else DESIGNED.matrix[[1, 2]]
-    survival = Survival(store, 1, (1, 2), Mask(rows), designed=designed)
+    designed = Mask(DESIGNED.matrix, schedule=SCHEDULE if scheduled else None)
+    rows = RESTORED if restored else designed.round_matrix(STEP)[[1, 2]]
+    restore = {"coverage": 2} if restored and scheduled else None  # a schedule's rounds restored for the members
+    survival = Survival(store, 1, (1, 2), Mask(rows), designed=designed, restore=restore)
     survival.generation = 3
     formed = []
 
@@ -105,7 +113,7 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
         run.sync.schedule_rounds = SimpleNamespace(round_matrix=lambda step: rows)
     keeps = MEMBERS_GO_ON[lost_in, restored, scheduled]
     assert (members_state_kept(Mask(designed.round_matrix(STEP)[[1, 2, 0]]), Mask(np.vstack([rows, [[1, 1, 0]]])),
-                               2, scheduled=scheduled, welcoming=lost_in == "welcome") is None) == keeps
+                               2, welcoming=lost_in == "welcome") is None) == keeps
     if not keeps:
         with pytest.raises(WorkerLossError) as raised:
             survival.admit(run, STEP, torch.device("cpu"))
@@ -122,8 +130,41 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
     else:
         assert change is None and survival.changes == []
         assert run.went_on == [(rows.tolist(), [0, 1], 2)] and store.get(MEMBERS_KEY).decode() == "1,2"
+        assert run.restores == [restore]  # the new world's position has no restore: the members' comes back
+    assert run.rounds_entered == ([False] if scheduled else [])  # the round's change came before the admission
     assert survival.workers == change.workers if member_lost else survival.workers == (1, 2)
     assert survival.mask.matrix.tolist() == (rows[[0]] if member_lost else rows).tolist()
+
+
+@pytest.mark.parametrize("member_lost", [False, True])
+def test_a_member_lost_in_a_change_of_round_a_loss_left_due_is_a_loss_before_any_admission(server, member_lost):
+    """Under a schedule the members first make a change of round that a loss left due, in their own world,
+    before anything of the admission is written. Worker 2 lost during it: worker 1 recovers as after any
+    loss (generation 4, alone, with its row) and admits nobody at this boundary; worker 0's replacement
+    still waits, with no admission of its own. No member lost: the admission follows. Before 2026-12-08 the
+    change was made inside the admission, and a member lost there stopped every member."""
+    store = dist.PrefixStore(f"round{member_lost}/", dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    designed = Mask(DESIGNED.matrix, schedule=SCHEDULE)
+    rows = designed.round_matrix(STEP)[[1, 2]]
+    survival = Survival(store, 1, (1, 2), Mask(rows), designed=designed)
+    survival.generation = 3
+    formed = []
+    survival._form_world = lambda info, device, workers: formed.append((survival.generation, tuple(workers)))
+    store.set(joining_key(0), "1")
+    store.set(MEMBERS_KEY, "1,2")
+    if member_lost:
+        store.set(exited_key(2), "1")
+    run = _Run("round" if member_lost else "nowhere", store)
+    run.sync.schedule_rounds = SimpleNamespace(round_matrix=lambda step: rows)
+    change = survival.admit(run, STEP, torch.device("cpu"))
+    assert run.rounds_entered == [False]  # no admission written before the change
+    if not member_lost:
+        assert change.joined == (0,) and formed == [(4, (1, 2, 0))]
+        return
+    assert (change.step, change.lost, change.workers, change.joined) == (STEP, (2,), (1,), ())
+    assert formed == [(4, (1,))] and run.went_on == [(rows[[0]].tolist(), [0], 1)]
+    assert survival.workers == (1,) and survival.changes == [change] and store.get(MEMBERS_KEY).decode() == "1"
+    assert not store.check([admission_key(0)]) and store.check([joining_key(0)])  # it waits for a later boundary
 
 
 def test_the_admission_members_write_names_the_joiners_members_of_the_launcher_first(server):

@@ -324,8 +324,8 @@ def test_members_admit_the_same_joiners_at_a_boundary_whenever_the_replacement_a
 
 def test_with_local_steps_members_admit_only_at_a_rounds_boundary_and_read_nothing_inside_a_round(store):
     """`Survival.admit` with ``local_steps=3``: a replacement waits from step 4 on; at steps 4 and 5 (inside
-    a round, where holders' copies differ) the members decide nothing; at step 6 they admit it, making
-    first a change a loss may have left due (`Run.enter_next_round`, where this fake run stops)."""
+    a round, where holders' copies differ) the members decide nothing; at step 6 they admit it (this fake
+    run stops where the members close their sync, once the admission is written)."""
     import json
     from types import SimpleNamespace
 
@@ -337,11 +337,11 @@ def test_with_local_steps_members_admit_only_at_a_rounds_boundary_and_read_nothi
     class Admitting(Exception):
         pass
 
-    def enter_next_round() -> None:
+    def close() -> None:
         raise Admitting
 
-    run = SimpleNamespace(cfg=SimpleNamespace(local_steps=3), faults=SimpleNamespace(join_at=None),
-                          enter_next_round=enter_next_round)
+    run = SimpleNamespace(cfg=SimpleNamespace(local_steps=3, steps=9), faults=SimpleNamespace(join_at=None),
+                          sync=SimpleNamespace(rounds_to_train=lambda steps: None, close=close))
     designed = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
     survival = Survival(store, 1, (1, 2), Mask(designed.matrix[[1, 2]]), designed=designed)
     store.set(joining_key(0), "1")
