@@ -36,14 +36,18 @@ def one_run(args: argparse.Namespace, rng: random.Random, out: Path) -> dict:
            "SDP_COLLECTIVE_TIMEOUT_S": str(args.timeout)}
     began = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics, killed = out / "metrics.jsonl", None
+    metrics, killed, at_step = out / "metrics.jsonl", None, None
     while proc.poll() is None and time.monotonic() - began < 300:
         if metrics.exists() and metrics.read_text().strip():
             time.sleep(rng.uniform(0, args.window))
             ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
             if ranks:
                 killed = int(rng.choice(ranks))
-                os.kill(killed, signal.SIGKILL)
+                try:
+                    os.kill(killed, signal.SIGKILL)
+                    at_step = len(metrics.read_text().splitlines())  # metrics lines written at the kill
+                except ProcessLookupError:  # the rank ended between pgrep and the kill: the run is ending
+                    killed = None
             break
         time.sleep(0.01)
     try:
@@ -55,8 +59,10 @@ def one_run(args: argparse.Namespace, rng: random.Random, out: Path) -> dict:
     summary = out / "summary.json"
     changes = json.loads(summary.read_text())["membership_changes"] if summary.exists() else []
     errors = [line for line in stderr.splitlines() if line.startswith("sdp train: error:")]
-    return {"ended": f"exit {proc.returncode}", "killed": killed is not None, "traceback": "Traceback" in stderr,
-            "recovery_s": [round(c["recovery_s"], 2) for c in changes if c["lost"]], "error": errors[:1]}
+    notes = [line for line in stderr.splitlines() if line.startswith("sdp: note:")]
+    return {"ended": f"exit {proc.returncode}", "killed": killed is not None, "lines_at_kill": at_step,
+            "traceback": "Traceback" in stderr, "recovery_s": [round(c["recovery_s"], 2) for c in changes if c["lost"]],
+            "error": errors[:1], "note": notes[:1]}
 
 
 def main() -> None:

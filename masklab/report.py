@@ -33,8 +33,8 @@ USED_BY: dict[str, str] = {
     "connected": "overlap averaging only (Theorem 4): necessary, not sufficient, for copies of a static mask to agree; "
                  "not a condition of Theorems 1-3",
     "failures_survived": "diagnostic, used by no theorem: min c_j - 1 workers may be lost at once with every block "
-                         "still held by a survivor (the redundancy a run could continue from without rollback, "
-                         "docs/design.md §7, not built yet); fatal_sets lists the smallest sets of "
+                         "still held by a survivor (the redundancy `sdp train --on-worker-loss continue` goes on from "
+                         "without rollback, docs/design.md §7); fatal_sets lists the smallest sets of "
                          "workers whose loss leaves a block without holder (its holder set)",
     "schedule": "which theorem: permute redrawn every step -> Theorem 2/2'; static, cyclic, sequence or held R > 1 -> "
                 "Theorem 1 at the mask in force; overlap averaging -> Theorems 4 and 6 with the schedule's period",

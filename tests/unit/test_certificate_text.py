@@ -22,3 +22,8 @@ def test_every_certificate_line_names_a_theorem_or_says_it_is_a_diagnostic():
     lines = analyze(Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])).to_text().splitlines()
     gamma = next(line for line in lines if line.startswith("spectral gap (gamma)"))
     assert "static mask" in gamma
+
+
+def test_failures_survived_names_the_run_that_uses_them_not_a_plan():
+    text = USED_BY["failures_survived"]
+    assert "--on-worker-loss continue" in text and "not built" not in text, text
