@@ -177,8 +177,8 @@ class TrainConfig:
     survivor's own copy of a block it newly holds is replaced by its holder's, and one it drops stays, untrained and
     unaveraged. With a static mask the move is all or nothing across the survivors: a worker lost during it leaves
     each at its state from before it, and those still alive agree again and move to the mask restored for them (a
-    loss after every survivor received it, while they build their new sync, stops the run). False: the lost rows
-    are dropped and a block keeps its other holders only (coverage falls). A replacement that rejoins
+    loss after every survivor received it, while they build their new sync: from the restored rows). False: the
+    lost rows are dropped and a block keeps its other holders only (coverage falls). A replacement that rejoins
     (`max_rejoins`) gives the run its designed mask back (under a schedule, the designed round's rows)."""
     restore_budgets: str | None = None
     """With `restore_coverage` at block level (modes ``bsdp``, ``bbsdp``, ``overlap``) and a built-in model: one

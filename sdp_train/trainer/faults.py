@@ -6,7 +6,9 @@ collectives and before the optimizer step; ``SDP_TEST_KILL_IN_RECOVERY=W`` makes
 first world) SIGKILL itself in its first recovery from a lost worker (``--on-worker-loss continue``),
 after the survivors' decision and before their new world forms; ``SDP_TEST_KILL_IN_MOVE=W`` makes
 worker W SIGKILL itself in the first move of blocks to restore coverage (``--restore-coverage``) it takes
-part in, once the blocks' values have been sent and before their optimizer state is; ``SDP_TEST_JOIN_AT_STEP=S`` makes
+part in, once the blocks' values have been sent and before their optimizer state is, and
+``SDP_TEST_KILL_IN_MOVE=W:voted`` once every survivor answered that it received that move, before the
+survivors' new sync is built (its holder groups); ``SDP_TEST_JOIN_AT_STEP=S`` makes
 the members of a run that misses a worker (``--max-rejoins``) admit replacements at step S's
 boundary only (with ``--local-steps H``, a multiple of H: members admit nowhere else), waiting there
 until every missing worker's replacement waits to join, so that a test knows the step (a
@@ -50,6 +52,9 @@ class InjectedFaults:
     >>> faults = InjectedFaults.from_environment({"SDP_TEST_INJECT_NAN": "3:1"}, attempt=0)
     >>> faults.nan(3, 1), faults.nan(3, 0), faults.kill(3, 1)
     (True, False, False)
+    >>> moved = InjectedFaults.from_environment({"SDP_TEST_KILL_IN_MOVE": "2:voted"}, attempt=0)
+    >>> moved.kill_in_move, moved.kill_move_voted
+    (2, True)
     """
 
     nan_at: tuple[int, int] | None = None
@@ -60,6 +65,8 @@ class InjectedFaults:
     kill_in_move: int | None = None
     kill_outside: tuple[str, int, int] | None = None
     """``(point, steps, worker)``: ``SDP_TEST_KILL_OUTSIDE``."""
+    kill_move_voted: bool = False
+    """``SDP_TEST_KILL_IN_MOVE=W:voted``: worker `kill_in_move` dies after the move's vote, not during the move."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -76,8 +83,12 @@ class InjectedFaults:
             return cls()
         worker, join = environ.get(RECOVERY_KILL_VARIABLE), environ.get(JOIN_VARIABLE)
         joiner, mover = environ.get(JOINER_KILL_VARIABLE), environ.get(MOVE_KILL_VARIABLE)
+        mover, colon, point = (None, "", "") if mover is None else mover.partition(":")
+        if colon and point != "voted":
+            raise ValueError(f"{MOVE_KILL_VARIABLE}={environ[MOVE_KILL_VARIABLE]!r} must be W or W:voted, W a worker "
+                             "number, an integer >= 0")
         for variable, value, what in ((RECOVERY_KILL_VARIABLE, worker, "a worker number, an integer >= 0"),
-                                      (MOVE_KILL_VARIABLE, mover, "a worker number, an integer >= 0"),
+                                      (MOVE_KILL_VARIABLE, mover, "W or W:voted, W a worker number, an integer >= 0"),
                                       (JOIN_VARIABLE, join, "steps (integers >= 0) separated by commas"),
                                       (JOINER_KILL_VARIABLE, joiner, "a step, an integer >= 0")):
             parts = [] if value is None else value.split(",") if variable == JOIN_VARIABLE else [value]
@@ -94,7 +105,8 @@ class InjectedFaults:
         return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE),
                    None if worker is None else int(worker),
                    None if join is None else tuple(int(s) for s in join.split(",")),
-                   None if joiner is None else int(joiner), None if mover is None else int(mover), outside)
+                   None if joiner is None else int(joiner), None if mover is None else int(mover), outside,
+                   bool(colon))
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""

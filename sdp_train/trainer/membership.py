@@ -15,8 +15,9 @@ after the holders' average: `restore_step`, `Survival.restore_due`). The run the
 the interrupted step on its batch, unless every survivor had applied it (Bb-SDP and overlap averaging,
 lost while the new values were sent or averaged). A worker lost while the survivors rebuild their sync
 or move blocks to restore coverage (all or nothing: `sdp_train.parallel.changes.MoveVote`,
-`agreement.moved_everywhere`) leaves each survivor at its state from before; those still alive agree
-again and go on (`Survival._go_on`). After a loss outside a step (an evaluation, a checkpoint, the
+`agreement.moved_everywhere`) leaves each survivor at its state from before, or, once every survivor
+received the move, at its restored rows; those still alive agree again from there and go on
+(`Survival._go_on`). After a loss outside a step (an evaluation, a checkpoint, the
 final save) the run does that work again; survivors that were at different points of the run
 (`Survival.where`) stop. Why the store and not torchft: docs/design.md §7.
 
@@ -381,15 +382,18 @@ class Survival:
 
         With a static mask, a worker lost meanwhile (a collective of the new sync fails, or of the move that
         restores coverage, which is all or nothing across the survivors: `MoveVote`, `moved_everywhere`)
-        leaves every survivor at its state from before: its rows `dropped`, the old sync. Those still alive
-        then agree again (the next generation), decide from those rows, restore coverage for themselves and
-        go on or move again (`_again`); the change recorded has every worker lost. A loss after every
-        survivor received the move, while they build their new sync, stops the run in one line
-        (`WorkerLossError`); under a schedule with a restore a loss here is not recovered (its error goes on)."""
+        leaves every survivor at its state from before: its rows `dropped`, the old sync. A loss after every
+        survivor received the move, while they build their new sync, leaves each holding its rows of
+        `change.mask`, which the old sync, closed, then describes (`ModeSync.for_survivors`). Either way those
+        still alive agree again (the next generation), decide from the rows they hold (a block without holder
+        there stops the run in one line, `WorkerLossError`), restore coverage for themselves from them and go
+        on or move again (`_again`); the change recorded has every worker lost and `moved_bytes` every move
+        made. Under a schedule with a restore a loss here is not recovered (its error goes on)."""
         self.pending_restore = self.pending_round_restore = None  # a later loss designs from the rows in force
         local_steps = run.cfg.local_steps
         rows = change.rows  # the survivors' ranks in the world of `run.sync`
         scheduled_restore = self.scheduled and self.restore is not None and run.steps_applied < run.cfg.steps
+        made = False  # a move every survivor received, before a worker was lost while they built their sync
         while True:
             self.move, self.moved = None, None
             try:
@@ -418,15 +422,17 @@ class Survival:
             except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
                 if scheduled_restore:  # a loss during its move is not recovered: the error goes on as it is
                     raise
+                made = made or bool(self.moved)
                 change, dropped, info, rows = self._again(run, step, exc, change, dropped, rows)
         self.move = None
         self.workers, self.mask = change.workers, change.mask
-        return change
+        return dataclasses.replace(change, restored=True) if made else change
 
     def _vote(self, run, step: int, workers: Sequence[int], restored: bool) -> MoveVote | None:
         """The all-or-nothing answer of a move to restore coverage at `step` among `workers` (the new world's),
         None where nothing moves (not `restored`). Tests only: ``SDP_TEST_KILL_IN_MOVE=W`` kills worker W
-        once the move's values have been sent, before its optimizer state is."""
+        once the move's values have been sent, before its optimizer state is; ``W:voted`` once every survivor
+        answered that it received the move, before the survivors' new sync is built."""
         self.move, self.moved = ((step, tuple(workers)) if restored else None), None
         if not restored:
             return None
@@ -434,30 +440,32 @@ class Survival:
         def agreed() -> bool:
             self.moved = moved_everywhere(self.store, self.generation, step, self.worker, workers, received=True,
                                           timeout=agreement_timeout())
+            if self.moved and run.faults.kill_in_move == self.worker and run.faults.kill_move_voted:
+                die()
             return self.moved
 
         def began() -> None:
-            if run.faults.kill_in_move == self.worker:
+            if run.faults.kill_in_move == self.worker and not run.faults.kill_move_voted:
                 die()
 
         return MoveVote(agreed, began)
 
     def _again(self, run, step: int, error: BaseException, change: MembershipChange, dropped: Mask,
                rows: Sequence[int]) -> tuple[MembershipChange, Mask, DistInfo, tuple[int, ...]]:
-        """After `error` interrupted the survivors of `change` going on (`_go_on`): every survivor is at its
-        rows `dropped` and `run.sync` is the old one, in whose world `rows` are their ranks. A move that every
-        survivor received (`moved`) is not undone: the run stops in one line. Otherwise this rank answers
-        that it did not receive the move (if it had not answered), the workers still alive agree again from
-        `dropped` and form their world; returns their change (every worker lost so far), their rows before
-        any restore, this rank's place and their ranks in `run.sync`'s world."""
+        """After `error` interrupted the survivors of `change` going on (`_go_on`). Where the move that restores
+        coverage was not made (no move, or not every survivor received it: `moved` not True), every survivor
+        is at its rows `dropped` and `run.sync` is the old one, in whose world `rows` are their ranks; this
+        rank answers that it did not receive the move (if it had not answered). Where every survivor received
+        it, each holds its rows of `change.mask` with their values and optimizer state (what it dropped is
+        gone), and `run.sync`, closed, describes that state in the world of `change.workers`
+        (`ModeSync.for_survivors`): a fresh loss from there. Either way the workers still alive agree again
+        from those rows and form their world; returns their change (every worker lost so far), their rows
+        before any restore, this rank's place and their ranks in `run.sync`'s world."""
         if isinstance(error, WorkerLossError):
             raise error
-        report = self.worker == min(change.workers)
-        if self.moved:
-            raise WorkerLossError(f"step {step}: a worker was lost after the blocks moved to restore coverage, while "
-                                  f"the survivors built their new sync ({type(error).__name__}): this is not "
-                                  "recovered; restart from a checkpoint (--resume)", report=report) from error
-        if self.move is not None and self.moved is None:  # the others stop waiting for this rank's answer
+        if self.moved:  # the survivors' rows in force are the restored ones, their ranks those of its world
+            dropped, rows = change.mask, tuple(range(len(change.workers)))
+        elif self.move is not None and self.moved is None:  # the others stop waiting for this rank's answer
             moved_everywhere(self.store, self.generation, self.move[0], self.worker, self.move[1], received=False,
                              timeout=timedelta(0))
         release_frames(error)

@@ -40,7 +40,7 @@ from sdp_train.models import ModelConfig, block_map, build_model, family_of, mod
 from sdp_train.models.subnet import apply_backward_mask, build_worker_model, held_tensors, residual_blocks
 from sdp_train.parallel import grads
 from sdp_train.parallel.changes import MaskChanges, MoveVote
-from sdp_train.parallel.blockmap import on_meta
+from sdp_train.parallel.blockmap import SliceSpec, on_meta
 from sdp_train.parallel.compile import compile_backend, compile_blocks
 from sdp_train.parallel.cut import Subnetwork, cut_subnetwork
 from sdp_train.parallel.discovery import find_blocks
@@ -249,6 +249,9 @@ class SubnetworkSync(ModeSync):
         super().__init__(info)
         self.sdp, self.model, self.train_model = sdp, model, sdp
         self._fsdp = FSDPStepBytes() if fsdp else None
+        self.carried_bytes = 0
+        """Bytes of a move to restore coverage that every survivor made, after which their wrapper could not be
+        built (`for_survivors`): counted in the `moved_bytes` of the next sync made from this one."""
 
     def trainable(self) -> list[nn.Parameter]:
         if self.sdp.mask.schedule.is_static:
@@ -333,12 +336,15 @@ class SubnetworkSync(ModeSync):
         agree there), and the position goes on over it (`Rounds.over`). Under backward masking (Bb-SDP) the new
         wrapper then sends each block's values from its lowest-ranked surviving holder to every survivor: a loss
         during the broadcast that follows the optimizer step leaves some non-holders with the new values and others
-        with the old (docs/design.md §7)."""
+        with the old (docs/design.md §7). When the wrapper cannot be built after the move was made (a worker lost
+        while its holder groups form, or during Bb-SDP's broadcast), this sync, closed, describes the state the
+        move left, in the survivors' world (`_moved_to`), and the error goes on: the survivors still alive agree
+        again from there (`Survival._again`), and a later call goes on from that state."""
         old = self.sdp
         if self._fsdp is not None:
             return super().for_survivors(mask, rows, info, optimizer, vote)
         kept = old.rounds.matrix[list(rows)]
-        held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, 0, None
+        held_by_rank, local_index, moved, rounds = [old.held_by_rank[r] for r in rows], old.local_index, None, None
         if old.rounds.counts:  # a schedule or local steps: the position (steps taken, round) goes on
             # with local steps a restore waits for the boundary after the round the loss interrupted
             rounds = old.rounds.for_survivors(rows, restore=None if old.mask.schedule.is_static else restore,
@@ -354,18 +360,35 @@ class SubnetworkSync(ModeSync):
             local_index = changes.hand_over(optimizer, kept, mask.matrix, held_by_rank, new_held, local_index, vote)
             held_by_rank = new_held
             moved = changes.bytes.buffer
-        sdp = SubnetworkDataParallel.from_subnetwork(
-            old.module, layout=old.layout, mask=mask, held_by_rank=held_by_rank,
-            local_index=local_index, masking=old.masking, activation_checkpointing=False,
-            autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype,
-            values_agree=not old.cut.keeps_whole_model, seed=old.seed, local_steps=old.local_steps, rounds=rounds)
+        try:
+            sdp = SubnetworkDataParallel.from_subnetwork(
+                old.module, layout=old.layout, mask=mask, held_by_rank=held_by_rank,
+                local_index=local_index, masking=old.masking, activation_checkpointing=False,
+                autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype,
+                values_agree=not old.cut.keeps_whole_model, seed=old.seed, local_steps=old.local_steps, rounds=rounds)
+        except RuntimeError:  # a worker lost while the holder groups form (or Bb-SDP's values are sent)
+            if moved is not None:  # what a survivor dropped is gone: this sync describes what the move left
+                self._moved_to(mask, held_by_rank, local_index, rounds, info, moved)
+            raise
         sdp.changes.bytes += old.changes.bytes  # what the schedule moved so far (`mask_change_bytes`)
         _checkpointing_goes_on(sdp, old)
         if old.local_steps > 1 and len(rows) < old.world_size and sdp.steps and sdp.steps % old.local_steps == 0:
             sdp.average()  # the round's average, which the loss may have interrupted, among the survivors
         survivors = SubnetworkSync(sdp, sdp.module, info, fsdp=False)
-        survivors.moved_bytes = moved
+        survivors.moved_bytes = (moved or 0) + self.carried_bytes
         return survivors
+
+    def _moved_to(self, mask: Mask, held_by_rank: Sequence[Mapping[str, SliceSpec]],
+                  local_index: Mapping[str, SliceSpec], rounds: Rounds | None, info: DistInfo, moved: int) -> None:
+        """After the survivors made a move that restores coverage (every one received it, `MoveVote`) and their
+        wrapper could not be built: this sync, closed, describes the state the move left in their world (`info`):
+        `mask` in force, every rank's `held_by_rank`, this rank's `local_index`, the position `rounds` (None:
+        steps not counted), so that `rounds_to_train` and `for_survivors` go on from it; `moved` bytes carried."""
+        old = self.sdp
+        old.mask, old.held_by_rank, old.local_index = mask, list(held_by_rank), dict(local_index)
+        old.rounds = rounds or Rounds(mask, old.seed, counts=old.rounds.counts)
+        old.rank, old.world_size = info.rank, info.world_size
+        self.info, self.carried_bytes = info, self.carried_bytes + moved
 
     def for_joiners(self, mask: Mask, info: DistInfo, workers: Sequence[int]) -> SubnetworkSync:
         """Every member keeps its blocks or neuron groups (`mask` has its rows in force), so only the wrapper

@@ -527,3 +527,105 @@ def test_a_survivor_that_never_answers_abandons_the_move_for_all_and_cannot_answ
 
     assert moved_everywhere(store, 2, 7, 0, (0, 1), received=True, timeout=timedelta(seconds=0.2)) is False
     assert moved_everywhere(store, 2, 7, 1, (0, 1), received=True, timeout=timedelta(seconds=10)) is False
+
+
+PAIRS = Mask([[1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 1, 0], [0, 1, 0, 1, 0, 1], [0, 0, 1, 0, 1, 1]])  # each pair a block
+RESTORE = {"coverage": 2, "groups": None, "seed": 0, "sizes": None}
+
+
+class _Described:
+    """A closed sync as `Run` keeps it: what a further loss is checked against and the survivors' rows in it."""
+
+    moved_bytes = 0
+
+    def __init__(self, matrix) -> None:
+        self.matrix = matrix
+
+    def rounds_to_train(self, steps: int):
+        return [(3, self.matrix)]
+
+    def close(self) -> None:
+        pass
+
+
+class _MovingRun:
+    """The run of worker 1 of a 4-worker `mask` whose survivors restore coverage: its sync's build for them fails once
+    after every survivor received the move (a worker `lost` then, while their holder groups are built), as
+    `SubnetworkSync.for_survivors` does, the old sync then describing the rows the move left."""
+
+    def __init__(self, store, lost, mask) -> None:
+        from types import SimpleNamespace
+
+        from sdp_train.parallel.dist import DistInfo
+
+        self.store, self.lost, self.failures = store, lost, 1
+        self.cfg, self.steps_applied, self.info = SimpleNamespace(local_steps=1, steps=6), 3, DistInfo(1, 4, 0)
+        self.faults = SimpleNamespace(kill_in_recovery=None, kill_in_move=None, kill_move_voted=False)
+        self.device = None
+        self.sync, self.went_on = _Described(mask.matrix), []
+
+    def continue_with(self, mask, rows, info, vote=None) -> None:
+        self.went_on.append((mask.matrix.tolist(), list(rows)))
+        assert vote is None or vote.agreed()
+        self.sync = _Described(mask.matrix)
+        if self.failures:
+            self.failures -= 1
+            for w in self.lost:
+                self.store.set(exited_key(w), "-9")
+            raise RuntimeError("Connection reset by peer")
+
+
+def _restored_for_workers_1_to_3() -> Mask:
+    from sdp_train.trainer.membership import Survival
+
+    change = decide(PAIRS, [0, 1, 2, 3], {1: 3, 2: 3, 3: 3}, step=3)
+    return Survival(None, 1, [0, 1, 2, 3], PAIRS, restore=RESTORE).restored(change, 3, report=False).mask
+
+
+def _survive_a_loss_after_the_move(monkeypatch, lost, mask=PAIRS, coverage=2):
+    """Worker 1 of `mask` (`_MovingRun`) after worker 0's loss at step 3, workers 1-3 alive: its recovery, the
+    others' answers in a real TCP store (each survivor received every part of each move)."""
+    from sdp_train.trainer.membership import Survival
+
+    monkeypatch.setattr(Survival, "_form_world", lambda *args: None)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(exited_key(0), "-9")
+    for generation in (1, 2):
+        for w in (2, 3):
+            store.set(f"sdp/loss{generation}/joined{w}", "3")
+            store.set(f"sdp/moved{generation}/3/{w}", "1")
+    run = _MovingRun(store, lost, mask)
+    survival = Survival(store, 1, [0, 1, 2, 3], mask, restore={**RESTORE, "coverage": coverage})
+    return survival, run, survival.recover(run, 3, RuntimeError("Connection reset by peer"), None)
+
+
+def test_a_loss_after_every_survivor_received_the_move_is_decided_and_restored_from_the_rows_it_left(monkeypatch):
+    """Worker 2 is lost once workers 1-3 all received the move to the mask restored for them, while they
+    build their new sync: the state is consistent (each holds its restored rows), so workers 1 and 3 agree
+    again from those rows, not their designed ones (without worker 0 and 2, block (0, 2) would have no
+    holder: fatal), restore coverage again for themselves (every block on both) and go on; one change,
+    every worker lost."""
+    survival, run, change = _survive_a_loss_after_the_move(monkeypatch, lost=[2])
+    restored = _restored_for_workers_1_to_3()
+    assert (restored.coverage == 2).all()
+    assert run.went_on == [(restored.matrix.tolist(), [1, 2, 3]), ([[1] * 6, [1] * 6], [0, 2])]
+    assert (change.step, change.lost, change.workers, change.restored) == (3, (0, 2), (1, 3), True)
+    assert survival.changes == [change] and survival.workers == (1, 3) and survival.mask.matrix.all()
+    assert survival.move is None
+
+
+def test_a_change_whose_first_move_alone_restored_coverage_is_recorded_as_restored(monkeypatch):
+    """Coverage 3 on 4 workers: workers 1-3 move to every block each, then worker 2 is lost while they build
+    their sync; workers 1 and 3 keep every block (coverage 2, all there is), nothing moves again, and the one
+    change still says that coverage was restored (its `moved_bytes` are the first move's)."""
+    threes = Mask([[1, 1, 1, 0], [1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]])
+    survival, run, change = _survive_a_loss_after_the_move(monkeypatch, [2], threes, coverage=3)
+    assert run.went_on == [([[1] * 4] * 3, [1, 2, 3]), ([[1] * 4] * 2, [0, 2])]
+    assert (change.lost, change.workers, change.restored) == ((0, 2), (1, 3), True)
+
+
+def test_a_loss_after_the_move_that_leaves_a_block_of_its_rows_without_holder_stops_in_one_line(monkeypatch):
+    """Workers 2 and 3 lost after the move: worker 1's restored row lacks blocks that only they held then."""
+    with pytest.raises(WorkerLossError, match=r"^step 3: lost workers \[2, 3\] held every copy of block \d ") as info:
+        _survive_a_loss_after_the_move(monkeypatch, lost=[2, 3])
+    assert "\n" not in str(info.value)
