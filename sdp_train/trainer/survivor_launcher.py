@@ -181,7 +181,8 @@ def launch_outcome(store: dist.Store, codes: dict[int, int | str], nproc: int) -
         lines = [f"sdp: note: {_lost(r, codes[r])} ended after it had finished its part of the run, which is "
                  "complete" for r in late]
         if others:
-            lines.append(f"sdp: lost {lost}; ranks {', '.join(map(str, members))} finished the run")
+            lines.append(f"sdp: lost {lost}; rank{'s' * (len(members) > 1)} {', '.join(map(str, members))} finished "
+                         "the run")
         return 0, lines
     failed = ", ".join(_lost(r, codes[r]) for r in members if codes[r] != 0)
     return 1, [f"sdp: worker failed: {failed}{f'; lost before: {lost}' if others else ''}"]

@@ -472,8 +472,10 @@ def report_change(change: MembershipChange, info, steps: int, *, applied: bool =
              f", until the round's boundary before step {change.restore_at + 1} restores the designed coverage")
     where = (f"step {change.step + 1}/{steps}" if change.during is None else
              f"after step {change.step}/{steps}, while {change.during}")
-    print(f"sdp train: {where}: lost worker{'s' * (len(change.lost) > 1)} {lost}; workers "
-          f"{', '.join(map(str, change.workers))} continue without rollback ({change.recovery_s:.2f} s), "
+    survivors = ", ".join(map(str, change.workers))
+    print(f"sdp train: {where}: lost worker{'s' * (len(change.lost) > 1)} {lost}; "
+          + (f"workers {survivors} continue" if len(change.workers) > 1 else f"worker {survivors} continues")
+          + f" without rollback ({change.recovery_s:.2f} s), "
           + ("having applied this step, from the next step" if applied else "rerunning this step"
              if change.during is None else f"{change.during} again")
           + (f" under a mask that restores the designed coverage ({change.moved_bytes / 1e6:.3f} MB moved by "

@@ -468,9 +468,9 @@ def check_outside(mode: str, proc: subprocess.CompletedProcess, out: Path, outsi
     assert [m["step"] for m in metrics if "val_loss" in m] == [1, 3]
     assert [v["step"] for v in summary["val_history"]] == [1, 3]
     assert summary["val_history"][1]["val_loss"] == metrics[3]["val_loss"]
-    assert (f"sdp train: after step {steps}/{STEPS}, while evaluating: lost worker {OUTSIDE_WORKER}; workers 2 "
-            "continue without rollback") in proc.stdout and "evaluating again" in proc.stdout
-    assert "rank 1 (exit code -9); ranks 2 finished the run" in proc.stderr and "Traceback" not in proc.stderr
+    assert (f"sdp train: after step {steps}/{STEPS}, while evaluating: lost worker {OUTSIDE_WORKER}; worker 2 "
+            "continues without rollback") in proc.stdout and "evaluating again" in proc.stdout
+    assert "rank 1 (exit code -9); rank 2 finished the run" in proc.stderr and "Traceback" not in proc.stderr
     final = out / "checkpoints" / f"step_{STEPS}"
     manifest = json.loads((final / "manifest.json").read_text())
     assert manifest["workers"] == [2] and manifest["identity"]["world_size"] == 1 and not (final / "rank1.pt").exists()

@@ -59,6 +59,9 @@ def test_the_outcome_counts_the_last_membership_only():
         "sdp: lost rank 0 (exit code -9); ranks 1, 2 finished the run"])
     assert survivor_launcher.launch_outcome(store, {0: 0, 1: 1, 2: 0}, 3) == (
         1, ["sdp: worker failed: rank 1 (exit code 1); lost before: rank 0 (exit code 0)"])
+    store.set(MEMBERS_KEY, "2")
+    assert survivor_launcher.launch_outcome(store, {0: -9, 1: -9, 2: 0}, 3) == (0, [
+        "sdp: lost rank 0 (exit code -9), rank 1 (exit code -9); rank 2 finished the run"])
 
 
 @pytest.mark.parametrize("ended", ["members exited", "steps done"])
