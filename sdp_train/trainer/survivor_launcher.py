@@ -413,12 +413,14 @@ def _raise_interrupt(signum, frame) -> None:
 
 def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, max_rejoins: int, *,
               tick: Callable[[], None] = lambda: None, world_size: int | None = None) -> list[int]:
-    """Every rank's exit code (its last process's), in rank order, each marked in the store as soon as its
+    """Every rank's exit code (its last process's; where a replacement ended 0 without joining, the run ending
+    first, that of the loss it replaced), in rank order, each marked in the store as soon as its
     process ends; a failed rank is replaced (``procs[rank] = replace(rank)``, at most `max_rejoins` times
     in all) once the survivors' membership leaves it out, while another worker of the run (`world_size`
     ranks on every node; None: `procs` are all of them) still runs. `tick` runs every round (`_Nodes`)."""
     workers = sorted(procs) if world_size is None else range(world_size)
     codes: dict[int, int] = {}
+    lost_codes: dict[int, int] = {}  # a replaced rank's code at its (last) loss
     to_replace: set[int] = set()
     while len(codes) < len(procs) or to_replace:
         tick()
@@ -438,10 +440,18 @@ def _wait_all(procs: dict[int, subprocess.Popen], store: dist.Store, replace, ma
                 to_replace.discard(rank)
                 max_rejoins -= 1
                 store.delete_key(exited_key(rank))  # its replacement is a live worker
-                print(f"sdp: rank {rank} lost (exit code {codes.pop(rank)}): starting a replacement that rejoins the "
+                lost_codes[rank] = codes.pop(rank)
+                print(f"sdp: rank {rank} lost (exit code {lost_codes[rank]}): starting a replacement that rejoins the "
                       f"run ({max_rejoins} more allowed)", file=sys.stderr, flush=True)
                 procs[rank] = replace(rank)
         time.sleep(0.05)
+    idle = [r for r, code in lost_codes.items() if codes[r] == 0]  # replacements that ended 0
+    if idle:  # one outside the last membership never joined (the run ended first): its code is the loss's
+        try:
+            members = _members(store)
+        except RuntimeError:  # another node's store, gone with the run's end: the codes as they are
+            members = []
+        codes |= {r: lost_codes[r] for r in idle if members and r not in members}
     return [codes[r] for r in sorted(procs)]
 
 

@@ -93,3 +93,27 @@ def test_a_replacement_that_starts_after_the_run_ended_stops_with_a_note_not_an_
     assert "error" not in err
     assert err.splitlines() == ["sdp train: note: worker 0: the run ended before it could rejoin; this replacement "
                                 "has nothing to do"]
+
+
+class _Process:
+    """A rank's process for `_wait_all`: running for `polls` polls, then ended with `code`."""
+
+    def __init__(self, code: int, polls: int = 0) -> None:
+        self.code, self.polls, self.returncode = code, polls, None
+
+    def poll(self) -> int | None:
+        self.polls -= 1
+        if self.polls < 0:
+            self.returncode = self.code
+        return self.returncode
+
+
+def test_a_replacement_that_never_joined_leaves_the_loss_its_code_in_the_last_line(capsys):
+    store = dist.HashStore()
+    store.set(MEMBERS_KEY, "1,2")  # the survivors left rank 0 out; its replacement then found nothing to do
+    procs = {0: _Process(-9), 1: _Process(0, polls=40), 2: _Process(0, polls=40)}
+    codes = survivor_launcher._wait_all(procs, store, lambda rank: _Process(0), 1)
+    assert codes == [-9, 0, 0], codes  # not the replacement's 0: the run lost rank 0 (SIGKILL)
+    assert survivor_launcher.launch_outcome(store, dict(enumerate(codes)), 3)[1] == [
+        "sdp: lost rank 0 (exit code -9); ranks 1, 2 finished the run"]
+    assert "starting a replacement" in capsys.readouterr().err
