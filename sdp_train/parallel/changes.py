@@ -92,6 +92,11 @@ class MaskChanges:
         if (self.moves_blocks or self.recuts) and scheduled:
             self._places.add(optimizer, self.module, self.world_size)
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose state moves at changes (`add_optimizer`), those still alive."""
+        return [o for o in (ref() for ref in self._optimizers) if o is not None]
+
     def enter(self, old_matrix: np.ndarray, matrix: np.ndarray, old_held: Sequence[dict[str, SliceSpec]],
               new_held: Sequence[dict[str, SliceSpec]], local_index: dict[str, SliceSpec], *,
               move_state: bool, vote: MoveVote | None = None) -> tuple[list[torch.Tensor], dict[str, SliceSpec]]:
@@ -99,7 +104,7 @@ class MaskChanges:
         resume (not `move_state`) only the shapes change and the loaded state fills them. Returns the
         parameters that left the part and the new `local_index`; requires_grad follows the new mask.
         `vote`: once every part has come, and before anything is dropped, whether to go on (`MoveVote`)."""
-        optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
+        optimizers = self.optimizers
         old_rows, new_rows = old_matrix.astype(bool), matrix.astype(bool)
         if self.recuts:
             if vote is not None:
@@ -257,7 +262,7 @@ class RoundsMixin:
             self.rounds.step_done()
         self.sync.step_done(self.steps)
 
-    def enter_next_round(self) -> None:
+    def enter_next_round(self, vote: MoveVote | None = None) -> None:
         """Make the mask change due since the last `step_done` (nothing when none is): the next
         round's mask from now on (`sdp_train.parallel.schedule`). With forward masking the blocks a worker
         gains are built and receive their parameters, buffers and optimizer state from their
@@ -268,10 +273,16 @@ class RoundsMixin:
         A training ``forward`` (and `no_sync`) calls it, so a loop need not; call it yourself right
         after `step_done` when another step follows to keep the change apart from the forward pass
         (``sdp train`` does, for its memory meter). Every rank must call it (a collective when due).
+
+        `vote`: survivors of lost workers moving to a round that restores coverage (``sdp train
+        --restore-coverage``): the change is all or nothing across them (`MoveVote`); when a collective
+        of it fails or another survivor did not receive every part, this worker is back at its state from
+        before (blocks built for it dropped, optimizer groups and state as they were) and the change is
+        no longer due.
         """
         matrix = self.rounds.take_due()
         if matrix is not None:
-            self._enter_round(matrix, step=self.steps, move_state=True)
+            self._enter_round(matrix, step=self.steps, move_state=True, vote=vote)
 
     @property
     def steps(self) -> int:
@@ -301,11 +312,21 @@ class RoundsMixin:
         if saved is not None:  # the state to be loaded is the saved round's
             self._enter_round(saved[0], step=saved[1], move_state=False)
 
-    def _enter_round(self, matrix: np.ndarray, *, step: int, move_state: bool) -> None:
-        """Train under `matrix`, the mask of step `step`'s round, from now on (every rank calls it)."""
+    def _enter_round(self, matrix: np.ndarray, *, step: int, move_state: bool,
+                     vote: MoveVote | None = None) -> None:
+        """Train under `matrix`, the mask of step `step`'s round, from now on (every rank calls it); with a
+        `vote`, all or nothing (`enter_next_round`)."""
         new_held = [self.layout.held(matrix[r]) for r in range(self.world_size)]
-        retired, self.local_index = self.changes.enter(self.rounds.matrix, matrix, self.held_by_rank, new_held,
-                                                       self.local_index, move_state=move_state)
+        undo = [ReceivingUndo(self.module, o, []) for o in self.changes.optimizers] if vote is not None else []
+        try:
+            retired, self.local_index = self.changes.enter(self.rounds.matrix, matrix, self.held_by_rank, new_held,
+                                                           self.local_index, move_state=move_state, vote=vote)
+        except RuntimeError:  # MoveAbandoned or a failed collective: the blocks built go, then groups and state
+            if vote is not None:
+                self.changes.undo_gains(self.rounds.matrix)
+                for each in undo:
+                    each.undo()
+            raise
         self.held_by_rank = new_held
         self.rounds.entered(matrix, step)
         held = self._plan()

@@ -175,11 +175,12 @@ class TrainConfig:
     the holders' average: at once after a loss in the average (overlap averaging with local_steps 1: at once), else
     at the end of the round the loss interrupted, the survivors training it under their own rows. In ``overlap`` a
     survivor's own copy of a block it newly holds is replaced by its holder's, and one it drops stays, untrained and
-    unaveraged. With a static mask the move is all or nothing across the survivors: a worker lost during it leaves
-    each at its state from before it, and those still alive agree again and move to the mask restored for them (a
-    loss after every survivor received it, while they build their new sync: from the restored rows). False: the
-    lost rows are dropped and a block keeps its other holders only (coverage falls). A replacement that rejoins
-    (`max_rejoins`) gives the run its designed mask back (under a schedule, the designed round's rows)."""
+    unaveraged. The move is all or nothing across the survivors (under a schedule, the one made within the
+    recovery, not one that local steps leave to a round's boundary): a worker lost during it leaves each at its
+    state from before it, and those still alive agree again and move to the mask restored for them (a loss after
+    every survivor received it, while they build their new sync: from the restored rows). False: the lost rows are
+    dropped and a block keeps its other holders only (coverage falls). A replacement that rejoins (`max_rejoins`)
+    gives the run its designed mask back (under a schedule, the designed round's rows)."""
     restore_budgets: str | None = None
     """With `restore_coverage` at block level (modes ``bsdp``, ``bbsdp``, ``overlap``) and a built-in model: one
     memory budget per worker (``"80GB,80GB,24GB,24GB"``, as ``sdp plan --budgets`` reads them, as many as

@@ -380,29 +380,34 @@ class Survival:
         makes the move, `restore_due` records it). Returns `change` as recorded: with `restore_at` and the
         survivors' rows where the move waits.
 
-        With a static mask, a worker lost meanwhile (a collective of the new sync fails, or of the move that
-        restores coverage, which is all or nothing across the survivors: `MoveVote`, `moved_everywhere`)
-        leaves every survivor at its state from before: its rows `dropped`, the old sync. A loss after every
-        survivor received the move, while they build their new sync, leaves each holding its rows of
-        `change.mask`, which the old sync, closed, then describes (`ModeSync.for_survivors`). Either way those
-        still alive agree again (the next generation), decide from the rows they hold (a block without holder
-        there stops the run in one line, `WorkerLossError`), restore coverage for themselves from them and go
-        on or move again (`_again`); the change recorded has every worker lost and `moved_bytes` every move
-        made. Under a schedule with a restore a loss here is not recovered (its error goes on)."""
+        A worker lost meanwhile (a collective of the new sync fails, or of the move that restores coverage,
+        which is all or nothing across the survivors: `MoveVote`, `moved_everywhere`) leaves every survivor
+        at its state from before: its rows `dropped`; with a static mask the old sync in force, under a
+        schedule the survivors' (the schedule's mover undid its part: `RoundsMixin.enter_next_round`, the
+        change to the restored round no longer due; this sync is closed). A loss after every survivor received
+        the move, while they build their new sync (static) or holder groups (a schedule's), leaves each
+        holding its rows of `change.mask`, which the sync in force, closed, then describes
+        (`ModeSync.for_survivors`; under a schedule the round entered). Either way those still alive agree
+        again (the next generation), decide from the rows they hold (under a schedule also every later round's
+        designed rows; a block without holder there stops the run in one line, `WorkerLossError`), restore
+        coverage for themselves and go on or move again (`_again`); the change recorded has every worker lost,
+        `restored` where a move was made, and `moved_bytes` every move made."""
         self.pending_restore = self.pending_round_restore = None  # a later loss designs from the rows in force
         local_steps = run.cfg.local_steps
         rows = change.rows  # the survivors' ranks in the world of `run.sync`
         scheduled_restore = self.scheduled and self.restore is not None and run.steps_applied < run.cfg.steps
         made = False  # a move every survivor received, before a worker was lost while they built their sync
         while True:
-            self.move, self.moved = None, None
+            self.move, self.moved, before = None, None, run.sync
             try:
                 if scheduled_restore:
                     # every round restored from the next step's on (none after the run's last step), made by the
-                    # schedule's mover at once, or with local steps at the boundary after the round the loss
-                    # interrupted
+                    # schedule's mover at once (all or nothing), or with local steps at the boundary after the
+                    # round the loss interrupted
                     at = restore_step(run.steps_applied, local_steps)
-                    run.continue_with(dropped if at > run.steps_applied else change.mask, rows, info,
+                    now = at == run.steps_applied
+                    run.continue_with(change.mask if now else dropped, rows, info,
+                                      self._vote(run, step, change.workers, change.restored and now),
                                       restore=self.restore)
                     if at > run.steps_applied:
                         self.pending_round_restore = (at, run.mask_change_bytes)
@@ -420,8 +425,9 @@ class Survival:
                 run.continue_with(change.mask, rows, info, self._vote(run, step, change.workers, change.restored))
                 break
             except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
-                if scheduled_restore:  # a loss during its move is not recovered: the error goes on as it is
-                    raise
+                if run.sync is not before:  # under a schedule the survivors' sync was in force when the move failed
+                    run.sync.close()
+                    rows = tuple(range(len(change.workers)))
                 made = made or bool(self.moved)
                 change, dropped, info, rows = self._again(run, step, exc, change, dropped, rows)
         self.move = None

@@ -99,9 +99,10 @@ class ModeSync:
     def after_step(self) -> None:
         """After the optimizer step (not after a skipped one)."""
 
-    def enter_next_round(self) -> None:
+    def enter_next_round(self, vote: MoveVote | None = None) -> None:
         """Make the mask change a schedule's round that ended made due (a collective); call it only when
-        another step follows, so that nothing moves for a round that never trains."""
+        another step follows, so that nothing moves for a round that never trains. `vote`: survivors moving
+        to a round that restores coverage, all or nothing (`RoundsMixin.enter_next_round`)."""
 
     @property
     def bytes(self) -> ByteCount:
@@ -278,9 +279,9 @@ class SubnetworkSync(ModeSync):
         # here, not in an optimizer hook: the memory meter would file its buffers as optimizer state
         self.sdp.step_done()
 
-    def enter_next_round(self) -> None:
+    def enter_next_round(self, vote: MoveVote | None = None) -> None:
         # outside the forward pass, where the memory meter would file what moves as activations
-        self.sdp.enter_next_round()
+        self.sdp.enter_next_round(vote)
 
     @property
     def engine(self):

@@ -219,8 +219,9 @@ class Run:
         """Train on in a new world of survivors (`sdp_train.trainer.membership.Survival.recover`, after the
         old sync's `close`): the mode's sync rebuilt for the survivors' `mask` (`ModeSync.for_survivors`),
         the same model and optimizer, no gradient left of the interrupted step. `vote`: a move to restore
-        coverage (static masks) is all or nothing across the survivors (`sdp_train.parallel.changes.MoveVote`);
-        when it fails, the old sync stays, and so does this rank's state. `restore` (under a
+        coverage is all or nothing across the survivors (`sdp_train.parallel.changes.MoveVote`); when it
+        fails, this rank's state is what it was before (static masks: the old sync stays; under a schedule the
+        survivors' sync is in force, the change to the restored round no longer due). `restore` (under a
         schedule, ``--restore-coverage``): every round from now on under the mask restoring its designed
         coverage for the survivors, the round in force's at once (`ModeSync.enter_next_round`: what a
         survivor newly holds, with its optimizer state, from its lowest-ranked surviving holder), its
@@ -233,7 +234,7 @@ class Run:
         self.sync.attach(self.optimizer)
         if restore is not None and self.sync.schedule_rounds is not None:
             before = self.sync.mask_change_bytes.buffer
-            self.sync.enter_next_round()  # after `attach`: the optimizer's state moves, its groups get the gains
+            self.sync.enter_next_round(vote)  # after `attach`: the optimizer's state moves, its groups gain
             self.sync.moved_bytes = self.sync.mask_change_bytes.buffer - before
         self.optimizer.zero_grad(set_to_none=False)
 

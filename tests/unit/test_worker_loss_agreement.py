@@ -629,3 +629,80 @@ def test_a_loss_after_the_move_that_leaves_a_block_of_its_rows_without_holder_st
     with pytest.raises(WorkerLossError, match=r"^step 3: lost workers \[2, 3\] held every copy of block \d ") as info:
         _survive_a_loss_after_the_move(monkeypatch, lost=[2, 3])
     assert "\n" not in str(info.value)
+
+
+THREES = Mask([[0, 1, 1, 1], [1, 0, 1, 1], [1, 1, 0, 1], [1, 1, 1, 0]])  # coverage 3 of 4: any two losses survive
+
+
+class _RoundsSync(_Described):
+    """A scheduled sync as `Run` keeps it: its position (`Rounds`), what a further loss is checked against."""
+
+    def __init__(self, rounds) -> None:
+        self.rounds = rounds
+
+    def rounds_to_train(self, steps: int):
+        return self.rounds.to_train(steps)
+
+
+class _ScheduledRun(_MovingRun):
+    """The run of worker 1 of `THREES` under a permute schedule (every 3 steps, 6 steps), its state entered in
+    the round of step 3, whose survivors restore every round's coverage: as `Run.continue_with` does, the
+    survivors' sync (`Rounds.for_survivors`) is in force before the schedule's mover makes the due change to
+    the restored round; the first such move fails once, `fail` being where (a worker `lost` then): ``"in the
+    move"`` (before this rank's vote) or ``"after the vote"`` (every survivor received it: the change is made)."""
+
+    def __init__(self, store, lost, mask, fail) -> None:
+        from sdp_train.parallel.rounds import Rounds
+
+        super().__init__(store, lost, mask)
+        rounds = Rounds(mask, 0, counts=True)
+        for _ in range(3):
+            rounds.step_done()
+        due = rounds.take_due()
+        rounds.entered(rounds.matrix if due is None else due, 3)
+        self.sync, self.fail = _RoundsSync(rounds), fail
+
+    def continue_with(self, mask, rows, info, vote=None, *, restore=None) -> None:
+        rounds = self.sync.rounds.for_survivors(rows, restore=restore)
+        self.went_on.append((mask.matrix.tolist(), list(rows)))
+        self.sync = _RoundsSync(rounds)
+        if rounds.due is None:
+            return
+        if self.failures and self.fail == "in the move":
+            self._lose()
+        assert vote is not None and vote.agreed()
+        rounds.entered(rounds.take_due(), rounds.steps)
+        if self.failures and self.fail == "after the vote":
+            self._lose()
+
+    def _lose(self):
+        self.failures -= 1
+        for w in self.lost:
+            self.store.set(exited_key(w), "-9")
+        raise RuntimeError("Connection reset by peer")
+
+
+@pytest.mark.parametrize("fail", ["in the move", "after the vote"])
+def test_a_loss_while_blocks_move_to_restore_a_schedules_coverage_is_survived(monkeypatch, fail):
+    """Under a schedule, worker 2 is lost while workers 1-3 move to the round restored for them (every block on
+    each), or after every one received that move: workers 1 and 3 agree again, from their rows before the move
+    or from the restored ones, and end holding every block (the round restored for two), their sync over their
+    own world; one change, every worker lost, coverage restored."""
+    from masklab import Schedule
+    from sdp_train.trainer.membership import Survival
+
+    monkeypatch.setattr(Survival, "_form_world", lambda *args: None)
+    mask = THREES.replace(schedule=Schedule("permute", every=3))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store.set(exited_key(0), "-9")
+    for generation in (1, 2):
+        for w in (2, 3):
+            store.set(f"sdp/loss{generation}/joined{w}", "3")
+            store.set(f"sdp/moved{generation}/3/{w}", "1")
+    run = _ScheduledRun(store, [2], mask, fail)
+    survival = Survival(store, 1, [0, 1, 2, 3], mask, restore={**RESTORE, "coverage": 3})
+    change = survival.recover(run, 3, RuntimeError("Connection reset by peer"), None)
+    assert (change.step, change.lost, change.workers, change.restored) == (3, (0, 2), (1, 3), True)
+    assert change.mask.matrix.all() and run.sync.rounds.matrix.all() and run.sync.rounds.due is None
+    assert [rows for _, rows in run.went_on] == [[1, 2, 3], [0, 2]]  # the second in the world of workers 1-3
+    assert survival.changes == [change] and survival.workers == (1, 3)
