@@ -11,6 +11,7 @@ wrapper's sync restarts over the new buckets. Not here: when a change is due
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ class MaskChanges:
         self.activation_checkpointing, self.watch_clipping = activation_checkpointing, watch_clipping
         self.bytes = ByteCount()
         """Bytes of the optimizer state (and blocks) moved, apart from gradient traffic."""
+        self.seconds = 0.0
+        """Wall time of the changes of round made (`RoundsMixin._enter_round`, holder groups included)."""
         self._optimizers: list[weakref.ref] = []
         self._places = OptimizerPlaces()  # forward masking under a schedule: where gained parameters go
 
@@ -316,6 +319,7 @@ class RoundsMixin:
                      vote: MoveVote | None = None) -> None:
         """Train under `matrix`, the mask of step `step`'s round, from now on (every rank calls it); with a
         `vote`, all or nothing (`enter_next_round`)."""
+        began = time.perf_counter()
         new_held = [self.layout.held(matrix[r]) for r in range(self.world_size)]
         undo = [ReceivingUndo(self.module, o, []) for o in self.changes.optimizers] if vote is not None else []
         try:
@@ -335,6 +339,7 @@ class RoundsMixin:
             made = holder_set_groups(missing, self.world_size, singletons=False) if self.world_size > 1 else {}
             self.groups.update({h: None if len(h) == 1 else made.get(h) for h in missing})
         self.sync.restart(held, retired)
+        self.changes.seconds += time.perf_counter() - began
 
 
 def _weak_step_done(wrapper: weakref.ref) -> Callable[..., None]:

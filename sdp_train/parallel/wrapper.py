@@ -243,6 +243,11 @@ class SubnetworkDataParallel(RoundsMixin, FullModelMixin, nn.Module):
         """Bytes of the optimizer state moved at mask changes (a schedule), apart from gradient traffic."""
         return self.changes.bytes
 
+    @property
+    def mask_change_seconds(self) -> float:
+        """Wall time of the mask changes made so far (a schedule): moves, rebuilt parts and holder groups."""
+        return self.changes.seconds
+
     # -- the training step ---------------------------------------------------------------------
     @ForwardWithModelSignature
     def forward(self, *args, **kwargs):

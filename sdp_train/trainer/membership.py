@@ -84,10 +84,11 @@ class Survival:
         """The run's mask has a schedule: a restore is every round's (`Rounds.for_survivors`), not one mask."""
         self.pending_restore: Mask | None = None
         """With local steps: the restored mask the survivors of a loss inside a round move to at its boundary."""
-        self.pending_round_restore: tuple[int, int] | None = None
+        self.pending_round_restore: tuple[int, int, float] | None = None
         """Under a schedule with local steps: the step at whose start the survivors of a loss inside a round are in
         the restored round (the schedule's mover made that change after the round's average), and the bytes
-        the schedule had moved at the loss; `restore_due` records the change."""
+        the schedule had moved and the seconds its changes took at the loss; `restore_due` records the change
+        with the difference (`recovery_s`: the time of that change)."""
         self.generation = 0
         self.changes: list[MembershipChange] = []
         self.move: tuple[int, tuple[int, ...]] | None = None
@@ -410,7 +411,7 @@ class Survival:
                                       self._vote(run, step, change.workers, change.restored and now),
                                       restore=self.restore)
                     if at > run.steps_applied:
-                        self.pending_round_restore = (at, run.mask_change_bytes)
+                        self.pending_round_restore = (at, run.mask_change_bytes, run.mask_change_seconds)
                         change = dataclasses.replace(change, mask=dropped, restored=False, restore_at=at)
                     break
                 if change.restored and local_steps > 1 and change.lost:
@@ -497,13 +498,14 @@ class Survival:
         lost."""
         if self.pending_round_restore is not None and step == self.pending_round_restore[0]:
             moved = run.mask_change_bytes - self.pending_round_restore[1]  # the one change since the loss
+            seconds = run.mask_change_seconds - self.pending_round_restore[2]
             self.pending_round_restore = None
             rounds = run.sync.schedule_rounds
             self.mask = Mask(rounds.matrix, block_names=self.mask.block_names, block_sizes=self.mask.block_sizes)
             if np.array_equal(rounds.matrix, rounds.designed_rows(step)):
                 return None  # no block fell below the coverage in this round: nothing was restored
             change = MembershipChange(step, (), self.workers, tuple(range(len(self.workers))), self.mask,
-                                      restored=True, moved_bytes=moved)
+                                      restored=True, moved_bytes=moved, recovery_s=seconds)
             self.changes.append(change)
             return change
         if self.pending_restore is None or step % run.cfg.local_steps:

@@ -128,6 +128,11 @@ class ModeSync:
         where nothing moves."""
         return None
 
+    @property
+    def mask_change_seconds(self) -> float | None:
+        """Wall time of those mask changes so far; None where nothing moves."""
+        return None
+
     def schedule_state(self) -> dict[str, int]:
         """What a checkpoint keeps of the position in a mask schedule; ``{}`` where there is none."""
         return {}
@@ -299,6 +304,10 @@ class SubnetworkSync(ModeSync):
     def mask_change_bytes(self) -> ByteCount | None:
         return None if self.sdp.mask.schedule.is_static else self.sdp.mask_change_bytes
 
+    @property
+    def mask_change_seconds(self) -> float | None:
+        return None if self.sdp.mask.schedule.is_static else self.sdp.mask_change_seconds
+
     def schedule_state(self) -> dict[str, int]:
         return self.sdp.schedule_state()
 
@@ -372,6 +381,7 @@ class SubnetworkSync(ModeSync):
                 self._moved_to(mask, held_by_rank, local_index, rounds, info, moved)
             raise
         sdp.changes.bytes += old.changes.bytes  # what the schedule moved so far (`mask_change_bytes`)
+        sdp.changes.seconds += old.changes.seconds
         _checkpointing_goes_on(sdp, old)
         if old.local_steps > 1 and len(rows) < old.world_size and sdp.steps and sdp.steps % old.local_steps == 0:
             sdp.average()  # the round's average, which the loss may have interrupted, among the survivors
@@ -415,6 +425,7 @@ class SubnetworkSync(ModeSync):
             autocast_dtype=old.autocast_dtype, comm_dtype=old.comm_dtype, values_agree=True, seed=old.seed,
             local_steps=old.local_steps, rounds=rounds)
         sdp.changes.bytes += old.changes.bytes
+        sdp.changes.seconds += old.changes.seconds
         _checkpointing_goes_on(sdp, old)
         return SubnetworkSync(sdp, sdp.module, info, fsdp=False)
 

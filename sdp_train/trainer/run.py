@@ -323,3 +323,8 @@ class Run:
         None where nothing moves."""
         moved = self.sync.mask_change_bytes
         return None if moved is None else moved.buffer
+
+    @property
+    def mask_change_seconds(self) -> float | None:
+        """Wall time of the mask changes made so far (a schedule), None where nothing moves."""
+        return self.sync.mask_change_seconds

@@ -190,3 +190,24 @@ def test_with_local_steps_the_restore_waits_for_the_boundary_after_the_interrupt
         assert survivors_rounds.matrix.tolist() == mask.round_matrix(applied, seed=1)[survivors].tolist()
         survivors_rounds.step_done()
     assert survivors_rounds.matrix.tolist() == reference.round_matrix(at).tolist()
+
+
+def test_a_restore_a_loss_left_due_under_a_schedule_is_recorded_with_the_bytes_and_time_of_its_change():
+    """Under a schedule with local steps the schedule's change at the boundary makes the restore
+    (`Survival.restore_due` only records it): its record has what that change moved and how long it took
+    (the run's `mask_change_bytes` and `mask_change_seconds` since the loss), not 0 s."""
+    from types import SimpleNamespace
+
+    from sdp_train.trainer.membership import Survival
+
+    mask = Mask([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], schedule=Schedule("cyclic"))
+    rounds = Rounds(mask, 0, counts=True).for_survivors([1, 2, 3], restore={"coverage": 2, "seed": 0})
+    rounds.entered(rounds.round_matrix(3), 3)
+    survival = Survival(None, 1, [1, 2, 3], Mask(rounds.designed_rows(3)), restore={"coverage": 2, "seed": 0})
+    survival.pending_round_restore = (3, 1000, 1.25)  # at the loss: 1000 bytes moved, 1.25 s of changes so far
+    run = SimpleNamespace(mask_change_bytes=1800, mask_change_seconds=1.75, cfg=SimpleNamespace(local_steps=3),
+                          sync=SimpleNamespace(schedule_rounds=rounds))
+    change = survival.restore_due(run, 3)
+    assert (change.step, change.restored, change.moved_bytes) == (3, True, 800)
+    assert change.recovery_s == pytest.approx(0.5)
+    assert survival.restore_due(run, 4) is None
