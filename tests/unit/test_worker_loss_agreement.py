@@ -583,18 +583,25 @@ def _restored_for_workers_1_to_3() -> Mask:
     return Survival(None, 1, [0, 1, 2, 3], PAIRS, restore=RESTORE).restored(change, 3, report=False).mask
 
 
-def _survive_a_loss_after_the_move(monkeypatch, lost, mask=PAIRS, coverage=2):
-    """Worker 1 of `mask` (`_MovingRun`) after worker 0's loss at step 3, workers 1-3 alive: its recovery, the
-    others' answers in a real TCP store (each survivor received every part of each move)."""
-    from sdp_train.trainer.membership import Survival
-
-    monkeypatch.setattr(Survival, "_form_world", lambda *args: None)
+def _answered_store() -> dist.TCPStore:
+    """A real TCP store where worker 0 exited (SIGKILL) and workers 2 and 3 joined two agreements after 3 steps,
+    each answering that it received every part of the move of step 3."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     store.set(exited_key(0), "-9")
     for generation in (1, 2):
         for w in (2, 3):
             store.set(f"sdp/loss{generation}/joined{w}", "3")
             store.set(f"sdp/moved{generation}/3/{w}", "1")
+    return store
+
+
+def _survive_a_loss_after_the_move(monkeypatch, lost, mask=PAIRS, coverage=2):
+    """Worker 1 of `mask` (`_MovingRun`) after worker 0's loss at step 3, workers 1-3 alive: its recovery, the
+    others' answers in a real TCP store (each survivor received every part of each move)."""
+    from sdp_train.trainer.membership import Survival
+
+    monkeypatch.setattr(Survival, "_form_world", lambda *args: None)
+    store = _answered_store()
     run = _MovingRun(store, lost, mask)
     survival = Survival(store, 1, [0, 1, 2, 3], mask, restore={**RESTORE, "coverage": coverage})
     return survival, run, survival.recover(run, 3, RuntimeError("Connection reset by peer"), None)
@@ -694,12 +701,7 @@ def test_a_loss_while_blocks_move_to_restore_a_schedules_coverage_is_survived(mo
 
     monkeypatch.setattr(Survival, "_form_world", lambda *args: None)
     mask = THREES.replace(schedule=Schedule("permute", every=3))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store.set(exited_key(0), "-9")
-    for generation in (1, 2):
-        for w in (2, 3):
-            store.set(f"sdp/loss{generation}/joined{w}", "3")
-            store.set(f"sdp/moved{generation}/3/{w}", "1")
+    store = _answered_store()
     run = _ScheduledRun(store, [2], mask, fail)
     survival = Survival(store, 1, [0, 1, 2, 3], mask, restore={**RESTORE, "coverage": 3})
     change = survival.recover(run, 3, RuntimeError("Connection reset by peer"), None)
