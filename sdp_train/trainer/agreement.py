@@ -97,7 +97,7 @@ class MembershipChange:
     welcome_mask: Mask | None = None
     """Workers that joined: the mask they receive their parts under, the members' rows in force (the
     survivors' restored rows after ``--restore-coverage``) then the joiners' designed rows; every worker
-    goes on to `mask` from it (`sdp_train.trainer.run.Run.welcome`)."""
+    goes on to `mask` from it (`sdp_train.trainer.run.Run.to_designed`)."""
     during: str | None = None
     """A loss outside a training step: what the workers were doing (``evaluating``, ``checkpointing``,
     ``saving the final model``), which the survivors do again; `step` is then the next step to train (the

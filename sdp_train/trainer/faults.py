@@ -8,7 +8,9 @@ after the survivors' decision and before their new world forms; ``SDP_TEST_KILL_
 worker W SIGKILL itself in the first move of blocks to restore coverage (``--restore-coverage``) it takes
 part in, once the blocks' values have been sent and before their optimizer state is, and
 ``SDP_TEST_KILL_IN_MOVE=W:voted`` once every survivor answered that it received that move, before the
-survivors' new sync is built (its holder groups); ``SDP_TEST_JOIN_AT_STEP=S`` makes
+survivors' new sync is built (its holder groups); ``W:S``: in a move at step S only, once its values have
+been sent (such as the move of an admission at step S from the members' restored rows to their designed
+ones, which a joiner takes part in too); ``SDP_TEST_JOIN_AT_STEP=S`` makes
 the members of a run that misses a worker (``--max-rejoins``) admit replacements at step S's
 boundary only (with ``--local-steps H``, a multiple of H: members admit nowhere else), waiting there
 until every missing worker's replacement waits to join, so that a test knows the step (a
@@ -67,6 +69,8 @@ class InjectedFaults:
     """``(point, steps, worker)``: ``SDP_TEST_KILL_OUTSIDE``."""
     kill_move_voted: bool = False
     """``SDP_TEST_KILL_IN_MOVE=W:voted``: worker `kill_in_move` dies after the move's vote, not during the move."""
+    kill_in_move_step: int | None = None
+    """With `kill_in_move`: the step of the move it is killed in; None: its first move."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -77,18 +81,22 @@ class InjectedFaults:
         ------
         ValueError
             A variable is set but not ``STEP:RANK`` (two integers >= 0).
+
+        >>> faults = InjectedFaults.from_environment({"SDP_TEST_KILL_IN_MOVE": "0:4"}, attempt=0)
+        >>> faults.kill_in_move, faults.kill_in_move_step
+        (0, 4)
         """
         environ = os.environ if environ is None else environ
         if (restart_attempt() if attempt is None else attempt) != 0:
             return cls()
         worker, join = environ.get(RECOVERY_KILL_VARIABLE), environ.get(JOIN_VARIABLE)
         joiner, mover = environ.get(JOINER_KILL_VARIABLE), environ.get(MOVE_KILL_VARIABLE)
-        mover, colon, point = (None, "", "") if mover is None else mover.partition(":")
-        if colon and point != "voted":
-            raise ValueError(f"{MOVE_KILL_VARIABLE}={environ[MOVE_KILL_VARIABLE]!r} must be W or W:voted, W a worker "
-                             "number, an integer >= 0")
+        mover, colon, at = (None, "", "") if mover is None else mover.partition(":")
+        if colon and at != "voted" and not (at.isascii() and at.isdigit()):
+            raise ValueError(f"{MOVE_KILL_VARIABLE}={environ[MOVE_KILL_VARIABLE]!r} must be W, W:voted or W:S, W a "
+                             "worker number and S a step, integers >= 0")
         for variable, value, what in ((RECOVERY_KILL_VARIABLE, worker, "a worker number, an integer >= 0"),
-                                      (MOVE_KILL_VARIABLE, mover, "W or W:voted, W a worker number, an integer >= 0"),
+                                      (MOVE_KILL_VARIABLE, mover, "W, W:voted or W:S, W a worker number"),
                                       (JOIN_VARIABLE, join, "steps (integers >= 0) separated by commas"),
                                       (JOINER_KILL_VARIABLE, joiner, "a step, an integer >= 0")):
             parts = [] if value is None else value.split(",") if variable == JOIN_VARIABLE else [value]
@@ -106,7 +114,7 @@ class InjectedFaults:
                    None if worker is None else int(worker),
                    None if join is None else tuple(int(s) for s in join.split(",")),
                    None if joiner is None else int(joiner), None if mover is None else int(mover), outside,
-                   bool(colon))
+                   at == "voted", int(at) if colon and at != "voted" else None)
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""

@@ -31,7 +31,7 @@ world (the members' ranks first, the joiners' last, so that every block's lowest
 member), give each joiner its blocks (overlap averaging: its copy of every block), the shared tensors
 and their optimizer state (`ModeSync.welcome`) and go back to the designed mask (under a schedule, the
 designed round's rows at the same position; members whose rows were restored for the survivors gain and
-drop parts: `Run.welcome`).
+drop parts, `Run.to_designed`, with a static mask all or nothing: `welcome_vote`).
 
 Not here: the store's keys and the agreement itself (`sdp_train.trainer.agreement`), what a mode
 rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`, `for_joiners`), the loop that reruns the
@@ -157,16 +157,17 @@ class Survival:
         all admit the same workers at the same step, with no collective and no device synchronisation.
         The members and the joiners then form a new world (joiners last), each joiner receives its part
         under the members' rows in force and its designed row, and the run goes back to the designed
-        mask's rows of its workers (`Run.admit`: members whose rows were restored for the survivors
-        gain and drop parts). Under a schedule the designed round's rows, at the same position; a change
-        of round that a loss left due the members first make among themselves, in their world, before
-        anything of the admission is written: a member lost there is a loss as any other (`recover`; its
-        change is returned and the joiners wait for a later boundary). With local steps only at a round's
-        boundary, right after the holders' average: inside a round their copies differ (every member skips
-        the others alike, reading nothing). When the admission fails and the members' state is still what
-        it was (`members_state_kept`: the failure came before the new world formed or while the members
-        only sent the joiners' parts, their rows in force their designed ones) they go on without the
-        joiners (`_without_joiners`; None, or the change when a member was lost meanwhile); else every
+        mask's rows of its workers (`Run.admit`, `Run.to_designed`: members whose rows were restored for the
+        survivors gain and drop parts, with a static mask all or nothing, `welcome_vote`). Under a schedule
+        the designed round's rows, at the same position; a change of round that a loss left due the members
+        first make among themselves, in their world, before anything of the admission is written: a member
+        lost there is a loss as any other (`recover`; its change is returned and the joiners wait for a later
+        boundary). With local steps only at a round's boundary, right after the holders' average: inside a
+        round their copies differ (every member skips the others alike, reading nothing). When the admission
+        fails and the members' state is still what it was (`members_state_kept`: the failure came before the
+        new world formed, while the members only sent the joiners' parts, or in a static mask's move back
+        from restored rows before every rank received it) they go on without the joiners (`_without_joiners`;
+        None, or the change when a member was lost meanwhile); else every
         member stops, `WorkerLossError`."""
         if self.designed is None or len(self.workers) == self.designed.workers or step % run.cfg.local_steps:
             return None
@@ -204,26 +205,48 @@ class Survival:
                 self.store.set(admission_key(w), json.dumps({"step": step, "generation": self.generation + 1,
                                                              "workers": workers, "members": len(self.workers),
                                                              "rows": rows}))
-        welcoming = False
+        moving = False  # the members go from their rows in force to their designed ones (`Run.to_designed`)
+        vote = self.welcome_vote(run, step, workers, welcome, mask)
         try:
             run.sync.close()  # its hooks hold the groups
             destroy_distributed()
             self.generation += 1
             self._form_world(info, device, workers)
-            welcoming = True
             run.admit(mask, workers, range(len(self.workers), len(workers)), info, welcome_mask=welcome)
+            moving = True
+            run.to_designed(mask, vote)
         except RuntimeError as exc:  # DistError and CollectiveError included: a worker lost meanwhile
-            kept = members_state_kept(mask, welcome, len(self.workers), welcoming=welcoming)
+            kept = members_state_kept(mask, welcome, len(self.workers), moving=moving, voted=vote is not None,
+                                      moved=self.moved)
             if kept is not None:
                 raise WorkerLossError(f"step {step}: admitting worker(s) {joined} failed ({type(exc).__name__}) "
                                       f"{kept}: restart from a checkpoint (--resume)", report=info.is_main) from exc
+            self.move_given_up()
             return self._without_joiners(run, step, joined, exc, device, began, trained)
+        self.move = None
         change = MembershipChange(step, (), workers, tuple(range(len(self.workers))), mask,
                                   recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes,
                                   joined=tuple(joined), welcome_mask=welcome)
         self.workers, self.mask = workers, mask
         self.changes.append(change)
         return change
+
+    def welcome_vote(self, run, step: int, workers: Sequence[int], welcome: Mask, mask: Mask) -> MoveVote | None:
+        """The all-or-nothing answer of an admission's move at `step` among the new world's `workers` (members
+        and joiners alike call it), from the `welcome` mask to the designed rows `mask` (`Run.to_designed`):
+        with a static mask where a member's rows in force were restored for the survivors of a loss, else
+        None (nothing moves, or a schedule's mover makes the change). A member drops nothing until every rank
+        answered that it received every part (`moved_everywhere`, `MoveVote`)."""
+        static = self.designed is not None and self.designed.schedule.is_static
+        return self._vote(run, step, workers, static and not np.array_equal(welcome.matrix, mask.matrix))
+
+    def move_given_up(self) -> None:
+        """After a failure during a move of `_vote` (this rank's state back to before it): answer that this
+        rank did not receive it, where it had not answered, so that the others stop waiting for it."""
+        if self.move is not None and self.moved is None:
+            moved_everywhere(self.store, self.generation, self.move[0], self.worker, self.move[1], received=False,
+                             timeout=timedelta(0))
+        self.move = None
 
     def _without_joiners(self, run, step: int, joined: Sequence[int], error: BaseException, device: torch.device,
                          began: float, rounds: Sequence[tuple[int, np.ndarray]] | None) -> MembershipChange | None:
@@ -439,7 +462,8 @@ class Survival:
         """The all-or-nothing answer of a move to restore coverage at `step` among `workers` (the new world's),
         None where nothing moves (not `restored`). Tests only: ``SDP_TEST_KILL_IN_MOVE=W`` kills worker W
         once the move's values have been sent, before its optimizer state is; ``W:voted`` once every survivor
-        answered that it received the move, before the survivors' new sync is built."""
+        answered that it received the move, before the survivors' new sync is built; ``W:S`` only in a move at
+        step S (an admission's too, `welcome_vote`)."""
         self.move, self.moved = ((step, tuple(workers)) if restored else None), None
         if not restored:
             return None
@@ -452,7 +476,8 @@ class Survival:
             return self.moved
 
         def began() -> None:
-            if run.faults.kill_in_move == self.worker and not run.faults.kill_move_voted:
+            if (run.faults.kill_in_move == self.worker and not run.faults.kill_move_voted
+                    and run.faults.kill_in_move_step in (None, step)):
                 die()
 
         return MoveVote(agreed, began)
@@ -520,33 +545,46 @@ class Survival:
         return change
 
 
-def members_state_kept(mask: Mask, welcome: Mask, members: int, *, welcoming: bool) -> str | None:
+def members_state_kept(mask: Mask, welcome: Mask, members: int, *, moving: bool, voted: bool,
+                       moved: bool | None) -> str | None:
     """Why the members of an admission that failed must stop (the words that say so), or None when their
-    values, buffers and optimizer state are still those they had before it, so that they go on without
-    the joiners (`Survival.admit`). `mask`: the designed rows of the new world's workers, the `members`
+    values, buffers and optimizer state are those they had before it, so that they go on without the
+    joiners (`Survival.admit`). `mask`: the designed rows of the new world's workers, the `members`
     members first (under a schedule, of the round in force); `welcome`: the admission's welcome mask (the
-    members' rows in force first); `welcoming`: the failure came once the new world had formed, while the
-    joiners were given their parts (`Run.admit`), else before.
+    members' rows in force first); `moving`: the failure came once the joiners had their parts, while
+    every rank went from `welcome` to `mask` (`Run.to_designed`), else before; `voted`: that move was all
+    or nothing (`MoveVote`: static masks); `moved`: every rank had answered that it received it.
 
     Before the world forms nothing of a member's has changed (under a schedule the members made a change
     of round that a loss left due before the admission began, `Survival.admit`). While the joiners receive
     their parts a member only sends (`send_parts`, `move_optimizer_state`: what a member held before, it
-    holds after), unless its rows in force are not its designed ones (restored for the survivors of a
-    loss): it then goes on to gain and drop parts (`Run.welcome`).
+    holds after). Where its rows in force are not its designed ones (restored for the survivors of a
+    loss) it then gains and drops parts: with a static mask all or nothing, undone on every rank until
+    every rank received the move, after which a failure (while the new sync is built) stops the members;
+    under a schedule the schedule's mover makes it, and a failure there stops them.
 
     >>> designed = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
     >>> mask = Mask(designed.matrix[[1, 2, 0]])  # workers 1 and 2 admit worker 0
-    >>> members_state_kept(mask, mask, 2, welcoming=True) is None
+    >>> members_state_kept(mask, mask, 2, moving=True, voted=False, moved=None) is None
     True
     >>> restored = Mask([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
-    >>> members_state_kept(mask, restored, 2, welcoming=False) is None
+    >>> members_state_kept(mask, restored, 2, moving=False, voted=True, moved=None) is None
     True
-    >>> members_state_kept(mask, restored, 2, welcoming=True).split(";")[0]
-    'while the members went from their restored rows to their designed ones'
+    >>> members_state_kept(mask, restored, 2, moving=True, voted=True, moved=False) is None  # undone everywhere
+    True
+    >>> members_state_kept(mask, restored, 2, moving=True, voted=True, moved=True).split(";")[0]
+    'after every member and joiner received the parts of the designed rows, while they built their new sync'
+    >>> members_state_kept(mask, restored, 2, moving=True, voted=False, moved=None).split(";")[0]
+    'while the members went from their restored rows to the designed ones of the round'
     """
-    if welcoming and not np.array_equal(welcome.matrix[:members], mask.matrix[:members]):
-        return ("while the members went from their restored rows to their designed ones; a loss while members "
-                "gain and drop parts is not recovered")
+    if not moving or np.array_equal(welcome.matrix[:members], mask.matrix[:members]):
+        return None
+    if not voted:
+        return ("while the members went from their restored rows to the designed ones of the round; a loss while "
+                "members gain and drop parts under a schedule is not recovered")
+    if moved:
+        return ("after every member and joiner received the parts of the designed rows, while they built their new "
+                "sync; a loss then is not recovered")
     return None
 
 

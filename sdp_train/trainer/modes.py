@@ -162,7 +162,7 @@ class ModeSync:
         old one's `rows`, or one that restores the designed coverage). Called after `close`, on the new
         default group; the model, its values and the optimizer state stay, but for what moves to a
         survivor that newly holds it (`optimizer` steps it). After a rejoin every worker "survives"
-        (`rows` all of them) and `mask` is the designed one (`sdp_train.trainer.run.Run.welcome`).
+        (`rows` all of them) and `mask` is the designed one (`sdp_train.trainer.run.Run.to_designed`).
         `restore`: under a schedule, restore every round's designed coverage for the survivors
         (`Rounds.for_survivors`; the change to the restored round of the next step is then due). `vote`: a
         move that restores a static mask's coverage is all or nothing across the survivors (`MoveVote`):
@@ -503,7 +503,7 @@ class OverlapSync(ModeSync):
         train). When `mask` restores the designed coverage (a static mask; it comes only at a round's
         boundary: `Survival`), each survivor then takes the blocks it newly holds, values and AdamW
         state, from their lowest-ranked holder under those rows (`OverlapAveraging.hand_over`). After a
-        rejoin every worker "survives" and `mask` is the designed one (`Run.welcome`). `restore` (a
+        rejoin every worker "survives" and `mask` is the designed one (`Run.to_designed`). `restore` (a
         schedule's) is not used: a schedule with restore_coverage is refused in overlap averaging."""
         old = self.overlap
         kept = old.round_matrix(trained_step(old.steps))[list(rows)]  # static: the rows in force
@@ -526,7 +526,7 @@ class OverlapSync(ModeSync):
         rows; under a schedule the designed round's rows of `workers` from the round of the next step on
         (`Rounds.for_joiners`). The members admit only at a round's boundary, right after the average,
         where every block's holders agree (`Survival.admit`); members whose rows were restored then go
-        back to their designed ones (`for_survivors` with every worker, from `Run.welcome`)."""
+        back to their designed ones (`for_survivors` with every worker, from `Run.to_designed`)."""
         return OverlapSync(self.overlap.for_joiners(mask, workers), info)
 
     def rounds_to_train(self, steps: int) -> list[tuple[int, np.ndarray]] | None:

@@ -243,24 +243,30 @@ class Run:
         old sync's `close`): the mode's sync rebuilt over `welcome_mask` (the members' rows in force, the
         joiners' designed rows; None: the designed `mask`) for `workers`, the new world's rows of the
         designed mask, by `ModeSync.for_joiners`, the same model and optimizer; then the joiners' state
-        comes and all go to `mask` (`welcome`)."""
+        comes (`welcome`), a member only sending. Going to `mask` is `to_designed`, called next."""
         self.retired_bytes += self.sync.bytes
         self.mask = mask if welcome_mask is None else welcome_mask
         self.sync = self.sync.for_joiners(self.mask, info, workers)
         self.info = info
         self.model, self.train_model = self.sync.model, self.sync.train_model
         self.sync.attach(self.optimizer)
-        self.welcome(joiners, mask)
+        self.welcome(joiners)
 
-    def welcome(self, joiners, mask=None) -> None:
+    def welcome(self, joiners, mask=None, vote=None) -> None:
         """The ranks `joiners` receive their values, buffers and optimizer state from the other holders
         (every rank of the new world, members after `admit`, joiners after `__init__`), under the mask
-        in force; then, where `mask` (the designed one's rows) differs from it (members whose rows were
-        restored for the survivors of a loss), every rank goes to `mask`: a member gains what its row
-        now gives it from its lowest-ranked holder, with the optimizer state, and drops the rest
-        (`ModeSync.for_survivors` with every worker kept). Under a schedule that change is the one
-        `Rounds.for_joiners` made due, made here by the schedule's mover (`ModeSync.enter_next_round`)."""
+        in force; then, with `mask`, `to_designed` (`vote` as there)."""
         self.sync.welcome(joiners, self.optimizer)
+        self.to_designed(mask, vote)
+
+    def to_designed(self, mask=None, vote=None) -> None:
+        """Where `mask` (the designed one's rows) differs from the mask in force (members whose rows were
+        restored for the survivors of a loss), every rank of the new world goes to `mask`: a member gains
+        what its row now gives it from its lowest-ranked holder, with the optimizer state, and drops the
+        rest (`ModeSync.for_survivors` with every worker kept). With a static mask all or nothing across
+        the new world (`vote`, `sdp_train.parallel.changes.MoveVote`): when it fails every rank is at its
+        state from before, the sync in force the welcome's (closed). Under a schedule that change is the one
+        `Rounds.for_joiners` made due, made here by the schedule's mover (`ModeSync.enter_next_round`)."""
         if mask is not None and not np.array_equal(mask.matrix, self.mask.matrix):
             welcomed = self.sync.moved_bytes
             if self.sync.schedule_rounds is not None:
@@ -270,7 +276,7 @@ class Run:
                 self.sync.moved_bytes = welcomed + self.sync.mask_change_bytes.buffer - before
             else:
                 self.sync.close()
-                self.continue_with(mask, range(self.info.world_size), self.info)
+                self.continue_with(mask, range(self.info.world_size), self.info, vote)
                 self.sync.moved_bytes += welcomed
         self.optimizer.zero_grad(set_to_none=False)
 

@@ -187,8 +187,13 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
     if admitted is not None:  # the step, the learning rate's schedule and the data go on from the members'
         if run.faults.kill_joiner == admitted.step:  # tests only: lost while the members send its parts
             die()
-        with joining_fails(survival.worker, admitted.step):
-            run.welcome(range(len(admitted.rows), len(admitted.workers)), admitted.mask)
+        # going to the designed rows from members' restored ones: all or nothing, the joiner answering too
+        vote = survival.welcome_vote(run, admitted.step, admitted.workers, admitted.welcome_mask, admitted.mask)
+        try:
+            with joining_fails(survival.worker, admitted.step):
+                run.welcome(range(len(admitted.rows), len(admitted.workers)), admitted.mask, vote)
+        finally:  # given up (the members go on without it): the others stop waiting for its answer
+            survival.move_given_up()
         run.steps_applied = admitted.step
         batches.load_state_dict({**batches.state_dict(), "step": admitted.step})
         start = admitted.step

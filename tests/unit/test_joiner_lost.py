@@ -42,8 +42,9 @@ class _Run:
     """What `Survival.admit` asks of the members' run; `admit` (the joiners' parts) fails when `lost_in` says so."""
 
     def __init__(self, lost_in: str, store=None) -> None:
-        self.cfg, self.faults = SimpleNamespace(local_steps=1, steps=8), SimpleNamespace(join_at=None,
-                                                                                        kill_in_recovery=None)
+        self.cfg = SimpleNamespace(local_steps=1, steps=8)
+        self.faults = SimpleNamespace(join_at=None, kill_in_recovery=None, kill_in_move=None, kill_move_voted=False,
+                                      kill_in_move_step=None)
         self.lost_in, self.steps_applied, self.sync, self.went_on = lost_in, STEP, _Sync(), []
         self.store, self.rounds_entered, self.restores = store, [], []
 
@@ -57,6 +58,16 @@ class _Run:
         if self.lost_in == "welcome":
             raise dist.DistBackendError("Connection closed by peer")
 
+    def to_designed(self, mask, vote=None) -> None:
+        """From restored rows to the designed ones: lost while the parts move (``moving``), or once every rank
+        answered that it received them (``moved``: the others' answers stand in the store)."""
+        if self.lost_in == "moved":
+            for w in (2, 0):
+                self.store.set(f"sdp/moved4/{STEP}/{w}", "1")
+            assert vote.agreed()
+        if self.lost_in in ("moving", "moved"):
+            raise dist.DistBackendError("Connection closed by peer")
+
     def continue_with(self, mask, rows, info, vote=None, *, restore=None) -> None:
         self.went_on.append((mask.matrix.tolist(), list(rows), info.world_size))
         self.restores.append(restore)
@@ -68,29 +79,33 @@ def server() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
-# (where the joiner is lost, rows restored, scheduled) -> whether the members go on: written out, not derived
+# (where the joiner is lost, rows restored, scheduled) -> whether the members go on: written out, not derived.
+# "welcome": while the members send its parts; "moving", "moved": then, while every rank goes from the members'
+# restored rows to their designed ones, before or after every rank answered that it received the move.
 MEMBERS_GO_ON = {
     ("forming", False, False): True, ("forming", True, False): True, ("welcome", False, False): True,
-    ("welcome", True, False): False,  # the members began going back from their restored rows
+    ("welcome", True, False): True,  # sending changes nothing of a member's (before 2026-12-08: False)
+    ("moving", True, False): True,  # all or nothing: undone on every rank (before 2026-12-08: False)
+    ("moved", True, False): False,  # every rank received the move: a member may have dropped parts
     # under a schedule the same: a change of round a loss left due is made before the admission
-    ("forming", False, True): True, ("forming", True, True): True,
-    ("welcome", False, True): True, ("welcome", True, True): False,  # (before 2026-12-08: all False)
+    ("forming", False, True): True, ("forming", True, True): True,  # (before 2026-12-08: all False)
+    ("welcome", False, True): True, ("welcome", True, True): True,
+    ("moving", True, True): False,  # the schedule's mover makes that move: not all or nothing
 }
 
 
 @pytest.mark.parametrize("member_lost", [False, True])
-@pytest.mark.parametrize("scheduled", [False, True])
-@pytest.mark.parametrize("restored", [False, True])
-@pytest.mark.parametrize("lost_in", ["forming", "welcome"])
+@pytest.mark.parametrize(("lost_in", "restored", "scheduled"), list(MEMBERS_GO_ON))
 def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_their_state_changes(
         server, lost_in, restored, scheduled, member_lost):
-    """Worker 0's replacement is lost before the new world forms or while the members send its parts (with
-    worker 2, a member, lost too or not). The members go on, re-formed among themselves a generation later,
-    with the rows in force and every member's rank kept, or without worker 2 as after any loss, exactly
-    when their state is still theirs: no restored rows going back to the designed ones while the parts were
-    sent (under a schedule, the round's rows in force; restored ones are the members' again, `restore`). Else
-    every member stops in one line, as before. Either way the admission is taken back from the launcher's
-    view only when they go on (`MEMBERS_KEY` without the joiner again)."""
+    """Worker 0's replacement is lost before the new world forms, while the members send its parts or while
+    the members go from restored rows to their designed ones (with worker 2, a member, lost too or not). The
+    members go on, re-formed among themselves a generation later, with the rows in force and every member's
+    rank kept, or without worker 2 as after any loss, exactly when their state is still theirs: not after
+    every rank received the move from restored rows (static masks: all or nothing, `MoveVote`), nor in a
+    schedule's move from them (under a schedule the round's rows in force; restored ones are the members'
+    again, `restore`). Else every member stops in one line, as before. Either way the admission is taken
+    back from the launcher's view only when they go on (`MEMBERS_KEY` without the joiner again)."""
     prefix = f"t{lost_in}{restored}{scheduled}{member_lost}/"
     store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", server.port, is_master=False))
     designed = Mask(DESIGNED.matrix, schedule=SCHEDULE if scheduled else None)
@@ -108,12 +123,13 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
     survival._form_world = form_world
     store.set(joining_key(0), "1")
     store.set(exited_key(2) if member_lost else "sdp/loss5/joined2", str(STEP))  # worker 2's side of the agreement
-    run = _Run(lost_in)
+    run = _Run(lost_in, store)
     if scheduled:  # the members' rows of the round in force (restored for the survivors, or the designed ones)
         run.sync.schedule_rounds = SimpleNamespace(round_matrix=lambda step: rows)
     keeps = MEMBERS_GO_ON[lost_in, restored, scheduled]
     assert (members_state_kept(Mask(designed.round_matrix(STEP)[[1, 2, 0]]), Mask(np.vstack([rows, [[1, 1, 0]]])),
-                               2, welcoming=lost_in == "welcome") is None) == keeps
+                               2, moving=lost_in in ("moving", "moved"), voted=restored and not scheduled,
+                               moved=True if lost_in == "moved" else None) is None) == keeps
     if not keeps:
         with pytest.raises(WorkerLossError) as raised:
             survival.admit(run, STEP, torch.device("cpu"))
@@ -122,6 +138,8 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
         assert json.loads(store.get(admission_key(0)))["rows"] == rows.tolist()  # the joiner's welcome rows
         return
     change = survival.admit(run, STEP, torch.device("cpu"))
+    if lost_in == "moving" and not scheduled:  # this member answered that it did not receive the move
+        assert store.get(f"sdp/moved4/{STEP}/1") == b"0" and survival.move is None
     assert formed == [(4, (1, 2, 0)), (5, (1,) if member_lost else (1, 2))]
     assert not store.check([admission_key(0)]) and not store.check([joining_key(0)])
     if member_lost:  # a loss as usual: worker 1 alone, which holds every block
@@ -184,6 +202,34 @@ def test_the_admission_members_write_names_the_joiners_members_of_the_launcher_f
     assert seen == [("1,2,0", [1, 2, 0])] and change.joined == (0,)
 
 
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_the_move_back_from_restored_rows_is_voted_by_members_and_joiners_with_a_static_mask_only(server, scheduled):
+    """`welcome_vote`: every rank of the new world (the joiner too, `train_prepared`) answers whether it received
+    the move from the welcome mask to the designed rows, with a static mask where they differ; none where they
+    are the same or under a schedule. `move_given_up` answers that this rank did not, once, where it had not
+    answered, so that the others stop waiting (a rank that answered keeps its answer)."""
+    store = dist.PrefixStore(f"vote{scheduled}/", dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    designed = Mask(DESIGNED.matrix, schedule=SCHEDULE if scheduled else None)
+    joiner = Survival(store, 0, (1, 2, 0), Mask(DESIGNED.matrix[[1, 2, 0]]), designed=designed)
+    joiner.generation = 4
+    run = _Run("nowhere", store)
+    mask, welcome = Mask(DESIGNED.matrix[[1, 2, 0]]), Mask(np.vstack([RESTORED, [[1, 1, 0]]]))
+    assert joiner.welcome_vote(run, STEP, (1, 2, 0), mask, mask) is None
+    vote = joiner.welcome_vote(run, STEP, (1, 2, 0), welcome, mask)
+    assert (vote is None) == scheduled
+    joiner.move_given_up()
+    assert store.check([f"sdp/moved4/{STEP}/0"]) != scheduled and joiner.move is None
+    if not scheduled:
+        assert store.get(f"sdp/moved4/{STEP}/0") == b"0"
+        joiner.move_given_up()  # nothing under way: nothing answered
+        vote = joiner.welcome_vote(run, STEP + 1, (1, 2, 0), welcome, mask)
+        for w in (1, 2):
+            store.set(f"sdp/moved4/{STEP + 1}/{w}", "1")
+        assert vote.agreed() and joiner.moved
+        joiner.move_given_up()
+        assert store.get(f"sdp/moved4/{STEP + 1}/0") == b"1"
+
+
 def test_the_test_faults_admit_at_several_steps_and_kill_the_joiner_of_one_and_refuse_other_text():
     from sdp_train.trainer.faults import InjectedFaults
 
@@ -191,6 +237,11 @@ def test_the_test_faults_admit_at_several_steps_and_kill_the_joiner_of_one_and_r
     assert (faults.join_at, faults.kill_joiner) == ((4, 5), 4)
     assert InjectedFaults.from_environment({"SDP_TEST_JOIN_AT_STEP": "4"}, attempt=0).join_at == (4,)
     assert InjectedFaults.from_environment({"SDP_TEST_KILL_JOINER": "4"}, attempt=1).kill_joiner is None
+    moves = InjectedFaults.from_environment({"SDP_TEST_KILL_IN_MOVE": "0:4"}, attempt=0)
+    assert (moves.kill_in_move, moves.kill_in_move_step) == (0, 4)
+    assert InjectedFaults.from_environment({"SDP_TEST_KILL_IN_MOVE": "2"}, attempt=0).kill_in_move_step is None
+    with pytest.raises(ValueError, match="^SDP_TEST_KILL_IN_MOVE='0:x' must be W, W:voted or W:S"):
+        InjectedFaults.from_environment({"SDP_TEST_KILL_IN_MOVE": "0:x"}, attempt=0)
     for variable, value in (("SDP_TEST_JOIN_AT_STEP", "4,"), ("SDP_TEST_JOIN_AT_STEP", "4;5"),
                             ("SDP_TEST_KILL_JOINER", "4,5"), ("SDP_TEST_KILL_JOINER", "")):
         with pytest.raises(ValueError, match=f"^{variable}={value!r} must be "):
