@@ -210,10 +210,9 @@ class TrainConfig:
     (`sdp_train.trainer.membership`). A worker lost while others join: the members go on without the joiners
     where their own state is still theirs (the new world not formed yet, or only sending the joiners' parts
     with their rows in force their designed ones, under a schedule too: a change of round a loss left due
-    is made first, in the members' world, a member lost there recovered from as any loss), or, with a static
-    mask, while members whose rows were restored go back to their designed ones, a move all or nothing
-    (undone unless every member and joiner received it); under a schedule a loss in that move, and with a
-    static mask one after every rank received it, stops the run."""
+    is made first, in the members' world, a member lost there recovered from as any loss), or while members
+    whose rows were restored go back to their designed ones, a move all or nothing (undone unless every
+    member and joiner received it); a loss after every rank received it stops the run."""
     nonfinite: str = "stop"
     """What a non-finite loss or gradient norm does: ``stop`` (raise NonFiniteError on every rank, no
     summary.json) or ``skip`` (no optimizer update for that step, counted in summary.json). With

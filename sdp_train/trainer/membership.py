@@ -233,12 +233,11 @@ class Survival:
 
     def welcome_vote(self, run, step: int, workers: Sequence[int], welcome: Mask, mask: Mask) -> MoveVote | None:
         """The all-or-nothing answer of an admission's move at `step` among the new world's `workers` (members
-        and joiners alike call it), from the `welcome` mask to the designed rows `mask` (`Run.to_designed`):
-        with a static mask where a member's rows in force were restored for the survivors of a loss, else
-        None (nothing moves, or a schedule's mover makes the change). A member drops nothing until every rank
-        answered that it received every part (`moved_everywhere`, `MoveVote`)."""
-        static = self.designed is not None and self.designed.schedule.is_static
-        return self._vote(run, step, workers, static and not np.array_equal(welcome.matrix, mask.matrix))
+        and joiners alike call it), from the `welcome` mask to the designed rows `mask` (`Run.to_designed`)
+        where a member's rows in force were restored for the survivors of a loss (under a schedule the
+        schedule's mover makes it, all or nothing as well), else None: nothing moves. A member drops nothing
+        until every rank answered that it received every part (`moved_everywhere`, `MoveVote`)."""
+        return self._vote(run, step, workers, not np.array_equal(welcome.matrix, mask.matrix))
 
     def move_given_up(self) -> None:
         """After a failure during a move of `_vote` (this rank's state back to before it): answer that this
@@ -553,15 +552,15 @@ def members_state_kept(mask: Mask, welcome: Mask, members: int, *, moving: bool,
     members first (under a schedule, of the round in force); `welcome`: the admission's welcome mask (the
     members' rows in force first); `moving`: the failure came once the joiners had their parts, while
     every rank went from `welcome` to `mask` (`Run.to_designed`), else before; `voted`: that move was all
-    or nothing (`MoveVote`: static masks); `moved`: every rank had answered that it received it.
+    or nothing (`MoveVote`); `moved`: every rank had answered that it received it.
 
     Before the world forms nothing of a member's has changed (under a schedule the members made a change
     of round that a loss left due before the admission began, `Survival.admit`). While the joiners receive
     their parts a member only sends (`send_parts`, `move_optimizer_state`: what a member held before, it
     holds after). Where its rows in force are not its designed ones (restored for the survivors of a
-    loss) it then gains and drops parts: with a static mask all or nothing, undone on every rank until
-    every rank received the move, after which a failure (while the new sync is built) stops the members;
-    under a schedule the schedule's mover makes it, and a failure there stops them.
+    loss) it then gains and drops parts, all or nothing (with a static mask as survivors restore coverage,
+    under a schedule by the schedule's mover): undone on every rank until every rank received the move,
+    after which a failure (while the new sync or holder groups are built) stops the members.
 
     >>> designed = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
     >>> mask = Mask(designed.matrix[[1, 2, 0]])  # workers 1 and 2 admit worker 0

@@ -263,15 +263,16 @@ class Run:
         """Where `mask` (the designed one's rows) differs from the mask in force (members whose rows were
         restored for the survivors of a loss), every rank of the new world goes to `mask`: a member gains
         what its row now gives it from its lowest-ranked holder, with the optimizer state, and drops the
-        rest (`ModeSync.for_survivors` with every worker kept). With a static mask all or nothing across
-        the new world (`vote`, `sdp_train.parallel.changes.MoveVote`): when it fails every rank is at its
-        state from before, the sync in force the welcome's (closed). Under a schedule that change is the one
-        `Rounds.for_joiners` made due, made here by the schedule's mover (`ModeSync.enter_next_round`)."""
+        rest (`ModeSync.for_survivors` with every worker kept). Under a schedule that change is the one
+        `Rounds.for_joiners` made due, made here by the schedule's mover (`ModeSync.enter_next_round`). All
+        or nothing across the new world (`vote`, `sdp_train.parallel.changes.MoveVote`): when it fails every
+        rank is at its state from before, the sync in force the welcome's (with a static mask closed; under
+        a schedule the change no longer due)."""
         if mask is not None and not np.array_equal(mask.matrix, self.mask.matrix):
             welcomed = self.sync.moved_bytes
             if self.sync.schedule_rounds is not None:
                 before = self.sync.mask_change_bytes.buffer
-                self.sync.enter_next_round()
+                self.sync.enter_next_round(vote)
                 self.mask = mask
                 self.sync.moved_bytes = welcomed + self.sync.mask_change_bytes.buffer - before
             else:

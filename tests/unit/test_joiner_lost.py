@@ -90,7 +90,8 @@ MEMBERS_GO_ON = {
     # under a schedule the same: a change of round a loss left due is made before the admission
     ("forming", False, True): True, ("forming", True, True): True,  # (before 2026-12-08: all False)
     ("welcome", False, True): True, ("welcome", True, True): True,
-    ("moving", True, True): False,  # the schedule's mover makes that move: not all or nothing
+    ("moving", True, True): True,  # the schedule's mover makes it all or nothing too (before 2026-12-08: False)
+    ("moved", True, True): False,
 }
 
 
@@ -128,7 +129,7 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
         run.sync.schedule_rounds = SimpleNamespace(round_matrix=lambda step: rows)
     keeps = MEMBERS_GO_ON[lost_in, restored, scheduled]
     assert (members_state_kept(Mask(designed.round_matrix(STEP)[[1, 2, 0]]), Mask(np.vstack([rows, [[1, 1, 0]]])),
-                               2, moving=lost_in in ("moving", "moved"), voted=restored and not scheduled,
+                               2, moving=lost_in in ("moving", "moved"), voted=restored,
                                moved=True if lost_in == "moved" else None) is None) == keeps
     if not keeps:
         with pytest.raises(WorkerLossError) as raised:
@@ -138,7 +139,7 @@ def test_members_go_on_with_their_rows_exactly_when_a_joiner_is_lost_before_thei
         assert json.loads(store.get(admission_key(0)))["rows"] == rows.tolist()  # the joiner's welcome rows
         return
     change = survival.admit(run, STEP, torch.device("cpu"))
-    if lost_in == "moving" and not scheduled:  # this member answered that it did not receive the move
+    if lost_in == "moving":  # this member answered that it did not receive the move
         assert store.get(f"sdp/moved4/{STEP}/1") == b"0" and survival.move is None
     assert formed == [(4, (1, 2, 0)), (5, (1,) if member_lost else (1, 2))]
     assert not store.check([admission_key(0)]) and not store.check([joining_key(0)])
@@ -203,11 +204,11 @@ def test_the_admission_members_write_names_the_joiners_members_of_the_launcher_f
 
 
 @pytest.mark.parametrize("scheduled", [False, True])
-def test_the_move_back_from_restored_rows_is_voted_by_members_and_joiners_with_a_static_mask_only(server, scheduled):
+def test_the_move_back_from_restored_rows_is_voted_by_members_and_joiners(server, scheduled):
     """`welcome_vote`: every rank of the new world (the joiner too, `train_prepared`) answers whether it received
-    the move from the welcome mask to the designed rows, with a static mask where they differ; none where they
-    are the same or under a schedule. `move_given_up` answers that this rank did not, once, where it had not
-    answered, so that the others stop waiting (a rank that answered keeps its answer)."""
+    the move from the welcome mask to the designed rows where they differ (under a schedule too, the schedule's
+    mover making it); none where they are the same. `move_given_up` answers that this rank did not, once,
+    where it had not answered, so that the others stop waiting (a rank that answered keeps its answer)."""
     store = dist.PrefixStore(f"vote{scheduled}/", dist.TCPStore("127.0.0.1", server.port, is_master=False))
     designed = Mask(DESIGNED.matrix, schedule=SCHEDULE if scheduled else None)
     joiner = Survival(store, 0, (1, 2, 0), Mask(DESIGNED.matrix[[1, 2, 0]]), designed=designed)
@@ -215,19 +216,16 @@ def test_the_move_back_from_restored_rows_is_voted_by_members_and_joiners_with_a
     run = _Run("nowhere", store)
     mask, welcome = Mask(DESIGNED.matrix[[1, 2, 0]]), Mask(np.vstack([RESTORED, [[1, 1, 0]]]))
     assert joiner.welcome_vote(run, STEP, (1, 2, 0), mask, mask) is None
-    vote = joiner.welcome_vote(run, STEP, (1, 2, 0), welcome, mask)
-    assert (vote is None) == scheduled
+    assert joiner.welcome_vote(run, STEP, (1, 2, 0), welcome, mask) is not None
     joiner.move_given_up()
-    assert store.check([f"sdp/moved4/{STEP}/0"]) != scheduled and joiner.move is None
-    if not scheduled:
-        assert store.get(f"sdp/moved4/{STEP}/0") == b"0"
-        joiner.move_given_up()  # nothing under way: nothing answered
-        vote = joiner.welcome_vote(run, STEP + 1, (1, 2, 0), welcome, mask)
-        for w in (1, 2):
-            store.set(f"sdp/moved4/{STEP + 1}/{w}", "1")
-        assert vote.agreed() and joiner.moved
-        joiner.move_given_up()
-        assert store.get(f"sdp/moved4/{STEP + 1}/0") == b"1"
+    assert store.get(f"sdp/moved4/{STEP}/0") == b"0" and joiner.move is None
+    joiner.move_given_up()  # nothing under way: nothing answered
+    vote = joiner.welcome_vote(run, STEP + 1, (1, 2, 0), welcome, mask)
+    for w in (1, 2):
+        store.set(f"sdp/moved4/{STEP + 1}/{w}", "1")
+    assert vote.agreed() and joiner.moved
+    joiner.move_given_up()
+    assert store.get(f"sdp/moved4/{STEP + 1}/0") == b"1"
 
 
 def test_the_test_faults_admit_at_several_steps_and_kill_the_joiner_of_one_and_refuse_other_text():
