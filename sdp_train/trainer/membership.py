@@ -270,7 +270,7 @@ class Survival:
             run.continue_with(self.mask, range(len(self.workers)), info, restore=restore)
             if info.is_main:
                 print(f"sdp train: step {step + 1}/{run.cfg.steps}: worker(s) {list(joined)} lost while joining "
-                      f"({type(error).__name__}); workers {', '.join(map(str, self.workers))} go on from this step "
+                      f"({type(error).__name__}); {_workers_go_on(self.workers)} on from this step "
                       f"without {'them' if len(joined) > 1 else 'it'} ({time.perf_counter() - began:.2f} s)",
                       flush=True)
             return None
@@ -542,6 +542,15 @@ class Survival:
         change = dataclasses.replace(change, recovery_s=time.perf_counter() - began, moved_bytes=run.sync.moved_bytes)
         self.changes.append(change)
         return change
+
+
+def _workers_go_on(workers: Sequence[int]) -> str:
+    """``workers 1, 2 go`` or, for one, ``worker 1 goes``.
+
+    >>> _workers_go_on([1, 2]), _workers_go_on([2])
+    ('workers 1, 2 go', 'worker 2 goes')
+    """
+    return f"workers {', '.join(map(str, workers))} go" if len(workers) > 1 else f"worker {workers[0]} goes"
 
 
 def members_state_kept(mask: Mask, welcome: Mask, members: int, *, moving: bool, voted: bool,
