@@ -227,7 +227,8 @@ def check_resumable(path: Path, cfg: TrainConfig, model_config: ModelConfig, mas
 
 
 def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, keep: int = 0,
-                    workers: Sequence[int] | None = None, after_write: Callable[[], None] | None = None) -> Path:
+                    workers: Sequence[int] | None = None, after_write: Callable[[], None] | None = None,
+                    held: tuple[Callable[[], None], Callable[[], None]] | None = None) -> Path:
     """Write every rank's state after ``step`` steps to ``root/step_{step}``; collective.
 
     Rank files first (each rank sends rank 0 its file's size and sha256), then rank 0 writes the
@@ -238,7 +239,8 @@ def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, k
     workers of the first world this world's ranks are, in rank order (``--on-worker-loss continue``);
     where they are not all of them in their order (survivors of a loss, or a world that workers
     rejoined) the manifest records them and its world size is this world's, and `check_resumable`
-    refuses it. `after_write` (tests only: `sdp_train.trainer.faults`) runs once this rank's file is written.
+    refuses it. `after_write` (tests only: `sdp_train.trainer.faults`) runs once this rank's file is written;
+    `held` (tests only, ``SDP_TEST_HOLD_AT``): two callables run before the wait of the last barrier and after it.
     """
     path = root / f"step_{step}"
     name = f"rank{run.info.rank}.pt"
@@ -277,7 +279,7 @@ def save_checkpoint(run: RunState, batches: Batches, step: int, root: Path, *, k
         _write_atomic(path / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         if keep > 0:
             _rotate(root, step, keep)
-    _barrier(run.device)
+    _barrier(run.device, held)
     return path
 
 
@@ -303,10 +305,16 @@ def _step_of(path: Path) -> int | None:
     return int(digits) if path.name.startswith("step_") and digits.isascii() and digits.isdigit() else None
 
 
-def _barrier(device: torch.device) -> None:
-    """Every rank of the default group here (its wait watched: `sdp_train.parallel.dist.wait`)."""
+def _barrier(device: torch.device, held: tuple[Callable[[], None], Callable[[], None]] | None = None) -> None:
+    """Every rank of the default group here (its wait watched: `sdp_train.parallel.dist.wait`; `held`: run before
+    the wait and after it, tests only)."""
     if dist.is_initialized():
-        wait(dist.barrier(async_op=True), device)
+        work = dist.barrier(async_op=True)
+        if held is not None:
+            held[0]()
+        wait(work, device)
+        if held is not None:
+            held[1]()
 
 
 _warned: set[str] = set()

@@ -157,8 +157,9 @@ class TrainConfig:
     then the next round's blocks train), without a checkpoint; a loss that leaves a block without holder,
     now or in a round still to train, stops the run; a loss outside a step, while the workers evaluate, write
     a checkpoint or save the final model, is recovered alike and that work done again by the survivors
-    (a checkpoint written after a change records them and is refused by `resume`; survivors at different
-    points of the run stop); the designed coverage may be restored:
+    (a checkpoint written after a change records them and is refused by `resume`; survivors caught behind
+    the others in the same step's evaluation or checkpoint take the evaluation's result from them and go on
+    to their point; survivors at different steps stop); the designed coverage may be restored:
     `restore_coverage`; replacements may rejoin: `max_rejoins`; `sdp_train.trainer.membership`,
     RELIABILITY.md)."""
     restore_coverage: bool = False

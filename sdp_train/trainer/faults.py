@@ -21,16 +21,23 @@ sending them); ``SDP_TEST_KILL_OUTSIDE=POINT:N:W`` makes worker W (its number in
 itself outside a training step, after N steps: at the start of an evaluation (``evaluating``, the final one
 too), in ``save_checkpoint`` of ``step_N`` once its rank file is written (``checkpointing``), in the final
 evaluation once rank 0 has saved the model (``saving``; another rank: before the result comes), or once its
-part of the run is done (``finished``, N the run's steps). All act on the first attempt of a
-job only: a restarted worker group runs clean. `sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`);
-the step then compares two integers, and nothing else in a run's code path differs. RELIABILITY.md
-lists the tests that use them.
+part of the run is done (``finished``, N the run's steps); ``SDP_TEST_HOLD_AT=POINT:N:H:V`` puts
+survivors of a loss at different points of the run: in the evaluation after N steps (``evaluating``), worker V
+SIGKILLs itself once rank 0's broadcast of the result has reached it, and worker H, its part of the broadcast
+posted, holds before waiting for it until V has exited (its mark in the launcher's store), then fails there as
+if the result had not come (a `RuntimeError`, as a collective with a lost peer raises), while the others went on
+with the result (to the next step or the checkpoint); in ``save_checkpoint`` of ``step_N`` (``checkpointing``)
+likewise around its last barrier (the checkpoint complete), the others going on to the next step or the final
+save. All act on the first attempt of a job only: a restarted worker group runs clean.
+`sdp_train.trainer.run.Run` reads them once (`InjectedFaults.from_environment`); the step then compares two
+integers, and nothing else in a run's code path differs. RELIABILITY.md lists the tests that use them.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NoReturn
@@ -45,6 +52,10 @@ JOIN_VARIABLE = "SDP_TEST_JOIN_AT_STEP"
 JOINER_KILL_VARIABLE = "SDP_TEST_KILL_JOINER"
 OUTSIDE_KILL_VARIABLE = "SDP_TEST_KILL_OUTSIDE"
 OUTSIDE_POINTS = ("evaluating", "checkpointing", "saving", "finished")
+HOLD_VARIABLE = "SDP_TEST_HOLD_AT"
+HOLD_POINTS = ("evaluating", "checkpointing")
+HOLD_LIMIT_S = 120.0
+"""How long `hold_for` waits for worker V's exit at most (a misplaced V never dies)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,8 @@ class InjectedFaults:
     """``SDP_TEST_KILL_IN_MOVE=W:voted``: worker `kill_in_move` dies after the move's vote, not during the move."""
     kill_in_move_step: int | None = None
     """With `kill_in_move`: the step of the move it is killed in; None: its first move."""
+    hold_at: tuple[str, int, int, int] | None = None
+    """``(point, steps, held, killed)``: ``SDP_TEST_HOLD_AT``."""
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, *, attempt: int | None = None
@@ -110,11 +123,20 @@ class InjectedFaults:
                 raise ValueError(f"{OUTSIDE_KILL_VARIABLE}={outside!r} must be POINT:STEPS:WORKER, POINT one of "
                                  f"{', '.join(OUTSIDE_POINTS)}, STEPS and WORKER integers >= 0")
             outside = (point, int(steps), int(worker_of))
+        hold = environ.get(HOLD_VARIABLE)
+        if hold is not None:
+            point, *numbers = hold.split(":")
+            if (point not in HOLD_POINTS or len(numbers) != 3 or not all(v.isascii() and v.isdigit() for v in numbers)
+                    or numbers[1] == numbers[2]):
+                raise ValueError(f"{HOLD_VARIABLE}={hold!r} must be POINT:N:H:V, POINT one of "
+                                 f"{', '.join(HOLD_POINTS)}, N, H and V integers >= 0 (steps, the worker held, the "
+                                 "worker killed; H and V differ)")
+            hold = (point, *(int(v) for v in numbers))
         return cls(_spec(environ, NAN_VARIABLE), _spec(environ, KILL_VARIABLE),
                    None if worker is None else int(worker),
                    None if join is None else tuple(int(s) for s in join.split(",")),
                    None if joiner is None else int(joiner), None if mover is None else int(mover), outside,
-                   at == "voted", int(at) if colon and at != "voted" else None)
+                   at == "voted", int(at) if colon and at != "voted" else None, hold)
 
     def nan(self, step: int, rank: int) -> bool:
         """True where this step's loss on this rank is to be NaN."""
@@ -131,6 +153,32 @@ class InjectedFaults:
         >>> InjectedFaults(kill_outside=("evaluating", 4, 2)).kill_at_point("evaluating", 4, 1)
         """
         if self.kill_outside == (point, steps, worker):
+            die()
+
+
+    def hold_for(self, point: str, steps: int, worker: int, exited) -> None:
+        """Where ``SDP_TEST_HOLD_AT`` holds worker `worker` at `point` after `steps` steps, before the wait of its
+        last collective: wait until `exited` (of a worker number) says the worker killed there has exited,
+        then raise as a collective with a lost peer does; a no-op elsewhere.
+
+        >>> InjectedFaults(hold_at=("evaluating", 4, 1, 0)).hold_for("evaluating", 4, 2, lambda w: True)
+        >>> InjectedFaults(hold_at=("evaluating", 4, 1, 0)).hold_for("evaluating", 4, 1, lambda w: w == 0)
+        Traceback (most recent call last):
+        RuntimeError: SDP_TEST_HOLD_AT: worker 1 gave up waiting in evaluating after step 4 once worker 0 exited
+        """
+        if self.hold_at is None or self.hold_at[:3] != (point, steps, worker):
+            return
+        killed = self.hold_at[3]
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while not exited(killed) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise RuntimeError(f"{HOLD_VARIABLE}: worker {worker} gave up waiting in {point} after step {steps} once "
+                           f"worker {killed} exited")
+
+    def kill_after(self, point: str, steps: int, worker: int) -> None:
+        """SIGKILL worker `worker` once the last collective at `point` after `steps` steps passed, where
+        ``SDP_TEST_HOLD_AT`` asks for it; a no-op elsewhere."""
+        if self.hold_at is not None and (*self.hold_at[:2], self.hold_at[3]) == (point, steps, worker):
             die()
 
 

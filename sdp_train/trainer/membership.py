@@ -18,8 +18,9 @@ or move blocks to restore coverage (all or nothing: `sdp_train.parallel.changes.
 `agreement.moved_everywhere`) leaves each survivor at its state from before, or, once every survivor
 received the move, at its restored rows; those still alive agree again from there and go on
 (`Survival._go_on`). After a loss outside a step (an evaluation, a checkpoint, the
-final save) the run does that work again; survivors that were at different points of the run
-(`Survival.where`) stop. Why the store and not torchft: docs/design.md §7.
+final save) the run does that work again; survivors caught at different points of the same step's close
+(`Survival.where`, a `Point`) meet at the furthest (`meeting`: one behind an evaluation takes its result
+from one ahead), others stop. Why the store and not torchft: docs/design.md §7.
 
 With ``--max-rejoins N`` the launcher starts a replacement for a lost worker (the same worker number)
 once the survivors have agreed on the loss. The replacement announces itself in the store
@@ -65,6 +66,87 @@ from sdp_train.trainer.faults import die
 from sdp_train.trainer.launch import _agent_store, destroy_distributed, restart_attempt
 
 
+PHASES = ("evaluating", "checkpointing", "boundary", "step", "saving the final model")
+"""What a worker does after `Point.steps` steps, in the run's order: the evaluation and the checkpoint that close
+the last step, the boundary's work before the next step (a restore due, an admission), that step, or (after the
+last step) the final save. The boundary and its step are one point of the run."""
+_PLACE = {"evaluating": 0, "checkpointing": 1, "boundary": 2, "step": 2, "saving the final model": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """Where a worker is in the run (`Survival.where`): `phase` (one of `PHASES`) after `steps` steps.
+
+    >>> str(Point(4, "evaluating")), str(Point(4, "step")), Point(4, "checkpointing").place < Point(4, "step").place
+    ('evaluating after step 4', 'step 4', True)
+    """
+
+    steps: int
+    phase: str
+
+    @property
+    def place(self) -> tuple[int, int]:
+        """Its order in the run (a boundary and its step: the same)."""
+        return self.steps, _PLACE[self.phase]
+
+    @property
+    def during(self) -> str | None:
+        """The work outside a step it is (`MembershipChange.during`), None in a step or at its boundary."""
+        return None if self.phase in ("boundary", "step") else self.phase
+
+    def __str__(self) -> str:
+        return f"step {self.steps}" if self.during is None else f"{self.phase} after step {self.steps}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "phase": self.phase}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Point:
+        return cls(int(data["steps"]), str(data["phase"]))
+
+
+def meeting(points: Mapping[int, Point], evaluations: Mapping[int, tuple[int, Sequence[Any]] | None]
+            ) -> tuple[Point, tuple[Any, ...] | None, int | None] | None:
+    """Where the survivors of a loss, each at its point (`points`, by worker), go on together: the furthest
+    point, the evaluation's values that those behind it take (None where none is behind an evaluation) and
+    the worker they come from; None where they cannot meet. `evaluations`: each worker's last evaluation
+    (``(steps, values)``), written to the store with its point.
+
+    They meet where every survivor has the same steps and those behind are only behind the close of step
+    `steps` (its evaluation, its checkpoint) while the others went on to the next step's training or the
+    final save: a survivor is past the evaluation once rank 0's broadcast of its result reached it, and
+    past the checkpoint once its last barrier passed, after every rank wrote its file and rank 0 the
+    manifest (the checkpoint is complete). The evaluation changes no training state and its value is the
+    same in any world, so those behind take the result of the lowest-numbered survivor that has it; a
+    checkpoint complete needs nothing; nobody goes back. Not met: different steps (no survivor undoes a
+    step), one ahead at a boundary (its restore or admission made there, that those behind would redo),
+    one behind in a step or at a boundary, one behind an evaluation whose result nobody has.
+
+    >>> meeting({1: Point(4, "evaluating"), 2: Point(4, "step")}, {2: (4, [2.5, None, None])})
+    (Point(steps=4, phase='step'), (2.5, None, None), 2)
+    >>> meeting({1: Point(4, "checkpointing"), 2: Point(5, "step")}, {}) is None
+    True
+    """
+    far = max(points.values(), key=lambda p: (p.place, p.phase == "step"))
+    if all(p.place == far.place for p in points.values()):
+        return far, None, None
+    steps = far.steps
+    if any(p.steps != steps for p in points.values()):
+        return None
+    if any(p.place == far.place and p.phase == "boundary" for p in points.values()):
+        return None
+    behind = [p for p in points.values() if p.place < far.place]
+    if any(p.phase not in ("evaluating", "checkpointing") for p in behind):
+        return None
+    if not any(p.phase == "evaluating" for p in behind):
+        return far, None, None
+    for w in sorted(points):
+        held = evaluations.get(w)
+        if points[w].place > Point(steps, "evaluating").place and held is not None and held[0] == steps:
+            return far, tuple(held[1]), w
+    return None
+
+
 class Survival:
     """This rank's side of ``--on-worker-loss continue``: its worker number in the original run, the
     workers of the current world (rank order), the mask in force and the changes so far.
@@ -95,9 +177,34 @@ class Survival:
         """The move to restore coverage under way: its step and the workers of its world (`_vote`)."""
         self.moved: bool | None = None
         """Whether every survivor received that move (`moved_everywhere`); None before they answered."""
-        self.where = "the start"
-        """Where in the run this worker is (the loop sets it: a step, or work outside one), which the survivors
-        of a loss must share to go on together (`_agree_and_form`)."""
+        self.where = Point(0, "boundary")
+        """Where in the run this worker is (the loop sets it: a step, or work outside one), where the survivors
+        of a loss meet to go on together (`_agree_and_form`, `meeting`)."""
+        self.evaluation: tuple[int, tuple[Any, ...]] | None = None
+        """The last evaluation this worker finished: its steps and values (the loop sets it)."""
+        self.going_to: Point | None = None
+        """After a loss that found this worker behind the others (`meeting`): their point, until it is there."""
+        self.taken: tuple[Any, ...] | None = None
+        """The evaluation's values it took from a survivor ahead (`meeting`), for the evaluation it skips."""
+
+    def skips(self, point: Point) -> bool:
+        """Whether this worker skips the work at `point`, behind the point where the survivors of a loss met
+        (`going_to`); once there it skips nothing more."""
+        if self.going_to is not None and point.place < self.going_to.place:
+            return True
+        self.going_to = None
+        return False
+
+    def meets_in(self, step: int) -> bool:
+        """Whether the survivors of a loss met in `step` ahead of this worker (`going_to`), having done the work
+        of its boundary (a restore due, an admission) before it: this worker then skips that work."""
+        met, self.going_to = self.going_to == Point(step, "step"), None
+        return met
+
+    def skip(self, point: Point) -> tuple[Any, ...] | None:
+        """What the work at `point` that it `skips` gives: an evaluation's values taken from a survivor ahead
+        (`taken`); None for a checkpoint (complete: a survivor was past it)."""
+        return self.taken if point.phase == "evaluating" else None
 
     @classmethod
     def for_run(cls, mask: Mask, info: DistInfo, *, restore: Mapping[str, Any] | None = None,
@@ -335,8 +442,9 @@ class Survival:
         A loss during the recovery (a survivor that dies before the new world forms) makes the new
         world's forming fail; the agreement then starts again with the workers still alive. So does a loss
         while the survivors rebuild their sync, or move blocks to restore coverage (`_go_on`). Survivors
-        that were at different points of the run (`where`: one had finished an evaluation that another had
-        not) stop, `WorkerLossError`.
+        that were at different points of the run (`where`: one had the evaluation's result that another had
+        not) meet at the furthest where they can (`meeting`): this worker, if behind, goes on to `going_to`
+        (the change's `during` is that point's), else they stop, `WorkerLossError`.
         """
         began = time.perf_counter()
         release_frames(error)
@@ -346,6 +454,8 @@ class Survival:
         if info.is_main:
             self.store.set(MEMBERS_KEY, ",".join(map(str, change.workers)))
         change = self._go_on(run, change, dropped, info, step)
+        if self.going_to is not None:  # behind the others: what they do again is what this worker goes on to
+            during = self.going_to.during
         change = dataclasses.replace(change, recovery_s=time.perf_counter() - began,
                                      moved_bytes=run.sync.moved_bytes, during=during)
         self.changes.append(change)
@@ -361,19 +471,25 @@ class Survival:
         while True:
             destroy_distributed()  # closes this rank's connections: a peer waiting on one of them fails now
             self.generation += 1
-            self.store.set(f"sdp/loss{self.generation}/where{self.worker}", self.where)  # before it joins
+            # before it joins: where it is and, for survivors behind it, the result of its last evaluation
+            self.store.set(f"sdp/loss{self.generation}/where{self.worker}",
+                           json.dumps({**self.where.to_json(), "evaluation": self.evaluation}))
             joined = agree(self.store, self.generation, self.worker, self.workers, run.steps_applied,
                            timeout=agreement_timeout())
             if self.worker not in joined:
                 raise WorkerLossError(f"step {step}: worker {self.worker} joined the survivors after they had "
                                       "decided without it; it stops") from error
             keys = {w: f"sdp/loss{self.generation}/where{w}" for w in sorted(joined)}  # each set it before joining
-            where = {w: self.store.get(key).decode() for w, key in keys.items() if self.store.check([key])}
-            if len(set(where.values())) > 1:
+            read = {w: json.loads(self.store.get(key)) for w, key in keys.items() if self.store.check([key])}
+            where = {w: Point.from_json(r) for w, r in read.items()}
+            met = meeting(where, {w: r["evaluation"] for w, r in read.items()})
+            if met is None:
                 raise WorkerLossError(f"the survivors {sorted(joined)} of a worker loss were at different points of "
                                       f"the run ({'; '.join(f'worker {w}: {p}' for w, p in where.items())}): they "
                                       "cannot go on together; restart from a checkpoint (--resume)",
                                       report=self.worker == min(joined)) from error
+            far, self.taken, source = met
+            self.going_to = far if self.where.place < far.place else None
             try:
                 change = decide(self.mask, self.workers, joined, step=step, rounds=rounds)
             except WorkerLossError as exc:
@@ -391,6 +507,12 @@ class Survival:
                 self._form_world(info, device, workers)
             except RuntimeError:  # DistError and timeouts included: another worker was lost meanwhile; the
                 continue  # next agreement, over the same workers, leaves it out too
+            behind = [w for w, p in where.items() if p.place < far.place]
+            if info.is_main and behind:
+                took = "" if source is None else f" with the evaluation's result of worker {source}"
+                print(f"sdp train: note: the survivors were at different points of the run "
+                      f"({'; '.join(f'worker {w}: {p}' for w, p in where.items())}): worker{'s' * (len(behind) > 1)} "
+                      f"{', '.join(map(str, behind))} go{'es' * (len(behind) == 1)} on to {far}{took}", flush=True)
             return change, dropped, info
 
     def _go_on(self, run, change: MembershipChange, dropped: Mask, info: DistInfo, step: int) -> MembershipChange:

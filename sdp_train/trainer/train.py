@@ -74,7 +74,7 @@ from sdp_train.parallel.grads import local
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import WIRE_MODEL
 from sdp_train.trainer.agreement import (JOIN_ENV, STEPS_DONE_KEY, MembershipChange, RunEnded, WorkerLossError,
-                                         finished_key, joining_fails)
+                                         exited_key, finished_key, joining_fails)
 from sdp_train.trainer.checkpoint import (
     check_out_shared,
     check_resumable,
@@ -86,7 +86,7 @@ from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.faults import die
 from sdp_train.trainer.launch import LAUNCHER_ENV, destroy_distributed, init_distributed, restart_attempt, run_id
 from sdp_train.trainer.log import RunLog
-from sdp_train.trainer.membership import Survival
+from sdp_train.trainer.membership import Point, Survival
 from sdp_train.trainer.memory import TRACKER_MODULE, MemoryMeter, format_bytes
 from sdp_train.trainer.outputs import MODEL_FILE, save_model
 from sdp_train.trainer.prepare import Prepared, prepare
@@ -224,26 +224,43 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
         """`work()` outside a training step (`during`: evaluating, checkpointing, saving the final model). With
         `survival`, a worker lost in it is recovered from as in a step (`Survival.recover`: the survivors
         agree, form their world and go on under their mask), with no step to rerun, and the survivors do
-        `work` again in their new world; a loss that leaves a block without holder still stops the run."""
+        `work` again in their new world; a loss that leaves a block without holder still stops the run. A
+        survivor that the others were ahead of (`Survival.meeting`) skips `work` up to their point: an
+        evaluation gives the result it took from them, a checkpoint (complete) nothing."""
         nonlocal carried
         if survival is None:
             return work()
-        survival.where = f"{during} after step {run.steps_applied}"
+        survival.where = point = Point(run.steps_applied, during)
         while True:
+            if survival.skips(point):
+                return survival.skip(point)
             try:
-                return work()
+                done = work()
+                break
             except RuntimeError as exc:  # a collective with a lost peer fails; other errors re-raise
                 if isinstance(exc, WorkerLossError):
                     raise
                 change = survival.recover(run, run.steps_applied, exc, device, during=during)
             changed(change)
             carried = change
+        if during == "evaluating":  # for survivors of a loss still waiting for it (`meeting`)
+            survival.evaluation = (point.steps, done)
+        return done
+
+    def held(point: str, steps: int) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        """Tests only (``SDP_TEST_HOLD_AT``): what runs before and after the wait of `point`'s last collective."""
+        if run.faults.hold_at is None or survival is None:
+            return None
+        return (lambda: run.faults.hold_for(point, steps, worker, lambda w: survival.store.check([exited_key(w)])),
+                lambda: run.faults.kill_after(point, steps, worker))
 
     def evaluated(*, save_to: Path | None = None) -> tuple[float, float | None, dict[str, float] | None]:
         """`evaluate` and, in mode overlap, the consensus distance (collectives)."""
         run.faults.kill_at_point("evaluating", run.steps_applied, worker)  # tests only
+        steps = run.steps_applied
         val_loss, val_accuracy = evaluate(run, prep, save_to=save_to, before_result=None if save_to is None else
-                                          lambda: run.faults.kill_at_point("saving", run.steps_applied, worker))
+                                          lambda: run.faults.kill_at_point("saving", steps, worker),
+                                          held=held("evaluating", steps))
         return val_loss, val_accuracy, run.consensus_distance()
 
     def close_step(step: int, record: dict[str, Any], stats) -> None:
@@ -272,7 +289,8 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             outside_step("checkpointing", lambda: save_checkpoint(
                 run, batches, step + 1, out / "checkpoints", keep=cfg.keep_checkpoints,
                 workers=None if survival is None else survival.workers,
-                after_write=lambda: run.faults.kill_at_point("checkpointing", step + 1, worker)))
+                after_write=lambda: run.faults.kill_at_point("checkpointing", step + 1, worker),
+                held=held("checkpointing", step + 1)))
         log.update(record, meter.peak.get("total"))
 
     def must_close_now(step: int) -> bool:
@@ -288,8 +306,10 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
             inputs, targets = (t.to(device) for t in next(batches))
             change = None
             if survival is not None:
-                survival.where = f"step {step}"
-            if survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
+                survival.where = Point(step, "boundary")
+            if survival is not None and survival.meets_in(step):
+                pass  # the survivors ahead of this one at a loss were in this step: they did this boundary's work
+            elif survival is not None and (admitted is None or step > start):  # a joiner was admitted at its start
                 restored = survival.restore_due(run, step)  # a restore a loss inside a round left due
                 if restored is not None:  # (a worker lost while the blocks moved: survived, rank 0 too)
                     changed(restored)
@@ -297,6 +317,8 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
                 if joined is not None:
                     changed(joined)
                 change = joined or restored  # the step's metrics line has the last
+            if survival is not None:
+                survival.where = Point(step, "step")
             change, carried = change or carried, None
             while True:  # once, unless workers are lost during the step (`survival`)
                 bytes_before, wire_before = run.comm_bytes, run.wire_bytes
@@ -580,13 +602,16 @@ def _gather(value: Any, world_size: int, device: torch.device) -> list[Any]:
 
 @torch.no_grad()
 def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None,
-             before_result: Callable[[], None] | None = None) -> tuple[float, float | None]:
+             before_result: Callable[[], None] | None = None,
+             held: tuple[Callable[[], None], Callable[[], None]] | None = None) -> tuple[float, float | None]:
     """Mean validation loss of the full assembled model, and its top-1 accuracy on image data (None on
     text), evaluated on rank 0 only; every rank gets both.
 
     With `save_to`, rank 0 also writes that full model to ``save_to/model.safetensors``
     (`sdp_train.trainer.outputs.save_model`): the file holds exactly the model this loss scores.
-    `before_result` (tests only: `sdp_train.trainer.faults`) runs on every rank before rank 0 sends the result.
+    `before_result` (tests only: `sdp_train.trainer.faults`) runs on every rank before rank 0 sends the result;
+    `held` (tests only, ``SDP_TEST_HOLD_AT``): two callables run on every rank, before the wait for the result
+    (once its broadcast is posted) and after it.
 
     Rank 0 assembles the full model (`Run.full_state`) and scores the validation shards of every
     rank (``eval_batches`` each), so no other rank ever holds a full model copy; under SDP, rank 0
@@ -617,7 +642,12 @@ def evaluate(run: Run, prep: Prepared, *, save_to: Path | None = None,
     if before_result is not None:
         before_result()
     if info.world_size > 1:  # watched: a survivor blocked here gives up once a loss is being recovered from
-        wait(dist.broadcast(total, src=0, async_op=True), total.device)
+        work = dist.broadcast(total, src=0, async_op=True)
+        if held is not None:
+            held[0]()
+        wait(work, total.device)
+        if held is not None:
+            held[1]()
     return float(total[0] / total[1]), (float(total[2] / total[3]) if total[3] else None)
 
 

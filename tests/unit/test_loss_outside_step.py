@@ -1,8 +1,9 @@
-"""A worker lost outside a training step (``--on-worker-loss continue``), in one process: survivors that were at
-different points of the run stop in one line; a checkpoint whose write a loss interrupted never passes for
-complete, and the one the survivors write again records them and is refused by ``--resume`` in one line;
-the test hook that kills a rank there reads its variable strictly. The launch (a worker killed while the
-survivors of a first loss evaluate) is tests/distributed/test_worker_loss_applied.py's Bb-SDP run."""
+"""A worker lost outside a training step (``--on-worker-loss continue``), in one process: survivors caught at
+different points of a step's close meet at the furthest (one behind an evaluation takes its result from one
+ahead, through a real TCP store), others stop in one line; a checkpoint whose write a loss interrupted never
+passes for complete, and the one the survivors write again records them and is refused by ``--resume`` in one
+line; the test hooks that kill or hold a rank there read their variables strictly. The launch (a worker killed
+while the survivors of a first loss evaluate) is tests/distributed/test_worker_loss_applied.py's Bb-SDP run."""
 
 from __future__ import annotations
 
@@ -24,40 +25,97 @@ from sdp_train.trainer.checkpoint import (MANIFEST, check_resumable, checkpoint_
                                          save_checkpoint)
 from sdp_train.trainer.config import TrainConfig
 from sdp_train.trainer.faults import InjectedFaults
-from sdp_train.trainer.membership import Survival
+from sdp_train.trainer.membership import Point, Survival, meeting
 from sdp_train.trainer.prepare import prepare
 from sdp_train.trainer.run import Run
 
 MASK = Mask([[1, 1, 0], [0, 1, 1], [1, 0, 1]])
 
 
-def test_survivors_at_different_points_of_the_run_stop_in_one_line():
-    """Workers 1 and 2 survive worker 0, one in the evaluation after step 4, the other already in step 4 (it had
-    the evaluation's result when worker 0 died): they cannot redo the same work, so each stops (`WorkerLossError`),
-    worker 1 saying why, before any world forms."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+def _agree_at(store, points: dict, monkeypatch, evaluations: dict | None = None):
+    """Workers 1 and 2 survive worker 0 (its exit marked), each at its point and with the evaluation it holds
+    (`evaluations`), agreeing in threads on a real TCP store (no world forms: `_form_world` is a no-op). Returns
+    each worker's survival, or the error it raised."""
+    monkeypatch.setattr(Survival, "_form_world", lambda self, info, device, workers: None)
     store.set(exited_key(0), "-9")
     run = SimpleNamespace(steps_applied=4, faults=InjectedFaults())
-    errors: dict[int, BaseException] = {}
+    got: dict[int, object] = {}
 
-    def survive(worker: int, where: str) -> None:
+    def survive(worker: int, point: Point) -> None:
         survival = Survival(store, worker, [0, 1, 2], MASK)
-        survival.where = where
+        survival.where = point
+        survival.evaluation = (evaluations or {}).get(worker)
         try:
             survival._agree_and_form(run, 4, RuntimeError("Connection reset by peer"), torch.device("cpu"), None)
+            got[worker] = survival
         except WorkerLossError as exc:
-            errors[worker] = exc
+            got[worker] = exc
 
-    threads = [threading.Thread(target=survive, args=(1, "evaluating after step 4")),
-               threading.Thread(target=survive, args=(2, "step 4"))]
+    threads = [threading.Thread(target=survive, args=(w, p)) for w, p in points.items()]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert sorted(errors) == [1, 2] and [w for w, e in errors.items() if e.report] == [1]
+    return got
+
+
+def _store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_survivors_at_different_steps_stop_in_one_line(monkeypatch):
+    """Workers 1 and 2 survive worker 0, one in the evaluation after step 4, the other in step 5 (a step further):
+    no survivor can undo a step, so each stops (`WorkerLossError`), worker 1 saying why, before any world forms."""
+    errors = _agree_at(_store(), {1: Point(4, "evaluating"), 2: Point(5, "step")}, monkeypatch,
+                       {2: (4, [2.5, None, None])})
+    assert sorted(errors) == [1, 2] and all(isinstance(e, WorkerLossError) for e in errors.values())
+    assert [w for w, e in errors.items() if e.report] == [1]
     assert str(errors[1]) == ("the survivors [1, 2] of a worker loss were at different points of the run (worker 1: "
-                              "evaluating after step 4; worker 2: step 4): they cannot go on together; restart from "
+                              "evaluating after step 4; worker 2: step 5): they cannot go on together; restart from "
                               "a checkpoint (--resume)")
+
+
+@pytest.mark.parametrize("ahead", [Point(4, "step"), Point(4, "checkpointing")])
+def test_a_survivor_behind_an_evaluation_takes_its_result_from_one_ahead(monkeypatch, ahead):
+    """Worker 1 was still waiting for the evaluation after step 4 (rank 0's broadcast had not reached it) when worker
+    2, which had its result, was in step 4 or writing the checkpoint after step 4: both agree from the store alone
+    that worker 1 takes worker 2's result (every value, bit for bit) and goes on to where worker 2 is; worker 2
+    does its work again."""
+    values = [2.0625000000000004, 0.25, 1e-7]
+    got = _agree_at(_store(), {1: Point(4, "evaluating"), 2: ahead}, monkeypatch, {2: (4, values)})
+    assert all(isinstance(s, Survival) for s in got.values()), got
+    assert got[1].going_to == ahead and got[1].taken == tuple(values) and got[2].going_to is None
+    assert got[1].skip(Point(4, "evaluating")) == tuple(values)
+    if ahead.phase == "step":  # the checkpoint after step 4 (if any) was complete: worker 2 was past it
+        assert got[1].skip(Point(4, "checkpointing")) is None
+    assert not got[1].skips(ahead) and got[1].going_to is None  # there: it does that work with the others
+
+
+def test_a_survivor_behind_a_checkpoint_goes_on_to_the_final_save(monkeypatch):
+    """Worker 1 waited in the checkpoint after the last step (its last barrier) while worker 2, past it (so every
+    rank had written its file and rank 0 the manifest), saved the final model: worker 1 skips the checkpoint."""
+    got = _agree_at(_store(), {1: Point(4, "checkpointing"), 2: Point(4, "saving the final model")}, monkeypatch)
+    assert got[1].going_to == Point(4, "saving the final model") and got[1].skips(Point(4, "checkpointing"))
+
+
+@pytest.mark.parametrize(("points", "evaluations"), [
+    ({1: Point(4, "evaluating"), 2: Point(4, "step")}, {}),  # nobody has the result
+    ({1: Point(4, "evaluating"), 2: Point(4, "step")}, {2: (2, [1.0, None, None])}),  # an older one
+    ({1: Point(4, "evaluating"), 2: Point(4, "boundary")}, {2: (4, [1.0, None, None])}),  # admitting, restoring
+    ({1: Point(4, "step"), 2: Point(4, "saving the final model")}, {}),  # a step cannot be skipped
+])
+def test_points_the_survivors_cannot_meet_at_stop(points, evaluations):
+    assert meeting(points, evaluations) is None
+
+
+def test_the_meeting_is_the_furthest_point_and_the_lowest_workers_result():
+    points = {1: Point(4, "evaluating"), 2: Point(4, "step"), 3: Point(4, "step")}
+    assert meeting(points, {3: (4, [1.0, None, None]), 2: (4, [1.0, None, None])}) == (Point(4, "step"),
+                                                                                          (1.0, None, None), 2)
+    assert meeting({1: Point(4, "step"), 2: Point(4, "boundary")}, {}) == (Point(4, "step"), None, None)
+    assert str(Point(4, "boundary")) == str(Point(4, "step")) == "step 4"
+    assert str(Point(6, "saving the final model")) == "saving the final model after step 6"
+    assert Point.from_json(Point(4, "checkpointing").to_json()) == Point(4, "checkpointing")
 
 
 TINY = {"model": "llama-debug", "model_overrides": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},
@@ -119,6 +177,17 @@ def test_the_kill_hook_outside_a_step_refuses_a_malformed_value_in_one_line(valu
                               "checkpointing, saving, finished, STEPS and WORKER integers >= 0")
     assert InjectedFaults.from_environment({"SDP_TEST_KILL_OUTSIDE": "checkpointing:4:2"}, attempt=0).kill_outside == (
         "checkpointing", 4, 2)
+
+
+@pytest.mark.parametrize("value", ["evaluating:4:1", "evaluating:4:1:1", "saving:4:1:0", "checkpointing:4:a:0"])
+def test_the_hold_hook_refuses_a_malformed_value_in_one_line(value):
+    with pytest.raises(ValueError) as got:
+        InjectedFaults.from_environment({"SDP_TEST_HOLD_AT": value}, attempt=0)
+    assert str(got.value) == (f"SDP_TEST_HOLD_AT={value!r} must be POINT:N:H:V, POINT one of evaluating, "
+                              "checkpointing, N, H and V integers >= 0 (steps, the worker held, the worker killed; H "
+                              "and V differ)")
+    assert InjectedFaults.from_environment({"SDP_TEST_HOLD_AT": "checkpointing:4:2:0"}, attempt=0).hold_at == (
+        "checkpointing", 4, 2, 0)
 
 
 def test_a_recovery_releases_what_the_failed_collectives_frames_held():
