@@ -146,22 +146,21 @@ class TrainConfig:
     torch's elastic agent). A restarted group resumes from the latest valid checkpoint under
     ``out/checkpoints`` (from step 0 without one). Under torchrun its own ``--max-restarts`` applies."""
     on_worker_loss: str = "stop"
-    """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent
-    restarts every rank from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp`` and
-    ``overlap`` with a static mask or a schedule, ``bsdp`` and ``nsdp`` also with `local_steps`; not with
-    `fsdp`, nor where the ranks would use CUDA's NCCL (`sdp train` refuses both): the survivors agree on who is left, train on with the dead rows dropped from the mask (a
-    schedule's every later round restricted to the survivors; in ``overlap`` each keeps its own copy and
-    AdamW state), rerunning only the interrupted step (Bb-SDP, overlap, local steps, or a loss during a
-    schedule's mask change: not rerunning a step every survivor applied, whose new values are sent or
-    averaged again, or whose change is made again: in ``overlap`` the round's average among the survivors,
-    then the next round's blocks train), without a checkpoint; a loss that leaves a block without holder,
-    now or in a round still to train, stops the run; a loss outside a step, while the workers evaluate, write
-    a checkpoint or save the final model, is recovered alike and that work done again by the survivors
-    (a checkpoint written after a change records them and is refused by `resume`; survivors caught behind
-    the others in the same step's evaluation or checkpoint take the evaluation's result from them and go on
-    to their point; survivors at different steps stop); the designed coverage may be restored:
-    `restore_coverage`; replacements may rejoin: `max_rejoins`; `sdp_train.trainer.membership`,
-    RELIABILITY.md)."""
+    """What losing a worker does: ``stop`` (the run fails; with `max_restarts` the elastic agent restarts every rank
+    from the last checkpoint) or ``continue`` (``bsdp``, ``nsdp``, ``bbsdp`` and ``overlap`` with a static mask or a
+    schedule, ``bsdp`` and ``nsdp`` also with `local_steps`; not with `fsdp`, nor where the ranks would use CUDA's
+    NCCL (`sdp train` refuses both): the survivors agree on who is left, train on with the dead rows dropped from
+    the mask (a schedule's every later round restricted to the survivors; in ``overlap`` each keeps its own copy and
+    AdamW state), rerunning only the interrupted step (Bb-SDP, overlap, local steps, or a loss during a schedule's
+    mask change: not rerunning a step every survivor applied, whose new values are sent or averaged again, or whose
+    change is made again: in ``overlap`` the round's average among the survivors, then the next round's blocks
+    train), without a checkpoint; a loss that leaves a block without holder, now or in a round still to train, stops
+    the run; a loss outside a step, while the workers evaluate, write a checkpoint or save the final model, is
+    recovered alike and that work done again by the survivors (a checkpoint written after a change records them and
+    is refused by `resume`; survivors caught behind the others in the same step's evaluation or checkpoint take the
+    evaluation's result from them and go on to their point; survivors at different steps stop); the designed
+    coverage may be restored: `restore_coverage`; replacements may rejoin: `max_rejoins`;
+    `sdp_train.trainer.membership`, RELIABILITY.md)."""
     restore_coverage: bool = False
     """With ``on_worker_loss='continue'`` (modes ``bsdp``, ``nsdp``, ``bbsdp``, ``overlap``, static mask; modes
     ``bsdp``, ``nsdp``, ``bbsdp`` under a schedule, ``bsdp`` and ``nsdp`` also with `local_steps`): after a loss,
