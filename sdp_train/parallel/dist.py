@@ -3,7 +3,8 @@
 Tiny helpers in the style of nanochat's ``common.py``: `get_dist_info` reads torchrun's
 environment, `default_device` picks the rank's device, `collective_timeout` is every collective's
 and group's timeout, `wait` waits for a collective (`watch_waits`: and gives it up when the caller
-says so), `print0` prints on rank 0. Creating the default group, launching ranks and
+says so), `meet_before_groups` lets the caller watch the making of process groups likewise, `print0`
+prints on rank 0. Creating the default group, launching ranks and
 agreeing on restarts is the trainer's (`sdp_train.trainer.launch`). This module decides nothing
 about SDP itself.
 """
@@ -11,7 +12,7 @@ about SDP itself.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -137,6 +138,30 @@ def wait(work: dist.Work, device: torch.device) -> None:
         reason = check()
         if reason is not None:
             raise RuntimeError(f"gave up waiting for a collective: {reason}")
+
+
+_meet: Callable[[Sequence[int]], None] | None = None
+
+
+def meet_before_groups(meet: Callable[[Sequence[int]], None] | None) -> None:
+    """While `meet` is set, `before_new_group` calls it with a group's ranks before every process group that
+    `sdp_train.parallel.sync.holder_set_groups` makes, on every rank, members or not, in one order; `meet` returns
+    once every member has come, or raises RuntimeError (why it gave up); None: make groups at once.
+
+    Why: on gloo, making a group connects every pair of its members through the store, and a member lost
+    before it came is waited for up to the group's timeout, with no collective to watch (`watch_waits`). The
+    trainer's worker-loss recovery sets a meeting in the store that gives up once the launcher marked a member
+    exited or a survivor began agreeing on a loss (docs/design.md §7).
+    """
+    global _meet
+    _meet = meet
+
+
+def before_new_group(ranks: Sequence[int]) -> None:
+    """Called right before ``dist.new_group(ranks)`` (`meet_before_groups`): nothing while no meeting is set."""
+    meet = _meet
+    if meet is not None:
+        meet(ranks)
 
 
 def all_gather_objects(value: object, device: torch.device) -> list[object]:

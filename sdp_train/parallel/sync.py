@@ -35,7 +35,7 @@ import kernels
 from sdp_train.errors import ConfigError
 from sdp_train.parallel.blockmap import SliceSpec
 from sdp_train.parallel.bucket_runs import BucketRun, bucket_run, place_buffers
-from sdp_train.parallel.dist import collective_timeout, wait
+from sdp_train.parallel.dist import before_new_group, collective_timeout, wait
 from sdp_train.parallel.wire import ByteCount
 
 
@@ -252,7 +252,8 @@ def holder_set_groups(holder_sets: Iterable[Sequence[int]], world_size: int, *,
     bounds every collective. Every rank calls it with the same sets, members or not, and the
     groups are created in one sorted order, as ``dist.new_group`` requires. The complete set
     gets the world's group; a single holder gets a group of its own when `singletons` (FSDP
-    needs a mesh for it), else None (the sync engine sends nothing for it).
+    needs a mesh for it), else None (the sync engine sends nothing for it). Before each ``new_group``
+    every rank calls `sdp_train.parallel.dist.before_new_group` (the worker-loss recovery's watched meeting).
     """
     groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     for holders in sorted({tuple(int(k) for k in h) for h in holder_sets}):
@@ -261,6 +262,7 @@ def holder_set_groups(holder_sets: Iterable[Sequence[int]], world_size: int, *,
         elif len(holders) == 1 and not singletons:
             groups[holders] = None
         else:
+            before_new_group(holders)
             groups[holders] = dist.new_group(ranks=list(holders), timeout=collective_timeout())
     return groups
 

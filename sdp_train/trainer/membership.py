@@ -172,6 +172,9 @@ class Survival:
         the schedule had moved and the seconds its changes took at the loss; `restore_due` records the change
         with the difference (`recovery_s`: the time of that change)."""
         self.generation = 0
+        self.world, self.groups_met = self.workers, 0
+        """The workers of the current world in rank order (during an admission already the joiners too) and how
+        many process groups it has made (`meet_for_group`)."""
         self.changes: list[MembershipChange] = []
         self.move: tuple[int, tuple[int, ...]] | None = None
         """The move to restore coverage under way: its step and the workers of its world (`_vote`)."""
@@ -255,6 +258,35 @@ class Survival:
         prefix = f"sdp/loss{self.generation + 1}/joined"
         began = [w for w in self.workers if w != self.worker and self.store.check([f"{prefix}{w}"])]
         return f"worker {began[0]} began recovering from a lost worker" if began else None
+
+    def meet_for_group(self, ranks: Sequence[int]) -> None:
+        """Before the world's ranks `ranks` make a process group (`sdp_train.parallel.dist.meet_before_groups`;
+        every rank calls it, members or not, in one order): each member says in the store that it came and waits
+        until every member has, so that ``new_group`` waits for no member that will never come. Gives up
+        (RuntimeError, handled as a collective that failed) once the launcher marked a member exited
+        (`exited_key`) or another worker began agreeing on a loss (`loss_begun`); a slow member is waited for up
+        to the collective timeout, as ``new_group`` would."""
+        made, self.groups_met = self.groups_met, self.groups_met + 1
+        if self.world.index(self.worker) not in ranks:
+            return
+        members = [self.world[r] for r in ranks]
+        prefix = f"sdp/attempt{restart_attempt()}/groups{self.generation}/{made}/"
+        self.store.set(f"{prefix}{self.worker}", "1")
+        keys = [f"{prefix}{w}" for w in members]
+        began = time.monotonic()
+        looked = began
+        while not self.store.check(keys):
+            now = time.monotonic()
+            if now - looked >= 0.1:  # exit marks come from the launcher's poll: a tenth of a second is soon enough
+                looked = now
+                gone = [w for w in members if self.store.check([exited_key(w)])]
+                reason = f"worker {gone[0]} exited" if gone else self.loss_begun()
+                if reason is not None:
+                    raise RuntimeError(f"gave up making the process group of workers {members}: {reason}")
+                if now - began > collective_timeout().total_seconds():
+                    raise RuntimeError(f"gave up making the process group of workers {members}: not every one "
+                                       f"came within the collective timeout ({collective_timeout()})")
+            time.sleep(0.005)
 
     def admit(self, run, step: int, device: torch.device) -> MembershipChange | None:
         """At the boundary before `step` (a step follows): admit the replacements waiting in the store, if
@@ -390,6 +422,7 @@ class Survival:
         """The default group of this membership (generation) over `workers`, in rank order, every member and
         joiner in it; fails at once (`gather`) when one of them has exited before coming."""
         gather(self.store, self.generation, self.worker, workers, timeout=collective_timeout())
+        self.world, self.groups_met = tuple(workers), 0
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=collective_timeout(),
                                 store=dist.PrefixStore(f"attempt{restart_attempt()}/members{self.generation}",
                                                        self.store),

@@ -69,7 +69,8 @@ from sdp_train.data import IMAGE_DATASETS, build_batches
 from sdp_train.errors import ConfigError, NonFiniteError
 from sdp_train.models import block_map, model_class
 from sdp_train.parallel.blockmap import BlockMap, on_meta
-from sdp_train.parallel.dist import all_gather_objects, default_device, get_dist_info, print0, wait, watch_waits
+from sdp_train.parallel.dist import (all_gather_objects, default_device, get_dist_info, meet_before_groups, print0,
+                                     wait, watch_waits)
 from sdp_train.parallel.grads import local
 from sdp_train.parallel.rounds import Rounds
 from sdp_train.parallel.wire import WIRE_MODEL
@@ -135,6 +136,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
                 print(f"sdp train: note: {exc}", file=sys.stderr, flush=True)
                 return None
             watch_waits(survival.loss_begun)
+            meet_before_groups(survival.meet_for_group)
             return train_prepared(prep, info, device, survival, admitted=admitted)
         if cfg.checkpoint_every or prep.resume_from is not None:
             check_out_shared(cfg.out, info.world_size)  # a multi-node run's checkpoints need one shared --out
@@ -142,6 +144,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
                                      seed=cfg.seed) if cfg.on_worker_loss == "continue" else None)
         if survival is not None:  # a survivor blocked on a peer that failed out gives up once recovery begins
             watch_waits(survival.loss_begun)
+            meet_before_groups(survival.meet_for_group)  # and one lost before a new group's members all came
         return train_prepared(prep, info, device, survival)
     except WorkerLossError as exc:  # the survivors cannot continue: one of them says why
         if exc.report:
@@ -157,6 +160,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         raise
     finally:
         watch_waits(None)
+        meet_before_groups(None)
         destroy_distributed()  # joins every group's threads now, not during interpreter shutdown
 
 
