@@ -216,12 +216,15 @@ def train_prepared(prep: Prepared, info, device: torch.device, survival: Surviva
 
     def changed(change: MembershipChange, *, applied: bool = False) -> None:
         """After a membership change: this rank's new `info`; where rank 0 was lost, the new rank 0 takes over
-        metrics.jsonl (the lines so far, from `records`); the change printed (`report_change`)."""
-        nonlocal info, metrics_file, history
+        metrics.jsonl (the lines so far, from `records`) and the live log (progress, ``--log-every`` lines,
+        TensorBoard from the next step); the change printed (`report_change`)."""
+        nonlocal info, metrics_file, history, log
         info = run.info
         if info.is_main and metrics_file is None:
             metrics_file, history = open_metrics(out, start)
             metrics_file.writelines(json.dumps(_json_safe(r)) + "\n" for r in records)
+            log.close()
+            log = RunLog(cfg, start=records[-1]["step"] + 1 if records else start, enabled=True)
         report_change(change, info, cfg.steps, applied=applied)
 
     def outside_step(during: str, work: Callable[[], Any]) -> Any:

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, KILL_STEP, KILL_RANK = 6, 2, 0
 ARGS = ["--model", "llama-debug", "--active", "0.67", "--workers", "3", "--steps", str(STEPS),
         "--batch-size", "2", "--seq-len", "16", "--max-data-bytes", "100000", "--eval-batches", "1",
-        "--memory-steps", "0", "--warmup-steps", "2", "--seed", "3", "--on-worker-loss", "continue"]
+        "--memory-steps", "0", "--warmup-steps", "2", "--seed", "3", "--on-worker-loss", "continue", "--log-every", "1"]
 LEVEL = {"bsdp": "block", "nsdp": "neuron", "bbsdp": "block", "overlap": "block"}
 # The step whose collective fails on the survivors: B-/N-SDP send nothing after the optimizer step, so
 # the survivors apply step KILL_STEP and fail in step KILL_STEP + 1, which they rerun; Bb-SDP fails in
@@ -416,6 +416,7 @@ def check_survivors(mode: str, proc: subprocess.CompletedProcess, out: Path) -> 
     assert f"lost worker {KILL_RANK}; workers 1, 2 continue without rollback" in proc.stdout
     assert ("having applied this step, from the next step" in proc.stdout) == (CHANGE_STEP[mode] == KILL_STEP)
     assert f"lost rank {KILL_RANK} (exit code -9)" in proc.stderr
+    assert f"step {STEPS}/{STEPS} loss=" in proc.stdout  # rank 0's successor took over the live log
     if mode in OUTSIDE:  # and worker 1, in the evaluation after OUTSIDE[mode] steps: worker 2 goes on alone
         check_outside(mode, proc, out, outside, metrics, summary)
         return
@@ -514,6 +515,7 @@ def check_rejoined(mode: str, proc: subprocess.CompletedProcess, out: Path, *, r
     assert f"worker {KILL_RANK} rejoined" in proc.stdout and "train on under the designed mask" in proc.stdout
     assert ("under a mask that restores the designed coverage" in proc.stdout) == restored
     assert f"sdp: rank {KILL_RANK} lost (exit code -9): starting a replacement" in proc.stderr
+    assert f"step {STEPS}/{STEPS} loss=" in proc.stdout  # rank 0's successor took over the live log
 
     # every holder identical: each rank's copy of every tensor it holds, from the checkpoint after the last step
     final = out / "checkpoints" / f"step_{STEPS}"
