@@ -32,7 +32,7 @@ world (the members' ranks first, the joiners' last, so that every block's lowest
 member), give each joiner its blocks (overlap averaging: its copy of every block), the shared tensors
 and their optimizer state (`ModeSync.welcome`) and go back to the designed mask (under a schedule, the
 designed round's rows at the same position; members whose rows were restored for the survivors gain and
-drop parts, `Run.to_designed`, with a static mask all or nothing: `welcome_vote`).
+drop parts, `Run.to_designed`, all or nothing: `welcome_vote`).
 
 Not here: the store's keys and the agreement itself (`sdp_train.trainer.agreement`), what a mode
 rebuilds (`sdp_train.trainer.modes.ModeSync.for_survivors`, `for_joiners`), the loop that reruns the
@@ -297,15 +297,15 @@ class Survival:
         The members and the joiners then form a new world (joiners last), each joiner receives its part
         under the members' rows in force and its designed row, and the run goes back to the designed
         mask's rows of its workers (`Run.admit`, `Run.to_designed`: members whose rows were restored for the
-        survivors gain and drop parts, with a static mask all or nothing, `welcome_vote`). Under a schedule
+        survivors gain and drop parts, all or nothing, `welcome_vote`). Under a schedule
         the designed round's rows, at the same position; a change of round that a loss left due the members
         first make among themselves, in their world, before anything of the admission is written: a member
         lost there is a loss as any other (`recover`; its change is returned and the joiners wait for a later
         boundary). With local steps only at a round's boundary, right after the holders' average: inside a
         round their copies differ (every member skips the others alike, reading nothing). When the admission
         fails and the members' state is still what it was (`members_state_kept`: the failure came before the
-        new world formed, while the members only sent the joiners' parts, or in a static mask's move back
-        from restored rows before every rank received it) they go on without the joiners (`_without_joiners`;
+        new world formed, while the members only sent the joiners' parts, or in the move back from
+        restored rows before every rank received it) they go on without the joiners (`_without_joiners`;
         None, or the change when a member was lost meanwhile); else every
         member stops, `WorkerLossError`."""
         if self.designed is None or len(self.workers) == self.designed.workers or step % run.cfg.local_steps:
